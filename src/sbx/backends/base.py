@@ -1,0 +1,72 @@
+"""The backend interface: what sandboxd needs from whatever isolates a sandbox (gVisor now, QEMU later).
+
+A backend boots a sandbox from a read-only image root plus a private writable layer, with an agent inside
+listening on a channel the host can connect to (see docs/agent-protocol.md). Everything that runs inside the
+sandbox goes through that agent; the backend only boots, finds and destroys sandboxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from sbx.api.network_policy import NetworkPolicy
+
+
+@dataclass(frozen=True)
+class BootSpec:
+    """What a backend needs to boot one sandbox.
+
+    ``cpus`` is a count of vCPUs (whole cores of CPU time), ``memory_mb`` and ``disk_mb`` are MiB;
+    ``disk_mb`` bounds the sandbox's writable layer.
+    """
+
+    sandbox_id: str
+    image_root: Path
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+    network: NetworkPolicy
+    hostname: str = "sandbox"
+
+
+@dataclass(frozen=True)
+class BackendUsage:
+    """Host-side usage of one sandbox: resident memory of its VMM processes in bytes."""
+
+    memory_bytes: int
+
+
+class BackendError(Exception):
+    """A backend operation failed; the message says what happened and is safe to show."""
+
+
+class Backend(Protocol):
+    """Boots, finds and destroys sandboxes. Implementations must be idempotent where stated."""
+
+    #: The backend's name as reported in capabilities (e.g. ``gvisor``).
+    name: str
+    #: The network modes this backend can enforce; a stricter server never pretends to offer more.
+    network_modes: frozenset[str]
+
+    def check(self) -> None:
+        """Raise BackendError naming what to install or fix when the host cannot run sandboxes."""
+
+    async def boot(self, spec: BootSpec) -> None:
+        """Boot the sandbox; on return its agent is listening on ``agent_socket(spec.sandbox_id)``.
+
+        On failure nothing of it is left behind (mounts, files, runtime state).
+        """
+
+    def agent_socket(self, sandbox_id: str) -> Path:
+        """Host path of the unix socket the sandbox's agent listens on."""
+
+    async def is_running(self, sandbox_id: str) -> bool:
+        """Whether the sandbox still runs (used when sandboxd restarts to take sandboxes back)."""
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Stop the sandbox and discard its disk; idempotent (a missing sandbox is not an error)."""
+
+    async def usage(self, sandbox_id: str) -> BackendUsage:
+        """Host-side resource usage of a running sandbox."""
