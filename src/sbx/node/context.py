@@ -1,0 +1,81 @@
+"""What every sandboxd request handler needs: the manager, the config and the node's fixed facts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sbx import __version__
+from sbx.api.network_policy import MODE_ORDER
+from sbx.backends.base import Backend
+from sbx.node.audit import AuditLog
+from sbx.node.config import NodeConfig
+from sbx.node.manager import SandboxManager
+
+
+@dataclass
+class NodeContext:
+    """Shared by the route modules; built once by the server."""
+
+    config: NodeConfig
+    backend: Backend
+    manager: SandboxManager
+    audit: AuditLog
+    node_name: str = ""
+    version: str = __version__
+    #: Called after every create with its status (``created`` or an error code) and duration in seconds.
+    on_create: Callable[[str, float], None] = field(default=lambda status, secs: None)
+
+    def capabilities(self) -> dict[str, Any]:
+        """The spec's Capabilities body; only what this node really does is true."""
+        limits = self.config.limits
+        net = self.config.network
+        return {
+            "api_version": "v1",
+            "backend": self.backend.name,
+            "capabilities": {
+                "network_policy_update": False,
+                "suspend": False,
+                "memory_snapshot": False,
+                "disk_snapshot": False,
+                "tunnel": False,
+                "metrics": False,
+                "audit": self.config.audit.enabled,
+                "images": False,
+            },
+            "limits": {
+                "max_cpus": limits.max_cpus,
+                "max_memory_mb": limits.max_memory_mb,
+                "max_disk_mb": limits.max_disk_mb,
+                "max_idle_timeout_secs": limits.max_idle_timeout_secs,
+                "min_snapshot_every_secs": limits.min_snapshot_every_secs,
+                "max_snapshot_keep": limits.max_snapshot_keep,
+            },
+            "network": {
+                "default": net.default.to_wire(),
+                "ceiling": net.ceiling,
+                "may_allow": list(net.may_allow),
+            },
+        }
+
+    def node_status(self) -> dict[str, Any]:
+        """The spec's NodeStatus body."""
+        manager = self.manager
+        return {
+            "name": self.node_name,
+            "version": self.version,
+            "capabilities": self.capabilities(),
+            "capacity": manager.capacity.to_wire(),
+            "free": manager.free().to_wire(),
+            "running": manager.count_by_state()["running"],
+            "pooled": {},
+            "images": sorted(i.reference for i in manager.images.list()),
+            "labels": {},
+            "cordoned": manager.cordoned,
+        }
+
+
+def strictest_mode(*modes: str) -> str:
+    """The strictest of the given network modes (none < allowlist < open)."""
+    return min(modes, key=MODE_ORDER.index)  # type: ignore[arg-type]

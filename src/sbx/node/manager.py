@@ -1,0 +1,398 @@
+"""The sandbox lifecycle on one node: create, look up, change, terminate, idle out, and take back on restart.
+
+State on disk, under ``<state>/sandboxes/<id>/``: ``sandbox.json`` (the record, replaced atomically) and
+``processes/`` (see processes.py). The backend keeps its own files under ``<state>/<backend name>/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sbx.agent.client import AgentClient, AgentError
+from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, Refused, Unavailable, Unsupported
+from sbx.api.models import CreateRequest, PatchRequest
+from sbx.api.network_policy import MODE_ORDER
+from sbx.backends.base import Backend, BackendError, BootSpec
+from sbx.images.store import ImageStore
+from sbx.node.audit import AuditLog
+from sbx.node.config import NodeConfig
+from sbx.node.processes import ProcessTable
+from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+from sbx.node.statefile import read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+#: Terminated sandboxes a node remembers (spec: the 100 newest).
+KEEP_TERMINATED = 100
+#: How long to wait for a freshly booted agent to accept the host's connection, in seconds.
+AGENT_CONNECT_TIMEOUT_SECS = 10.0
+#: How often idle timeouts are checked, in seconds.
+IDLE_CHECK_INTERVAL_SECS = 1.0
+
+
+@dataclass(frozen=True)
+class Resources:
+    """CPUs (count), memory and disk (MiB)."""
+
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+
+    def to_wire(self) -> dict[str, int]:
+        return {"cpus": self.cpus, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb}
+
+
+class Sandbox:
+    """A sandbox known to this node: its record, its processes and its agent connection."""
+
+    def __init__(self, record: SandboxRecord, directory: Path, audit: AuditLog) -> None:
+        self.record = record
+        self.directory = directory
+        self.last_activity = time.monotonic()
+        self.processes = ProcessTable(record.id, directory / "processes", audit, on_change=self.touch)
+        self.lock = asyncio.Lock()
+
+    def touch(self) -> None:
+        """Note activity: a request naming the sandbox, or a process starting or exiting."""
+        self.last_activity = time.monotonic()
+
+    def save(self) -> None:
+        """Persist the record atomically."""
+        write_json_atomic(self.directory / "sandbox.json", self.record.to_disk())
+
+
+class SandboxManager:
+    """Owns every sandbox of the node. All methods run on the server's event loop."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        state_dir: Path,
+        backend: Backend,
+        images: ImageStore,
+        audit: AuditLog,
+        capacity: Resources,
+        node_id: str | None = None,
+    ) -> None:
+        self.config = config
+        self.root = state_dir / "sandboxes"
+        self.backend = backend
+        self.images = images
+        self.audit = audit
+        self.capacity = capacity
+        self.node_id = node_id
+        self.cordoned = False
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # -- start and stop ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Take back the sandboxes of a previous run, then start the idle checker."""
+        for path in sorted(self.root.glob("*/sandbox.json")):
+            data = read_json(path)
+            if not isinstance(data, dict):
+                continue
+            record = SandboxRecord.from_disk(data)
+            sandbox = Sandbox(record, path.parent, self.audit)
+            self._sandboxes[record.id] = sandbox
+            if record.state is SandboxState.TERMINATED:
+                continue
+            try:
+                await self._take_back(sandbox)
+            except (AgentError, BackendError, OSError) as exc:
+                log.warning("sandbox could not be taken back", extra={"sandbox": record.id, "error": str(exc)})
+                await self._terminate(sandbox, "lost")
+        self._forget_old_terminated()
+        self._spawn(self._idle_loop())
+
+    async def _take_back(self, sandbox: Sandbox) -> None:
+        record = sandbox.record
+        if record.state is SandboxState.PENDING or not await self.backend.is_running(record.id):
+            raise BackendError("the sandbox stopped while sandboxd was not running")
+        agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+        sandbox.processes.load()
+        await sandbox.processes.attach_agent(agent)
+        self._watch_agent(sandbox, agent)
+        log.info("sandbox taken back", extra={"sandbox": record.id})
+
+    async def close(self) -> None:
+        """Stop background work and disconnect agents; sandboxes keep running (SIGTERM semantics)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for sandbox in self._sandboxes.values():
+            agent = sandbox.processes.agent
+            if agent is not None:
+                await agent.close()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- lookups ----------------------------------------------------------------------------------------
+
+    def resolve(self, ref: str, touch: bool = True) -> Sandbox:
+        """The sandbox with id ``ref``, or the live one named ``ref``; NotFound otherwise."""
+        sandbox = self._sandboxes.get(ref)
+        if sandbox is None:
+            sandbox = next(
+                (s for s in self._sandboxes.values() if s.record.live and s.record.name == ref), None
+            )
+        if sandbox is None:
+            raise NotFound(f"no sandbox {ref!r} on this node")
+        if touch:
+            sandbox.touch()
+        return sandbox
+
+    def resolve_running(self, ref: str) -> Sandbox:
+        """Like resolve, but a terminated sandbox is 409."""
+        sandbox = self.resolve(ref)
+        if sandbox.record.state is not SandboxState.RUNNING:
+            raise Conflict(f"sandbox {sandbox.record.id} is {sandbox.record.state.value}, not running")
+        return sandbox
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SandboxRecord]:
+        """Sandboxes, newest first, terminated ones included until forgotten; all ``labels`` must match."""
+        wanted = labels or {}
+        records = [
+            s.record
+            for s in self._sandboxes.values()
+            if all(s.record.labels.get(k) == v for k, v in wanted.items())
+        ]
+        return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+    def live(self) -> Iterable[Sandbox]:
+        return (s for s in self._sandboxes.values() if s.record.live)
+
+    def used(self) -> Resources:
+        """Resources given to every non-terminated sandbox."""
+        live = list(self.live())
+        return Resources(
+            cpus=sum(s.record.cpus for s in live),
+            memory_mb=sum(s.record.memory_mb for s in live),
+            disk_mb=sum(s.record.disk_mb for s in live),
+        )
+
+    def free(self) -> Resources:
+        """Capacity less what live sandboxes were given, never negative."""
+        used = self.used()
+        return Resources(
+            cpus=max(0, self.capacity.cpus - used.cpus),
+            memory_mb=max(0, self.capacity.memory_mb - used.memory_mb),
+            disk_mb=max(0, self.capacity.disk_mb - used.disk_mb),
+        )
+
+    def count_by_state(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in SandboxState}
+        for sandbox in self._sandboxes.values():
+            counts[sandbox.record.state.value] += 1
+        return counts
+
+    def processes_running(self) -> int:
+        return sum(s.processes.running for s in self.live())
+
+    # -- create -----------------------------------------------------------------------------------------
+
+    def _check_create(self, req: CreateRequest) -> None:
+        """Every refusal that must leave nothing behind, in the order a user would fix them."""
+        if self.cordoned:
+            raise Unavailable("this node is cordoned and takes no new sandboxes; uncordon it with "
+                              "POST /v1/node/cordon {\"cordoned\": false}")  # fmt: skip
+        if req.snapshot_id is not None:
+            raise Unsupported("forks from snapshots are not supported by this node (capability memory_snapshot)")
+        if req.volumes:
+            raise Unsupported("volumes are not supported by this node yet")
+        if req.snapshot_every_secs:
+            raise Unsupported("snapshot schedules are not supported by this node (no snapshot capability)")
+        if req.network.mode not in self.backend.network_modes:
+            raise Refused(
+                f"network mode {req.network.mode!r} is not enforced by this node's {self.backend.name} backend; "
+                f"ask for one of: {', '.join(m for m in MODE_ORDER if m in self.backend.network_modes)}"
+            )
+        if req.name is not None and any(s.record.name == req.name for s in self.live()):
+            raise Conflict(f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one")
+        if self.images.get(req.image) is None:
+            raise InvalidRequest(
+                f"image {req.image!r} is not installed on this node; installed: "
+                + ", ".join(sorted(i.reference for i in self.images.list()))
+            )
+        free = self.free()
+        short = [
+            f"{what} (asked {asked}, free {have})"
+            for what, asked, have in (
+                ("cpus", req.cpus, free.cpus),
+                ("memory_mb", req.memory_mb, free.memory_mb),
+                ("disk_mb", req.disk_mb, free.disk_mb),
+            )
+            if asked > have
+        ]
+        if short:
+            raise Unavailable("not enough free capacity on this node: " + ", ".join(short))
+
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        """Boot a sandbox for a validated request; on failure nothing is left behind."""
+        self._check_create(req)
+        image = self.images.get(req.image)
+        assert image is not None
+        record = SandboxRecord(
+            id=new_sandbox_id(self.node_id),
+            state=SandboxState.PENDING,
+            image=req.image,
+            cpus=req.cpus,
+            memory_mb=req.memory_mb,
+            disk_mb=req.disk_mb,
+            network=req.network,
+            idle_timeout_secs=req.idle_timeout_secs,
+            created_at=utc_now(),
+            name=req.name,
+            env=dict(req.env),
+            labels=dict(req.labels),
+        )
+        directory = self.root / record.id
+        directory.mkdir(mode=0o700)
+        sandbox = Sandbox(record, directory, self.audit)
+        # Registered before the first await, so a concurrent create sees the name and the capacity taken.
+        self._sandboxes[record.id] = sandbox
+        try:
+            sandbox.save()
+            await self.backend.boot(
+                BootSpec(
+                    sandbox_id=record.id,
+                    image_root=image.rootfs,
+                    cpus=record.cpus,
+                    memory_mb=record.memory_mb,
+                    disk_mb=record.disk_mb,
+                    network=record.network,
+                )
+            )
+            agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+            await sandbox.processes.attach_agent(agent)
+            self._watch_agent(sandbox, agent)
+        except BaseException as exc:
+            self._sandboxes.pop(record.id, None)
+            shutil.rmtree(directory, ignore_errors=True)
+            await asyncio.shield(self.backend.destroy(record.id))
+            if isinstance(exc, (BackendError, AgentError, OSError)):
+                raise Internal(f"the sandbox could not be started: {exc}") from exc
+            raise
+        record.state = SandboxState.RUNNING
+        sandbox.touch()
+        sandbox.save()
+        self.audit.record(
+            "sandbox.created", record.id,
+            name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
+            env_names=sorted(record.env), snapshot=None, volumes=[],
+        )  # fmt: skip
+        return record
+
+    # -- change -----------------------------------------------------------------------------------------
+
+    async def patch(self, ref: str, req: PatchRequest) -> SandboxRecord:
+        """Apply a validated PATCH: all fields or none."""
+        sandbox = self.resolve(ref)
+        record = sandbox.record
+        async with sandbox.lock:
+            if not record.live:
+                raise Conflict(f"sandbox {record.id} is terminated and cannot be changed")
+            if req.network is not None:
+                raise Unsupported(
+                    "changing the network policy of a running sandbox is not supported by this node "
+                    "(capability network_policy_update)"
+                )
+            if req.name is not None and req.name != "" and req.name != record.name:
+                if any(s.record.name == req.name for s in self.live() if s is not sandbox):
+                    raise Conflict(f"the name {req.name!r} is in use by a live sandbox")
+            changed: dict[str, object] = {}
+            if req.name is not None:
+                new_name = req.name or None
+                if new_name != record.name:
+                    record.name = new_name
+                    changed["name"] = new_name
+            if req.labels is not None and req.labels != record.labels:
+                record.labels = dict(req.labels)
+                changed["labels"] = record.labels
+            if req.idle_timeout_secs is not None and req.idle_timeout_secs != record.idle_timeout_secs:
+                record.idle_timeout_secs = req.idle_timeout_secs
+                changed["idle_timeout_secs"] = record.idle_timeout_secs
+            if changed:
+                sandbox.save()
+                self.audit.record("sandbox.updated", record.id, **changed)
+            return record
+
+    # -- terminate --------------------------------------------------------------------------------------
+
+    async def delete(self, ref: str) -> None:
+        """Terminate (idempotent: a terminated sandbox is fine)."""
+        sandbox = self.resolve(ref)
+        async with sandbox.lock:
+            if sandbox.record.live:
+                await self._terminate(sandbox, "request")
+
+    async def _terminate(self, sandbox: Sandbox, reason: str) -> None:
+        record = sandbox.record
+        record.state = SandboxState.TERMINATED
+        record.terminated_at = utc_now()
+        record.terminated_reason = reason
+        sandbox.save()
+        agent = sandbox.processes.agent
+        if agent is not None:
+            await agent.close()
+        await sandbox.processes.kill_all()
+        self.audit.record("sandbox.terminated", record.id, reason=reason)
+        # Tearing down the runsc sandbox takes about a second: the answer does not wait for it, and a restart
+        # finishes it (destroy is idempotent).
+        self._spawn(self._destroy(record.id))
+        self._forget_old_terminated()
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        try:
+            await self.backend.destroy(sandbox_id)
+        except BackendError as exc:
+            log.error("sandbox teardown failed", extra={"sandbox": sandbox_id, "error": str(exc)})
+
+    def _forget_old_terminated(self) -> None:
+        terminated = sorted(
+            (s for s in self._sandboxes.values() if not s.record.live),
+            key=lambda s: s.record.terminated_at or s.record.created_at,
+            reverse=True,
+        )
+        for sandbox in terminated[KEEP_TERMINATED:]:
+            del self._sandboxes[sandbox.record.id]
+            shutil.rmtree(sandbox.directory, ignore_errors=True)
+
+    def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
+        """When the agent's channel closes on its own, the sandbox died (or its init did): terminate it."""
+
+        async def watch() -> None:
+            await agent.wait_closed()
+            if sandbox.record.live and sandbox.processes.agent is agent and not agent.closed_by_host:
+                async with sandbox.lock:
+                    if sandbox.record.live:
+                        log.warning("sandbox agent went away", extra={"sandbox": sandbox.record.id})
+                        await self._terminate(sandbox, "crashed")
+
+        self._spawn(watch())
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_CHECK_INTERVAL_SECS)
+            now = time.monotonic()
+            for sandbox in list(self.live()):
+                timeout = sandbox.record.idle_timeout_secs
+                if (
+                    sandbox.record.state is SandboxState.RUNNING
+                    and timeout > 0
+                    and sandbox.processes.running == 0
+                    and now - sandbox.last_activity >= timeout
+                ):
+                    async with sandbox.lock:
+                        if sandbox.record.live:
+                            await self._terminate(sandbox, "idle")

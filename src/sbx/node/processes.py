@@ -1,0 +1,342 @@
+"""Processes of one sandbox: started through its agent, recorded on the host, followed by clients.
+
+``pid`` is the server's handle (1, 2, ... per sandbox), never the guest kernel's. Each process has a metadata
+file ``<pid>.json`` and an output log ``<pid>.out`` under the sandbox's ``processes/`` directory, so output can
+be replayed from the start and survives a sandboxd restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal as signals
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sbx.agent.client import AgentClient, CommandNotFound, SpawnFailed
+from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
+from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
+from sbx.node.audit import AuditLog, process_started_fields
+from sbx.node.output_log import OutputLog
+from sbx.node.records import utc_now
+from sbx.node.statefile import read_json, write_json_atomic
+
+#: Run output kept per stream in the run result (spec: 8 MiB, then truncated).
+RUN_OUTPUT_CAP_BYTES = 8 * 1024 * 1024
+#: Exited processes remembered per sandbox; the oldest go first (with their output logs).
+MAX_EXITED_PROCESSES = 1000
+#: Exit code the spec gives a run that timed out.
+TIMED_OUT_EXIT_CODE = -1
+
+SIGNALS = {"INT": signals.SIGINT, "TERM": signals.SIGTERM, "KILL": signals.SIGKILL, "HUP": signals.SIGHUP}
+
+#: Environment every process starts with, below the sandbox's and the request's own.
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/sandbox/home",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+    "LANG": "C.UTF-8",
+}
+HOME = "/sandbox/home"
+
+
+@dataclass
+class ProcessRecord:
+    """One process as the API shows it (plus what the host needs to resume it)."""
+
+    pid: int
+    argv: list[str]
+    started_at: str
+    tty: bool = False
+    exit_code: int | None = None
+    finished_at: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The spec's Process object."""
+        return {
+            "pid": self.pid,
+            "argv": self.argv,
+            "state": "running" if self.exit_code is None else "exited",
+            "exit_code": self.exit_code,
+            "started_at": self.started_at,
+        }
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The spec's run result before base64 encoding."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    timed_out: bool
+
+
+class _Process:
+    """Host side of one process: its record, output log and exit notification."""
+
+    def __init__(self, record: ProcessRecord, log: OutputLog, meta_path: Path) -> None:
+        self.record = record
+        self.log = log
+        self.meta_path = meta_path
+        self.exited = asyncio.Event()
+        self.started_monotonic = time.monotonic()
+        self.capture: dict[str, bytearray] | None = None
+        self.capture_truncated = False
+        if record.exit_code is not None:
+            self.exited.set()
+
+
+class _Sink:
+    """Receives a process's output and exit from the agent; the agent is acked after each call returns."""
+
+    def __init__(self, table: ProcessTable, proc: _Process) -> None:
+        self.table = table
+        self.proc = proc
+
+    async def on_output(self, stream: str, data: bytes) -> None:
+        await self.proc.log.append(stream, data)
+        capture = self.proc.capture
+        if capture is not None:
+            room = RUN_OUTPUT_CAP_BYTES - len(capture[stream])
+            if len(data) > room:
+                self.proc.capture_truncated = True
+            capture[stream] += data[: max(room, 0)]
+
+    async def on_exit(self, exit_code: int) -> None:
+        await self.table._finish(self.proc, exit_code)
+
+
+class ProcessTable:
+    """The processes of one sandbox. ``on_change`` is called when one starts or exits (for idle tracking)."""
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        directory: Path,
+        audit: AuditLog,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.directory = directory
+        self.audit = audit
+        self.on_change = on_change
+        self.agent: AgentClient | None = None
+        self._procs: dict[int, _Process] = {}
+        self._next_pid = 1
+        directory.mkdir(parents=True, exist_ok=True)
+
+    # -- loading and resuming ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read the records written before a restart."""
+        for meta in sorted(self.directory.glob("*.json")):
+            data = read_json(meta)
+            if not isinstance(data, dict):
+                continue
+            record = ProcessRecord(**data)
+            log = OutputLog(self.directory / f"{record.pid}.out")
+            self._procs[record.pid] = _Process(record, log, meta)
+            self._next_pid = max(self._next_pid, record.pid + 1)
+
+    async def attach_agent(self, agent: AgentClient) -> None:
+        """Connect the processes the agent still knows to their records; those it lost end with -1."""
+        self.agent = agent
+        known = {p.handle: p for p in await agent.list_processes()}
+        for pid, proc in self._procs.items():
+            if proc.record.exit_code is not None:
+                continue
+            if pid in known:
+                proc.log.closed = False
+                agent.set_process_sink(
+                    pid, _Sink(self, proc), stdout_offset=proc.log.offsets["stdout"],
+                    stderr_offset=proc.log.offsets["stderr"],
+                )  # fmt: skip
+            else:
+                await self._finish(proc, TIMED_OUT_EXIT_CODE)
+
+    # -- queries ----------------------------------------------------------------------------------------
+
+    def list(self) -> list[ProcessRecord]:
+        """Every remembered process, oldest first."""
+        return [p.record for p in sorted(self._procs.values(), key=lambda p: p.record.pid)]
+
+    def get(self, pid: int) -> _Process:
+        """The process with handle ``pid``; NotFound otherwise."""
+        proc = self._procs.get(pid)
+        if proc is None:
+            raise NotFound(f"no process {pid} in sandbox {self.sandbox_id}")
+        return proc
+
+    @property
+    def running(self) -> int:
+        """How many processes are running."""
+        return sum(1 for p in self._procs.values() if p.record.exit_code is None)
+
+    # -- starting ---------------------------------------------------------------------------------------
+
+    async def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        request_env_names: list[str],
+        cwd: str | None,
+        tty: tuple[int, int] | None = None,
+        capture: bool = False,
+    ) -> _Process:
+        """Spawn ``argv`` in the sandbox; a missing command is InvalidRequest and leaves no record."""
+        agent = self.require_agent()
+        pid = self._next_pid
+        self._next_pid += 1
+        record = ProcessRecord(pid=pid, argv=list(argv), started_at=utc_now(), tty=tty is not None)
+        meta_path = self.directory / f"{pid}.json"
+        proc = _Process(record, OutputLog(self.directory / f"{pid}.out"), meta_path)
+        if capture:
+            proc.capture = {"stdout": bytearray(), "stderr": bytearray()}
+        self._procs[pid] = proc
+        agent.set_process_sink(pid, _Sink(self, proc))
+        write_json_atomic(meta_path, asdict(record), durable=False)
+        try:
+            await agent.spawn(pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty)
+        except CommandNotFound as exc:
+            self._discard(proc)
+            raise InvalidRequest(f"command not found: {argv[0]} ({exc})") from None
+        except SpawnFailed as exc:
+            self._discard(proc)
+            raise InvalidRequest(f"cannot start {argv[0]}: {exc}") from None
+        self.audit.record(
+            "process.started", self.sandbox_id,
+            **process_started_fields(pid, argv, cwd or HOME, request_env_names),
+        )  # fmt: skip
+        self.on_change()
+        self._forget_old()
+        return proc
+
+    def _discard(self, proc: _Process) -> None:
+        self._procs.pop(proc.record.pid, None)
+        if self.agent is not None:
+            self.agent.clear_process_sink(proc.record.pid)
+        proc.meta_path.unlink(missing_ok=True)
+        proc.log.path.unlink(missing_ok=True)
+
+    async def _finish(self, proc: _Process, exit_code: int) -> None:
+        if proc.record.exit_code is not None:
+            return
+        proc.record.exit_code = exit_code
+        proc.record.finished_at = utc_now()
+        write_json_atomic(proc.meta_path, asdict(proc.record), durable=False)
+        await proc.log.close()
+        proc.exited.set()
+        duration_ms = int((time.monotonic() - proc.started_monotonic) * 1000)
+        self.audit.record(
+            "process.exited", self.sandbox_id, pid=proc.record.pid, exit_code=exit_code, duration_ms=duration_ms
+        )
+        if self.agent is not None:
+            asyncio.get_running_loop().create_task(self._forget_in_agent(proc.record.pid))
+        self.on_change()
+
+    async def _forget_in_agent(self, pid: int) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            await agent.forget(pid)
+        except Exception:  # noqa: BLE001 - the agent going away forgets everything anyway
+            pass
+
+    def _forget_old(self) -> None:
+        exited = [p for p in self._procs.values() if p.record.exit_code is not None]
+        for proc in sorted(exited, key=lambda p: p.record.pid)[: max(0, len(exited) - MAX_EXITED_PROCESSES)]:
+            self._discard(proc)
+
+    # -- run ------------------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        request_env_names: list[str],
+        cwd: str | None,
+        stdin: bytes | None,
+        timeout_secs: float | None,
+    ) -> RunResult:
+        """Run to completion; output capped per stream; on timeout the process group is killed."""
+        proc = await self.start(argv, env, request_env_names, cwd, capture=True)
+        pid = proc.record.pid
+        agent = self.require_agent()
+        if stdin:
+            await agent.write_stdin(pid, stdin)
+        await agent.close_stdin(pid)
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.exited.wait(), timeout_secs)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await agent.signal(pid, signals.SIGKILL)
+            await proc.exited.wait()
+        assert proc.capture is not None and proc.record.exit_code is not None
+        return RunResult(
+            exit_code=TIMED_OUT_EXIT_CODE if timed_out else proc.record.exit_code,
+            stdout=bytes(proc.capture["stdout"]),
+            stderr=bytes(proc.capture["stderr"]),
+            truncated=proc.capture_truncated,
+            timed_out=timed_out,
+        )
+
+    # -- interaction ------------------------------------------------------------------------------------
+
+    async def write_stdin(self, pid: int, chunks: AsyncIterator[bytes], close: bool) -> int:
+        """Send the chunks to the process's stdin, optionally closing it after; returns bytes sent."""
+        proc = self._require_running(pid)
+        agent = self.require_agent()
+        sent = 0
+        async for chunk in chunks:
+            if proc.record.exit_code is not None:
+                raise Conflict(f"process {pid} has exited; its stdin is closed")
+            await agent.write_stdin(pid, chunk)
+            sent += len(chunk)
+        if close:
+            await agent.close_stdin(pid)
+        return sent
+
+    async def send_stdin(self, pid: int, data: bytes) -> None:
+        """Send ``data`` to the process's stdin without closing it."""
+        self._require_running(pid)
+        await self.require_agent().write_stdin(pid, data)
+
+    async def signal(self, pid: int, signum: int) -> None:
+        """Deliver ``signum`` to the process's group."""
+        self._require_running(pid)
+        await self.require_agent().signal(pid, signum)
+
+    async def follow(self, pid: int) -> AsyncIterator[dict[str, Any]]:
+        """Output events from the start, then ``{exit_code}`` (and ``truncated`` if output was dropped)."""
+        proc = self.get(pid)
+        async for stream, data in proc.log.follow():
+            yield {"stream": stream, "data": data}
+        await proc.exited.wait()
+        final: dict[str, Any] = {"exit_code": proc.record.exit_code}
+        if proc.log.truncated:
+            final["truncated"] = True
+        yield final
+
+    async def kill_all(self) -> None:
+        """Mark every running process as ended (the sandbox is going away)."""
+        for proc in list(self._procs.values()):
+            if proc.record.exit_code is None:
+                await self._finish(proc, TIMED_OUT_EXIT_CODE)
+
+    def _require_running(self, pid: int) -> _Process:
+        proc = self.get(pid)
+        if proc.record.exit_code is not None:
+            raise Conflict(f"process {pid} has exited with code {proc.record.exit_code}")
+        return proc
+
+    def require_agent(self) -> AgentClient:
+        if self.agent is None or self.agent.is_closed:
+            raise Internal(f"the agent of sandbox {self.sandbox_id} is not connected")
+        return self.agent

@@ -1,0 +1,106 @@
+"""The sandbox record: what sandboxd knows of one sandbox, kept on disk and turned into the wire form."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from sbx.api.network_policy import NetworkPolicy
+
+
+class SandboxState(str, Enum):
+    """States of the spec's sandbox state machine that this node implements."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    TERMINATED = "terminated"
+
+
+def utc_now() -> str:
+    """Now as an RFC 3339 UTC timestamp with milliseconds."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def new_sandbox_id(node_id: str | None) -> str:
+    """``sbx_<16 hex>``, or ``sbx_<node>_<16 hex>`` on a node started with ``--node-id``."""
+    suffix = secrets.token_hex(8)
+    return f"sbx_{node_id}_{suffix}" if node_id else f"sbx_{suffix}"
+
+
+@dataclass
+class SandboxRecord:
+    """One sandbox. ``env`` holds values and is never put on the wire or in a log; only its names are."""
+
+    id: str
+    state: SandboxState
+    image: str
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+    network: NetworkPolicy
+    idle_timeout_secs: int
+    created_at: str
+    name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    snapshot_every_secs: int = 0
+    snapshot_keep: int = 0
+    terminated_at: str | None = None
+    terminated_reason: str | None = None
+    #: Next process handle to give out; persisted so a restart never reuses one.
+    next_pid: int = 1
+
+    @property
+    def live(self) -> bool:
+        """Not terminated: holds its name and counts against capacity."""
+        return self.state is not SandboxState.TERMINATED
+
+    def to_wire(self) -> dict[str, Any]:
+        """The spec's Sandbox object."""
+        body: dict[str, Any] = {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state.value,
+            "image": self.image,
+            "cpus": self.cpus,
+            "memory_mb": self.memory_mb,
+            "disk_mb": self.disk_mb,
+            "env_names": sorted(self.env),
+            "network": self.network.to_wire(),
+            "labels": dict(self.labels),
+            "idle_timeout_secs": self.idle_timeout_secs,
+            "snapshot_every_secs": self.snapshot_every_secs,
+            "snapshot_keep": self.snapshot_keep,
+            "created_at": self.created_at,
+        }
+        if self.terminated_at is not None:
+            body["terminated_at"] = self.terminated_at
+            body["terminated_reason"] = self.terminated_reason
+        return body
+
+    def to_disk(self) -> dict[str, Any]:
+        """The on-disk form (includes env values; the state dir is root-only)."""
+        data = asdict(self)
+        data["state"] = self.state.value
+        data["network"] = {
+            "mode": self.network.mode,
+            "allow": list(self.network.allow) if self.network.allow is not None else None,
+            "deny": list(self.network.deny),
+        }
+        return data
+
+    @classmethod
+    def from_disk(cls, data: dict[str, Any]) -> SandboxRecord:
+        """Inverse of ``to_disk``."""
+        data = dict(data)
+        net = data.pop("network")
+        data["network"] = NetworkPolicy(
+            mode=net["mode"],
+            allow=tuple(net["allow"]) if net.get("allow") is not None else None,
+            deny=tuple(net.get("deny") or ()),
+        )
+        data["state"] = SandboxState(data["state"])
+        return cls(**data)

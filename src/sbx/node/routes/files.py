@@ -1,0 +1,130 @@
+"""Files and directories inside a sandbox, through its agent, as the sandbox user."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from sbx.agent.client import AgentFileError
+from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError
+from sbx.api.validation import validate_guest_path
+from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
+from sbx.node.context import NodeContext
+from sbx.node.http import FILE_BODY_CAP, query_one, stream_body
+
+
+def file_error(exc: AgentFileError, path: str) -> SandboxError:
+    """The API error for a failed file operation in the guest."""
+    code = exc.errno
+    if code == errno.ENOENT:
+        return NotFound(f"no such file or directory: {path}")
+    if code in (errno.EACCES, errno.EPERM):
+        return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {SANDBOX_UID})")
+    if code == errno.EROFS:
+        return Conflict("read-only file system")
+    if code == errno.ENOSPC:
+        return Conflict(f"no space left on device while writing {path}: the sandbox's disk_mb is used up")
+    if code == errno.ENOTEMPTY:
+        return Conflict(f"directory not empty: {path}")
+    if code == errno.EISDIR:
+        return InvalidRequest(f"{path} is a directory")
+    if code == errno.ENOTDIR:
+        return InvalidRequest(f"a component of {path} is not a directory")
+    if code == errno.EEXIST:
+        return Conflict(f"{path} exists and is not a directory")
+    if code == errno.ENAMETOOLONG:
+        return InvalidRequest(f"path too long: {path}")
+    return InvalidRequest(f"{path}: {exc}")
+
+
+def routes(ctx: NodeContext) -> list[web.RouteDef]:
+    manager = ctx.manager
+    audit = ctx.audit
+
+    async def read(request: web.Request) -> web.StreamResponse:
+        sandbox = manager.resolve_running(request.match_info["ref"])
+        path = validate_guest_path(query_one(request, "path"))
+        agent = sandbox.processes.require_agent()
+        chunks = agent.read_file(path, SANDBOX_UID, SANDBOX_GID)
+        try:
+            first = await anext(chunks, b"")
+        except AgentFileError as exc:
+            raise file_error(exc, path) from None
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        total = len(first)
+        await response.write(first)
+        async for chunk in chunks:
+            total += len(chunk)
+            await response.write(chunk)
+        await response.write_eof()
+        audit.record("file.read", sandbox.record.id, path=path, bytes=total)
+        return response
+
+    async def write(request: web.Request) -> web.Response:
+        sandbox = manager.resolve_running(request.match_info["ref"])
+        path = validate_guest_path(query_one(request, "path"))
+        if path == "/":
+            raise InvalidRequest("cannot write to /: name a file")
+        agent = sandbox.processes.require_agent()
+        counted = _Counted(stream_body(request, FILE_BODY_CAP))
+        try:
+            await agent.write_file(path, counted, SANDBOX_UID, SANDBOX_GID)
+        except AgentFileError as exc:
+            raise file_error(exc, path) from None
+        audit.record("file.written", sandbox.record.id, path=path, bytes=counted.total)
+        return web.Response(status=204)
+
+    async def remove(request: web.Request) -> web.Response:
+        sandbox = manager.resolve_running(request.match_info["ref"])
+        path = validate_guest_path(query_one(request, "path"))
+        if path == "/":
+            raise InvalidRequest("cannot remove /")
+        agent = sandbox.processes.require_agent()
+        try:
+            size = (await agent.stat(path, SANDBOX_UID, SANDBOX_GID)).size
+            await agent.remove(path, SANDBOX_UID, SANDBOX_GID)
+        except AgentFileError as exc:
+            raise file_error(exc, path) from None
+        audit.record("file.removed", sandbox.record.id, path=path, bytes=size)
+        return web.Response(status=204)
+
+    async def list_dir(request: web.Request) -> web.Response:
+        sandbox = manager.resolve_running(request.match_info["ref"])
+        path = validate_guest_path(query_one(request, "path"))
+        agent = sandbox.processes.require_agent()
+        try:
+            entries = await agent.list_dir(path, SANDBOX_UID, SANDBOX_GID)
+        except AgentFileError as exc:
+            raise file_error(exc, path) from None
+        from sbx.node.http import json_response
+
+        return json_response(
+            {"entries": [{"name": e.name, "type": e.type, "size": e.size} for e in sorted(entries, key=lambda e: e.name)]}
+        )
+
+    base = "/v1/sandboxes/{ref}"
+    return [
+        web.get(f"{base}/files", read),
+        web.put(f"{base}/files", write),
+        web.delete(f"{base}/files", remove),
+        web.get(f"{base}/dirs", list_dir),
+    ]
+
+
+class _Counted:
+    """Passes chunks through, counting bytes (for the audit record)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self.chunks = chunks
+        self.total = 0
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[bytes]:
+        async for chunk in self.chunks:
+            self.total += len(chunk)
+            yield chunk

@@ -1,0 +1,179 @@
+"""Assembles sandboxd: backend, image store, audit log, manager, HTTP app, metrics; runs until signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from sbx.backends.gvisor import GVisorBackend
+from sbx.images.store import ImageStore
+from sbx.node.audit import AuditLog
+from sbx.node.config import NodeConfig
+from sbx.node.context import NodeContext
+from sbx.node.http import error_middleware, make_guard
+from sbx.node.manager import Resources, SandboxManager
+from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
+from sbx.node.routes import all_routes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where and how sandboxd listens (validated by the command line before this is built)."""
+
+    state_dir: Path
+    socket_path: Path | None
+    listen: tuple[str, int] | None
+    token: str | None
+    tls_cert: Path | None
+    tls_key: Path | None
+    node_id: str | None
+    metrics_listen: tuple[str, int] | None
+
+
+class StateDirLocked(Exception):
+    """Another sandboxd already serves this state directory."""
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold an exclusive lock on the state dir for the life of the process; two servers would corrupt it."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(state_dir / "sandboxd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateDirLocked(
+            f"another sandboxd is already using the state directory {state_dir}; stop it or pass another --state-dir"
+        ) from None
+    return fd
+
+
+def measured_capacity(config: NodeConfig, state_dir: Path) -> Resources:
+    """Capacity from the config, with 0 meaning measured from this host (see docs/config.md)."""
+    cap = config.capacity
+    cpus = cap.cpus or (os.cpu_count() or 1)
+    if cap.memory_mb:
+        memory_mb = cap.memory_mb
+    else:
+        total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+        # Leave room for the host, sandboxd and gVisor's own overhead per sandbox.
+        memory_mb = max(0, total_mb - max(1024, total_mb // 10))
+    if cap.disk_mb:
+        disk_mb = cap.disk_mb
+    else:
+        st = os.statvfs(state_dir)
+        free_mb = st.f_bavail * st.f_frsize // (1024 * 1024)
+        disk_mb = max(0, free_mb - max(2048, free_mb // 20))
+    return Resources(cpus=cpus, memory_mb=memory_mb, disk_mb=disk_mb)
+
+
+async def serve(config: NodeConfig, options: ServerOptions) -> None:
+    """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
+    lock_fd = lock_state_dir(options.state_dir)
+    backend = GVisorBackend(options.state_dir, config.paths.agent_path)
+    backend.check()
+    images = ImageStore(config.paths.images_dir)
+    audit = AuditLog(options.state_dir / "audit")
+    manager = SandboxManager(
+        config, options.state_dir, backend, images, audit,
+        capacity=measured_capacity(config, options.state_dir), node_id=options.node_id,
+    )  # fmt: skip
+    metrics = NodeMetrics(lambda: _snapshot(manager))
+    ctx = NodeContext(
+        config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
+        on_create=metrics.observe_create,
+    )  # fmt: skip
+    await manager.start()
+
+    app = web.Application(
+        middlewares=[error_middleware, make_guard(
+            frozenset(config.server.allowed_hosts), frozenset(config.server.allowed_origins), options.token
+        )],
+        client_max_size=1024 * 1024,
+    )  # fmt: skip
+    app.add_routes(all_routes(ctx))
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    sites: list[web.BaseSite] = []
+    if options.socket_path is not None:
+        sites.append(web.SockSite(runner, _unix_socket(options.socket_path)))
+    if options.listen is not None:
+        host, port = options.listen
+        sites.append(web.TCPSite(runner, host, port, ssl_context=_tls(options)))
+    for site in sites:
+        await site.start()
+    metrics_runner = None
+    if options.metrics_listen is not None:
+        metrics_runner = await start_metrics_server(metrics, *options.metrics_listen)
+    log.info(
+        "sandboxd serving",
+        extra={"socket": str(options.socket_path or ""), "listen": options.listen, "state_dir": str(options.state_dir)},
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("sandboxd stopping; sandboxes keep running")
+    await runner.cleanup()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
+    await manager.close()
+    if options.socket_path is not None:
+        options.socket_path.unlink(missing_ok=True)
+    os.close(lock_fd)
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    """A listening unix socket with mode 0600 from the start (never briefly open to others)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock
+
+
+def _tls(options: ServerOptions) -> ssl.SSLContext | None:
+    if options.tls_cert is None or options.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(options.tls_cert, options.tls_key)
+    return context
+
+
+def _snapshot(manager: SandboxManager) -> NodeSnapshot:
+    free = manager.free()
+    return NodeSnapshot(
+        sandboxes_by_state=manager.count_by_state(),
+        processes_running=manager.processes_running(),
+        pool_target={},
+        pool_ready={},
+        pool_booting={},
+        capacity_cpus=manager.capacity.cpus,
+        capacity_memory_mb=manager.capacity.memory_mb,
+        capacity_disk_mb=manager.capacity.disk_mb,
+        free_cpus=free.cpus,
+        free_memory_mb=free.memory_mb,
+        free_disk_mb=free.disk_mb,
+        cordoned=manager.cordoned,
+    )
