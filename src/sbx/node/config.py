@@ -1,0 +1,489 @@
+"""sandboxd's configuration file (TOML): typed, validated at load, every key optional.
+
+``load_config(path)`` reads the file (or nothing, for ``None``) and returns a frozen :class:`NodeConfig`.
+Every mistake is a :class:`ConfigError` naming the key and what to change; unknown sections and keys
+are errors too, so a typo never passes silently. Keys, defaults and the meaning of 0 are documented in
+docs/config.md; the defaults below are the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import shutil
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
+
+from sbx.api.errors import InvalidRequest
+from sbx.api.network_policy import (
+    MODE_ORDER,
+    NetworkConfig,
+    NetworkPolicy,
+    mode_rank,
+    normalise_name,
+    normalise_pattern,
+    parse_mode,
+)
+
+__all__ = [
+    "AuditConfig",
+    "Capacity",
+    "CapacityConfig",
+    "ConfigError",
+    "DefaultsConfig",
+    "LimitsConfig",
+    "NetworkConfig",
+    "NodeConfig",
+    "PathsConfig",
+    "ServerConfig",
+    "load_config",
+    "measure_capacity",
+    "resolve_capacity",
+]
+
+MIB: Final = 1024 * 1024
+#: Memory kept back from the measured total for the host, sandboxd and the VMMs: the larger of these.
+MEMORY_RESERVE_MIN_MB: Final = 512
+MEMORY_RESERVE_FRACTION: Final = 0.10
+#: Disk kept back from the measured free space of the state directory's filesystem: the larger of these.
+DISK_RESERVE_MIN_MB: Final = 1024
+DISK_RESERVE_FRACTION: Final = 0.05
+
+
+class ConfigError(Exception):
+    """The configuration file is unreadable or wrong; the message names the key and the fix.
+
+    Not a SandboxError: it stops sandboxd at start-up and is never sent to a client.
+    """
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """``[limits]``: the most a request may ask for (capabilities ``limits``).
+
+    ``max_idle_timeout_secs`` 0 means no upper bound, and only then may a sandbox idle forever
+    (``idle_timeout_secs`` 0).
+    """
+
+    max_cpus: int = 4
+    max_memory_mb: int = 8192
+    max_disk_mb: int = 20480
+    max_idle_timeout_secs: int = 86400
+    min_snapshot_every_secs: int = 60
+    max_snapshot_keep: int = 10
+
+
+@dataclass(frozen=True)
+class DefaultsConfig:
+    """``[defaults]``: what a create request gets for a field it omits.
+
+    ``idle_timeout_secs`` 0 means never idle out, allowed only when ``limits.max_idle_timeout_secs`` is 0.
+    """
+
+    cpus: int = 1
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    idle_timeout_secs: int = 600
+    image: str = "default"
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """``[capacity]``: what this node offers to sandboxes; 0 means measured from the host."""
+
+    cpus: int = 0
+    memory_mb: int = 0
+    disk_mb: int = 0
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Capacity with every 0 replaced by a measurement (cpus in cores, memory and disk in MiB)."""
+
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: request guard additions.
+
+    ``allowed_hosts`` are Host names accepted besides the loopback names (``localhost``, 127.0.0.1,
+    ::1), lowercased, without a port. ``allowed_origins`` are exact origins ``scheme://host[:port]``.
+    """
+
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    """``[paths]``: where images and the guest agent binary live (absolute paths)."""
+
+    images_dir: Path = Path("/var/lib/sandboxd/images")
+    agent_path: Path = Path("/var/lib/sandboxd/agent/sbx-agent")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``[audit]``: ``enabled`` keeps the node's sandbox event log (capability ``audit``)."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The whole node configuration; ``source`` is the file it came from (None: built-in defaults)."""
+
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    defaults: DefaultsConfig = field(default_factory=DefaultsConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    source: Path | None = None
+
+
+_SECTIONS: Final = ("limits", "defaults", "network", "capacity", "server", "paths", "audit")
+
+_T = TypeVar("_T")
+
+
+def load_config(path: Path | None) -> NodeConfig:
+    """Read and validate the TOML file at ``path``; ``None`` gives the built-in defaults.
+
+    Raises ConfigError for a missing or unreadable file, invalid TOML, an unknown section or key, a
+    value of the wrong type or out of range, defaults outside the limits, or a default network policy
+    the ceiling does not permit.
+    """
+    if path is None:
+        return NodeConfig()
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; create it or leave out --config") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    try:
+        return _build(raw, path)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def config_from_mapping(raw: Mapping[str, Any], source: Path | None = None) -> NodeConfig:
+    """Validate an already-parsed TOML document (what ``load_config`` does after reading the file)."""
+    return _build(raw, source)
+
+
+def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
+    _no_unknown(raw, _SECTIONS, "")
+    sections = {name: _section(raw, name) for name in _SECTIONS}
+
+    lim = sections["limits"]
+    _no_unknown(lim, _fields(LimitsConfig), "limits.")
+    base_lim = LimitsConfig()
+    limits = LimitsConfig(
+        max_cpus=_int(lim, "limits.max_cpus", base_lim.max_cpus, minimum=1),
+        max_memory_mb=_int(lim, "limits.max_memory_mb", base_lim.max_memory_mb, minimum=1),
+        max_disk_mb=_int(lim, "limits.max_disk_mb", base_lim.max_disk_mb, minimum=1),
+        max_idle_timeout_secs=_int(lim, "limits.max_idle_timeout_secs", base_lim.max_idle_timeout_secs),
+        min_snapshot_every_secs=_int(
+            lim, "limits.min_snapshot_every_secs", base_lim.min_snapshot_every_secs, minimum=1
+        ),
+        max_snapshot_keep=_int(lim, "limits.max_snapshot_keep", base_lim.max_snapshot_keep, minimum=1),
+    )
+
+    dfl = sections["defaults"]
+    _no_unknown(dfl, _fields(DefaultsConfig), "defaults.")
+    base_dfl = DefaultsConfig()
+    defaults = DefaultsConfig(
+        cpus=_int(
+            dfl, "defaults.cpus", base_dfl.cpus, minimum=1, maximum=(limits.max_cpus, "limits.max_cpus")
+        ),
+        memory_mb=_int(
+            dfl,
+            "defaults.memory_mb",
+            base_dfl.memory_mb,
+            minimum=1,
+            maximum=(limits.max_memory_mb, "limits.max_memory_mb"),
+        ),
+        disk_mb=_int(
+            dfl,
+            "defaults.disk_mb",
+            base_dfl.disk_mb,
+            minimum=1,
+            maximum=(limits.max_disk_mb, "limits.max_disk_mb"),
+        ),
+        idle_timeout_secs=_idle_default(dfl, limits, base_dfl.idle_timeout_secs),
+        image=_nonempty_str(dfl, "defaults.image", base_dfl.image),
+    )
+
+    network = _network(sections["network"])
+
+    cap = sections["capacity"]
+    _no_unknown(cap, _fields(CapacityConfig), "capacity.")
+    capacity = CapacityConfig(
+        cpus=_int(cap, "capacity.cpus", 0),
+        memory_mb=_int(cap, "capacity.memory_mb", 0),
+        disk_mb=_int(cap, "capacity.disk_mb", 0),
+    )
+
+    srv = sections["server"]
+    _no_unknown(srv, _fields(ServerConfig), "server.")
+    server = ServerConfig(
+        allowed_hosts=_str_list(srv, "server.allowed_hosts", _host_entry),
+        allowed_origins=_str_list(srv, "server.allowed_origins", _origin_entry),
+    )
+
+    pth = sections["paths"]
+    _no_unknown(pth, _fields(PathsConfig), "paths.")
+    base_pth = PathsConfig()
+    paths = PathsConfig(
+        images_dir=_abs_path(pth, "paths.images_dir", base_pth.images_dir),
+        agent_path=_abs_path(pth, "paths.agent_path", base_pth.agent_path),
+    )
+
+    aud = sections["audit"]
+    _no_unknown(aud, _fields(AuditConfig), "audit.")
+    audit = AuditConfig(enabled=_bool(aud, "audit.enabled", True))
+
+    return NodeConfig(limits, defaults, network, capacity, server, paths, audit, source)
+
+
+def _network(sec: Mapping[str, Any]) -> NetworkConfig:
+    _no_unknown(sec, ("default", "ceiling", "may_allow"), "network.")
+    ceiling = _wrap(lambda: parse_mode(sec.get("ceiling", "none"), "network.ceiling"))
+    may_allow = _str_list(sec, "network.may_allow", lambda v, k: _wrap(lambda: normalise_pattern(v, k)))
+    raw_default = sec.get("default", {"mode": "none"})
+    if not isinstance(raw_default, Mapping):
+        raise ConfigError('network.default: expected an inline table such as {mode = "none"}')
+    _no_unknown(raw_default, ("mode", "allow", "deny"), "network.default.")
+    if "mode" not in raw_default:
+        raise ConfigError('network.default.mode is missing; set it to "none", "allowlist" or "open"')
+    mode = _wrap(lambda: parse_mode(raw_default["mode"], "network.default.mode"))
+    allow: tuple[str, ...] | None = None
+    if "allow" in raw_default:
+        if mode != "allowlist":
+            raise ConfigError(
+                f"network.default.allow is only meaningful with mode allowlist, not {mode}; "
+                "remove allow or set mode to allowlist"
+            )
+        allow = _str_list(
+            raw_default, "network.default.allow", lambda v, k: _wrap(lambda: normalise_name(v, k))
+        )
+    if mode == "allowlist" and not allow:
+        raise ConfigError(
+            "network.default: mode allowlist needs a non-empty allow list (network policy rule 5); "
+            'add allow = ["example.com", ...] or use mode "none"'
+        )
+    deny = _str_list(raw_default, "network.default.deny", lambda v, k: _wrap(lambda: normalise_name(v, k)))
+    if mode == "none":
+        deny = ()  # rule 6: deny means nothing without egress
+    if mode_rank(mode) > mode_rank(ceiling):
+        raise ConfigError(
+            f"network.default.mode {mode} is above network.ceiling {ceiling}; raise the ceiling to "
+            f"{mode} or choose a default mode among {', '.join(MODE_ORDER[: mode_rank(ceiling) + 1])}"
+        )
+    return NetworkConfig(NetworkPolicy(mode, allow, deny), ceiling, may_allow)
+
+
+def _idle_default(sec: Mapping[str, Any], limits: LimitsConfig, default: int) -> int:
+    key = "defaults.idle_timeout_secs"
+    limit = limits.max_idle_timeout_secs
+    value = _int(sec, key, default)
+    if limit == 0:
+        return value
+    if value == 0:
+        raise ConfigError(
+            f"{key} = 0 (never idle out) is allowed only when limits.max_idle_timeout_secs is 0 "
+            f"(no bound), and that limit is {limit}; give 1 to {limit} or set the limit to 0"
+        )
+    if value > limit:
+        raise ConfigError(
+            f"{key} = {value}{_builtin(sec, key)} is above limits.max_idle_timeout_secs = {limit}; "
+            f"set {key} to at most {limit} or raise the limit"
+        )
+    return value
+
+
+def _host_entry(value: str, key: str) -> str:
+    host = value.lower()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare)
+        return host
+    except ValueError:
+        pass
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*", host):
+        raise ConfigError(
+            f"{key}: {value!r} is not a host name or IP address; give the name alone, without scheme or port"
+        )
+    return host
+
+
+def _origin_entry(value: str, key: str) -> str:
+    parts = urlsplit(value)
+    ok = (
+        parts.scheme in ("http", "https")
+        and bool(parts.hostname)
+        and parts.path in ("", "/")
+        and not parts.query
+        and not parts.fragment
+        and parts.username is None
+    )
+    if ok:
+        try:
+            _ = parts.port
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ConfigError(
+            f"{key}: {value!r} is not an origin; give scheme://host[:port] such as 'https://console.example.com'"
+        )
+    return value.rstrip("/").lower()
+
+
+def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    sec = raw.get(name, {})
+    if not isinstance(sec, Mapping):
+        raise ConfigError(f"{name}: expected a table [{name}], got {_kind(sec)}")
+    return sec
+
+
+def _no_unknown(sec: Mapping[str, Any], known: tuple[str, ...], prefix: str) -> None:
+    for key in sec:
+        if key not in known:
+            where = "section" if not prefix else "key"
+            raise ConfigError(f"unknown {where} {prefix}{key}; known: {', '.join(prefix + k for k in known)}")
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _int(
+    sec: Mapping[str, Any],
+    key: str,
+    default: int,
+    *,
+    minimum: int = 0,
+    maximum: tuple[int, str] | None = None,
+) -> int:
+    value = sec.get(key.rsplit(".", 1)[1], default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {_kind(value)}")
+    if value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise ConfigError(f"{key} = {value}: expected {what}")
+    if maximum is not None and value > maximum[0]:
+        raise ConfigError(
+            f"{key} = {value}{_builtin(sec, key)} is above {maximum[1]} = {maximum[0]}; "
+            f"set {key} to at most {maximum[0]} or raise {maximum[1]}"
+        )
+    return value
+
+
+def _builtin(sec: Mapping[str, Any], key: str) -> str:
+    return "" if key.rsplit(".", 1)[1] in sec else " (the built-in default)"
+
+
+def _bool(sec: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = sec.get(key.rsplit(".", 1)[1], default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_kind(value)}")
+    return value
+
+
+def _nonempty_str(sec: Mapping[str, Any], key: str, default: str) -> str:
+    value = sec.get(key.rsplit(".", 1)[1], default)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}: expected a non-empty string, got {_kind(value)}")
+    return value
+
+
+def _abs_path(sec: Mapping[str, Any], key: str, default: Path) -> Path:
+    value = sec.get(key.rsplit(".", 1)[1], str(default))
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a path string, got {_kind(value)}")
+    if not value.startswith("/"):
+        raise ConfigError(f"{key} = {value!r} is relative; give an absolute path")
+    return Path(value)
+
+
+def _str_list(sec: Mapping[str, Any], key: str, check: Callable[[str, str], _T]) -> tuple[_T, ...]:
+    value = sec.get(key.rsplit(".", 1)[1], [])
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected an array of strings, got {_kind(value)}")
+    out: list[_T] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ConfigError(f"{key}[{i}]: expected a string, got {_kind(item)}")
+        out.append(check(item, f"{key}[{i}]"))
+    return tuple(dict.fromkeys(out))
+
+
+def _wrap(fn: Callable[[], _T]) -> _T:
+    # The network rules raise request errors; at load time they are configuration mistakes.
+    try:
+        return fn()
+    except InvalidRequest as exc:
+        raise ConfigError(exc.message) from None
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "a table"
+    return type(value).__name__
+
+
+def resolve_capacity(config: CapacityConfig, state_dir: Path) -> Capacity:
+    """The capacity this node offers: each configured value, or the measurement where it is 0."""
+    measured: Capacity | None = None
+    if 0 in (config.cpus, config.memory_mb, config.disk_mb):
+        measured = measure_capacity(state_dir)
+    return Capacity(
+        cpus=config.cpus or (measured.cpus if measured else 0),
+        memory_mb=config.memory_mb or (measured.memory_mb if measured else 0),
+        disk_mb=config.disk_mb or (measured.disk_mb if measured else 0),
+    )
+
+
+def measure_capacity(state_dir: Path) -> Capacity:
+    """Measure the host: usable cores, total memory less the reserve, free disk less the reserve.
+
+    cpus: cores this process may run on, no reserve (vCPUs are time-shared, and the host's own work
+    needs little CPU). memory_mb: MemTotal less max(512 MiB, 10 %). disk_mb: free space of the
+    filesystem holding ``state_dir`` (its nearest existing ancestor) less max(1 GiB, 5 % of that
+    filesystem's size). Never negative.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MIB
+    memory_reserve = max(MEMORY_RESERVE_MIN_MB, int(total_mb * MEMORY_RESERVE_FRACTION))
+    probe = state_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    disk_reserve = max(DISK_RESERVE_MIN_MB, int(usage.total // MIB * DISK_RESERVE_FRACTION))
+    return Capacity(
+        cpus=cpus,
+        memory_mb=max(0, total_mb - memory_reserve),
+        disk_mb=max(0, usage.free // MIB - disk_reserve),
+    )
