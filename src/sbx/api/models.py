@@ -16,28 +16,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 from sbx.api import validation as v
 from sbx.api.errors import InvalidRequest
 from sbx.api.network_policy import NetworkPolicy, resolve_policy
 
 if TYPE_CHECKING:
-    from sbx.node.config import DefaultsConfig, NodeConfig
+    from sbx.node.config import NodeConfig
 
 __all__ = [
-    "UNSET",
     "CreateRequest",
     "PatchRequest",
     "ProcessRequest",
-    "Resources",
     "RunRequest",
     "ScheduleRequest",
-    "Unset",
     "VolumeCreateRequest",
     "VolumeMount",
     "decode_object",
@@ -52,17 +48,6 @@ __all__ = [
 ]
 
 
-class _UnsetType(enum.Enum):
-    UNSET = "UNSET"
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-#: A PATCH field the request did not mention (distinct from any value, including "" and {}).
-UNSET: Final = _UnsetType.UNSET
-Unset = Literal[_UnsetType.UNSET]
-
 #: Fields removed from the API, with the message a client gets instead of "unknown field".
 _REMOVED_FIELDS: Final[Mapping[str, str]] = {
     "bind": (
@@ -70,20 +55,6 @@ _REMOVED_FIELDS: Final[Mapping[str, str]] = {
         "use volumes to keep files across sandboxes and the files API to copy files in"
     ),
 }
-
-
-@dataclass(frozen=True)
-class Resources:
-    """vCPUs, memory and disk of a sandbox (memory and disk in MiB)."""
-
-    cpus: int
-    memory_mb: int
-    disk_mb: int
-
-    @classmethod
-    def from_defaults(cls, defaults: DefaultsConfig) -> Resources:
-        """The server's defaults (config ``[defaults]``)."""
-        return cls(defaults.cpus, defaults.memory_mb, defaults.disk_mb)
 
 
 @dataclass(frozen=True)
@@ -97,56 +68,44 @@ class VolumeMount:
 
 @dataclass(frozen=True)
 class CreateRequest:
-    """``POST /v1/sandboxes``: None marks an omitted field where the fallback depends on context.
+    """``POST /v1/sandboxes`` with the server defaults applied.
 
-    ``image`` None: the server default (or the snapshot's image on a fork). ``cpus``/``memory_mb``/
-    ``disk_mb`` None: the defaults, or on a disk-snapshot fork the original's (see :meth:`resources`).
-    ``network`` is already resolved (the default policy when omitted; ``network_given`` says whether
-    the request had the field). ``idle_timeout_secs`` is resolved (0 = never). ``snapshot_every_secs``
-    and ``snapshot_keep`` None: no schedule asked for (keep then defaults to 1 per the spec).
+    ``image``, ``cpus``, ``memory_mb``, ``disk_mb`` and ``idle_timeout_secs`` (0 = never) hold the
+    request's value or the server default; ``network`` is the resolved policy (the default when
+    omitted). ``fields_given`` names the fields the request actually had, for the rules that depend on
+    it (a memory fork refuses resources; a disk fork takes the original's for omitted ones).
+    ``snapshot_every_secs`` and ``snapshot_keep`` None: not asked for (keep then defaults to 1).
     """
 
+    image: str
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+    idle_timeout_secs: int
+    network: NetworkPolicy
     name: str | None = None
-    image: str | None = None
-    cpus: int | None = None
-    memory_mb: int | None = None
-    disk_mb: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
-    network: NetworkPolicy = field(default_factory=lambda: NetworkPolicy("none"))
-    network_given: bool = False
     labels: Mapping[str, str] = field(default_factory=dict)
-    idle_timeout_secs: int = 0
     snapshot_every_secs: int | None = None
     snapshot_keep: int | None = None
     volumes: tuple[VolumeMount, ...] = ()
     snapshot_id: str | None = None
-
-    def resources(self, fallback: Resources) -> Resources:
-        """The requested resources, each omitted one taken from ``fallback``."""
-        return Resources(
-            cpus=self.cpus if self.cpus is not None else fallback.cpus,
-            memory_mb=self.memory_mb if self.memory_mb is not None else fallback.memory_mb,
-            disk_mb=self.disk_mb if self.disk_mb is not None else fallback.disk_mb,
-        )
-
-    @property
-    def resources_given(self) -> bool:
-        """True when any of cpus, memory_mb, disk_mb was in the request (a memory fork refuses that)."""
-        return any(x is not None for x in (self.cpus, self.memory_mb, self.disk_mb))
+    fields_given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class PatchRequest:
-    """``PATCH /v1/sandboxes/{ref}``: each field is UNSET when omitted (left unchanged).
+    """``PATCH /v1/sandboxes/{ref}``: None marks an omitted field (left unchanged).
 
-    ``name`` "" removes the name; ``labels`` replaces the whole set ({} removes all); ``network`` is a
-    resolved policy (needs capability ``network_policy_update``, checked by the handler).
+    None is unambiguous because ``null`` is refused for every PATCH field. ``name`` "" removes the
+    name; ``labels`` replaces the whole set ({} removes all); ``network`` is a resolved policy (needs
+    capability ``network_policy_update``, checked by the handler). ``{}`` changes nothing.
     """
 
-    network: NetworkPolicy | Unset = UNSET
-    name: str | Unset = UNSET
-    labels: Mapping[str, str] | Unset = UNSET
-    idle_timeout_secs: int | Unset = UNSET
+    network: NetworkPolicy | None = None
+    name: str | None = None
+    labels: Mapping[str, str] | None = None
+    idle_timeout_secs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -368,21 +327,22 @@ def parse_create(body: bytes, config: NodeConfig) -> CreateRequest:
     # 403s last: the request is well formed by now.
     env = v.validate_env(env)
     network = resolve_policy(network_raw, config.network)
+    defaults = config.defaults
     return CreateRequest(
-        name=name,
-        image=image,
-        cpus=cpus,
-        memory_mb=memory_mb,
-        disk_mb=disk_mb,
-        env=env,
-        network=network,
-        network_given=network_raw is not None,
-        labels=labels,
+        image=image if image is not None else defaults.image,
+        cpus=cpus if cpus is not None else defaults.cpus,
+        memory_mb=memory_mb if memory_mb is not None else defaults.memory_mb,
+        disk_mb=disk_mb if disk_mb is not None else defaults.disk_mb,
         idle_timeout_secs=idle_timeout_secs,
+        network=network,
+        name=name,
+        env=env,
+        labels=labels,
         snapshot_every_secs=every,
         snapshot_keep=keep,
         volumes=volumes,
         snapshot_id=snapshot_id,
+        fields_given=frozenset(obj),
     )
 
 
@@ -406,26 +366,26 @@ def _parse_mounts(value: object) -> tuple[VolumeMount, ...]:
 
 
 def parse_patch(body: bytes, config: NodeConfig) -> PatchRequest:
-    """Parse a PATCH: any of network, name, labels, idle_timeout_secs; omitted ones are UNSET.
+    """Parse a PATCH: any of network, name, labels, idle_timeout_secs; omitted ones are None.
 
     One bad field fails the whole request (nothing is applied). ``{}`` is valid and changes nothing.
     """
     obj = decode_object(body)
     _check_fields(obj, _PATCH_FIELDS)
-    name: str | Unset = UNSET
+    name: str | None = None
     if "name" in obj:
         name = _str(obj["name"], "name")
         if name:  # "" removes the name (PATCH rule 2)
             v.validate_sandbox_name(name)
-    labels: dict[str, str] | Unset = UNSET
+    labels: dict[str, str] | None = None
     if "labels" in obj:
         labels = v.validate_labels(_str_map(obj["labels"], "labels"))
-    idle: int | Unset = UNSET
+    idle: int | None = None
     if "idle_timeout_secs" in obj:
         idle = v.validate_patch_idle_timeout(
             _int(obj["idle_timeout_secs"], "idle_timeout_secs"), config.limits
         )
-    network: NetworkPolicy | Unset = UNSET
+    network: NetworkPolicy | None = None
     if "network" in obj:
         network = resolve_policy(_object(obj["network"], "network"), config.network)
     return PatchRequest(network=network, name=name, labels=labels, idle_timeout_secs=idle)
@@ -453,7 +413,7 @@ def _parse_command(obj: Mapping[str, Any]) -> _Command:
     for env_name, env_value in env.items():
         v.validate_env_name(env_name)
         v.validate_env_value(env_name, env_value)
-    cwd = v.normalise_guest_path(_str(obj["cwd"], "cwd"), "cwd") if "cwd" in obj else v.DEFAULT_CWD
+    cwd = v.validate_guest_path(_str(obj["cwd"], "cwd"), "cwd") if "cwd" in obj else v.DEFAULT_CWD
     stdin = _base64(obj["stdin"], "stdin") if "stdin" in obj else b""
     return _Command(argv, env, cwd, stdin)
 

@@ -310,7 +310,7 @@ FORBIDDEN_MOUNT_ROOTS: Final = frozenset(
 )
 
 
-def normalise_guest_path(path: str, field: str = "path") -> str:
+def validate_guest_path(path: str, field: str = "path") -> str:
     """An absolute guest path: no NUL, no ``..`` component; ``//``, ``.`` and a trailing ``/`` removed.
 
     At most 4096 bytes, each component at most 255 bytes (Linux PATH_MAX and NAME_MAX).
@@ -337,7 +337,7 @@ def normalise_guest_path(path: str, field: str = "path") -> str:
 
 def validate_mount_path(path: str, field: str = "path") -> str:
     """A volume mount path (mount rule 2): plain characters, not ``/``, ``/tmp`` or a system directory."""
-    normal = normalise_guest_path(path, field)
+    normal = validate_guest_path(path, field)
     if not _MOUNT_PATH_RE.fullmatch(normal):
         raise InvalidRequest(f"{field}: {path!r} may contain only letters, digits and '.', '_', '-', '/'")
     top = normal.split("/")[1]
