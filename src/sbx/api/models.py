@@ -84,8 +84,8 @@ class CreateRequest:
     idle_timeout_secs: int
     network: NetworkPolicy
     name: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
     snapshot_every_secs: int | None = None
     snapshot_keep: int | None = None
     volumes: tuple[VolumeMount, ...] = ()
@@ -104,7 +104,7 @@ class PatchRequest:
 
     network: NetworkPolicy | None = None
     name: str | None = None
-    labels: Mapping[str, str] | None = None
+    labels: dict[str, str] | None = None
     idle_timeout_secs: int | None = None
 
 
@@ -113,7 +113,7 @@ class RunRequest:
     """``POST .../run``: ``timeout_secs`` None waits for the exit; ``cwd`` defaults to /sandbox/home."""
 
     argv: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     cwd: str = v.DEFAULT_CWD
     stdin: bytes = b""
     timeout_secs: float | None = None
@@ -128,7 +128,7 @@ class ProcessRequest:
     """
 
     argv: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     cwd: str = v.DEFAULT_CWD
     stdin: bytes = b""
     tty: bool = False
