@@ -1,0 +1,622 @@
+"""Asyncio client of the in-sandbox agent (sbx-agent), as used by sandboxd.
+
+One :class:`AgentClient` owns one channel to one agent and multiplexes every request over it by
+frame id. Process output is delivered to a per-process *sink*; the client acknowledges output to
+the agent only after the sink's coroutine returned, so the agent retains (and after a reconnect
+resends) exactly what the host has not recorded. The protocol is docs/agent-protocol.md.
+
+Typical use::
+
+    client = await AgentClient.connect(state_dir / "ctl" / "agent.sock", timeout_secs=10)
+    pid = await client.spawn(7, ["echo", "hi"], {"PATH": "/usr/bin:/bin"}, "/", 1000, 1000, sink=rec)
+    ...
+    await client.close()
+
+After sandboxd restarts: ``connect`` again, ``list_processes()``, then ``set_process_sink`` for each
+handle with the byte counts the host had recorded; the agent resends from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from sbx.agent import protocol as p
+from sbx.agent.protocol import (
+    AgentConnectionLost,
+    AgentError,
+    AgentFileError,
+    AgentProtocolError,
+    AgentRequestError,
+    AgentUnavailable,
+    CommandNotFound,
+    SpawnFailed,
+)
+
+__all__ = [
+    "AgentClient",
+    "AgentConnectionLost",
+    "AgentError",
+    "AgentFileError",
+    "AgentProcess",
+    "AgentProtocolError",
+    "AgentRequestError",
+    "AgentUnavailable",
+    "CommandNotFound",
+    "DirEntry",
+    "FileReader",
+    "FileStat",
+    "ProcessSink",
+    "Rlimits",
+    "SpawnFailed",
+]
+
+log = logging.getLogger(__name__)
+
+DirEntry = p.DirEntry
+_READ_BUFFER = 256 * 1024
+
+
+class ProcessSink(Protocol):
+    """Receives one process's output in order; each call is acknowledged once it returns."""
+
+    async def on_output(self, stream: str, data: bytes) -> None:
+        """``stream`` is "stdout" or "stderr" (a terminal's output is "stdout")."""
+
+    async def on_exit(self, exit_code: int) -> None:
+        """The exit status, or 128+signal; called after the last on_output."""
+
+
+@dataclass(frozen=True)
+class AgentProcess:
+    """A process as the agent reports it; byte counts are output produced so far."""
+
+    handle: int
+    guest_pid: int
+    exit_code: int | None
+    stdout_bytes: int
+    stderr_bytes: int
+    tty: bool
+
+
+@dataclass(frozen=True)
+class Rlimits:
+    """Per-process resource limits; 0 leaves the agent's (the sandbox's) limit unchanged."""
+
+    nproc: int = 0
+    nofile: int = 0
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """Result of :meth:`AgentClient.stat`; type is "file", "dir" or "other"; mtime in epoch secs."""
+
+    type: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+
+
+class _Proc:
+    """Client-side state of one process handle on this connection."""
+
+    def __init__(self, subscribed: bool) -> None:
+        self.subscribed = subscribed  # the agent sends this process's output on this connection
+        self.sink: ProcessSink | None = None
+        self.events: asyncio.Queue[tuple[int, int, bytes] | None] = asyncio.Queue()
+        self.worker: asyncio.Task[None] | None = None
+        self.expected = [0, 0]  # next output offset per stream
+        self.stdin_sent = 0
+        self.stdin_acked = 0
+        self.stdin_changed = asyncio.Event()
+        self.stdin_lock = asyncio.Lock()
+
+
+_EXIT = -1  # stream marker of an exit event in _Proc.events
+
+
+class _Request:
+    """One request awaiting its reply; streamed replies (READ, LIST_DIR) go to ``queue``."""
+
+    def __init__(self, streamed: bool) -> None:
+        self.future: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        self.queue: asyncio.Queue[p.Message | BaseException] | None = asyncio.Queue() if streamed else None
+
+
+class AgentClient:
+    """A connection to one sbx-agent. Create with :meth:`connect` or :meth:`from_streams`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._frames = p.FrameReader()
+        self._requests: dict[int, _Request] = {}
+        self._procs: dict[int, _Proc] = {}
+        self._next_id = 1
+        self._closed_error: AgentError | None = None
+        self.closed = asyncio.Event()
+        """Set when the channel is gone (agent exited, sandbox stopped, or a newer client took over)."""
+        self.agent_pid = 0
+        self.max_payload = p.MAX_PAYLOAD
+        self.output_window = 0
+        self.stdin_window = 64 * 1024
+        self.read_window = 64 * 1024
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, socket_path: Path, timeout_secs: float = 10.0) -> AgentClient:
+        """Connect and handshake, retrying every 20 ms while the socket is not there yet.
+
+        Raises AgentUnavailable after ``timeout_secs`` (seconds), AgentProtocolError if the agent
+        speaks another protocol version.
+        """
+        deadline = time.monotonic() + timeout_secs
+        last: Exception | None = None
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(socket_path), limit=_READ_BUFFER)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                last = e
+            if time.monotonic() >= deadline:
+                raise AgentUnavailable(
+                    f"the sandbox agent did not accept a connection on {socket_path} within "
+                    f"{timeout_secs:g}s ({last}); is the sandbox running?"
+                )
+            await asyncio.sleep(0.02)
+        try:
+            return await asyncio.wait_for(
+                cls.from_streams(reader, writer), max(0.1, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            writer.close()
+            raise AgentUnavailable(
+                f"the sandbox agent at {socket_path} did not answer the handshake within {timeout_secs:g}s"
+            ) from None
+
+    @classmethod
+    async def from_streams(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AgentClient:
+        """Handshake over an already-connected stream (a socketpair, later a virtio port)."""
+        client = cls(reader, writer)
+        client._task = asyncio.create_task(client._read_loop(), name="agent-client-reader")
+        try:
+            reply = await client._call(p.Hello())
+        except BaseException:
+            await client.close()
+            raise
+        assert isinstance(reply, p.HelloOk)
+        client.agent_pid = reply.pid
+        client.max_payload = reply.max_payload
+        client.output_window = reply.output_window
+        client.stdin_window = reply.stdin_window
+        client.read_window = reply.read_window
+        return client
+
+    async def close(self) -> None:
+        """Close the channel; processes in the sandbox keep running."""
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._lost(AgentConnectionLost("the agent connection was closed by this host"))
+
+    # ---- processes -----------------------------------------------------------------------
+
+    async def list_processes(self) -> list[AgentProcess]:
+        """Every process the agent retains, running or exited and not yet forgotten."""
+        reply = await self._call(p.ListProcesses())
+        assert isinstance(reply, p.Processes)
+        out = []
+        for info in reply.processes:
+            st = self._procs.get(info.handle)
+            if st is None:  # remember stdin offsets so write_stdin continues where the last host was
+                st = self._procs[info.handle] = _Proc(subscribed=False)
+                st.stdin_sent, st.stdin_acked = info.stdin_received, info.stdin_written
+            out.append(
+                AgentProcess(
+                    handle=info.handle,
+                    guest_pid=info.pid,
+                    exit_code=None if info.running else info.exit_code,
+                    stdout_bytes=info.stdout_bytes,
+                    stderr_bytes=info.stderr_bytes,
+                    tty=bool(info.tty),
+                )
+            )
+        return out
+
+    async def spawn(
+        self,
+        handle: int,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str,
+        uid: int,
+        gid: int,
+        tty: tuple[int, int] | None = None,
+        rlimits: Rlimits = Rlimits(),
+        sink: ProcessSink | None = None,
+    ) -> int:
+        """Start ``argv`` (PATH-searched in ``env``) and return the guest pid.
+
+        ``tty`` is (rows, cols) for a terminal; output then arrives as "stdout" only. With ``sink``
+        output is delivered from the first byte; otherwise it is held (at most the agent's window)
+        until :meth:`set_process_sink`. Raises CommandNotFound or SpawnFailed.
+        """
+        if not argv:
+            raise ValueError("argv must name a program")
+        if handle in self._procs:
+            raise ValueError(f"process handle {handle} is already in use on this connection")
+        rows, cols = tty if tty else (0, 0)
+        if tty and not (0 < rows < 65536 and 0 < cols < 65536):
+            raise ValueError("terminal rows and cols must be between 1 and 65535")
+        st = self._procs[handle] = _Proc(subscribed=True)
+        if sink is not None:
+            self._start_sink(handle, st, sink)
+        msg = p.Spawn(
+            handle=handle, uid=uid, gid=gid, rows=rows, cols=cols,
+            rlimit_nproc=rlimits.nproc, rlimit_nofile=rlimits.nofile,
+            cwd=cwd, argv=tuple(argv), env=tuple(f"{k}={v}" for k, v in env.items()),
+        )  # fmt: skip
+        try:
+            reply = await self._call(msg)
+        except BaseException:
+            self._drop_proc(handle)
+            raise
+        assert isinstance(reply, p.Spawned)
+        return reply.pid
+
+    async def set_process_sink(
+        self, handle: int, sink: ProcessSink, stdout_offset: int = 0, stderr_offset: int = 0
+    ) -> None:
+        """Deliver the process's output to ``sink`` from these byte offsets on.
+
+        For a process spawned on this connection the offsets must be 0 (nothing is lost: output is
+        held until now). For one found by :meth:`list_processes` after a reconnect, pass the bytes
+        the host has recorded per stream; the agent resends from there. Raises AgentRequestError
+        (ERANGE) if the agent no longer has those bytes.
+        """
+        st = self._procs.get(handle)
+        if st is not None and st.sink is not None:
+            raise ValueError(f"process handle {handle} already has a sink")
+        if st is None:
+            st = self._procs[handle] = _Proc(subscribed=False)
+        if st.subscribed:
+            if stdout_offset or stderr_offset:
+                raise ValueError("a process spawned on this connection is delivered from offset 0")
+        else:
+            await self._call(p.Resume(handle, stdout_offset, stderr_offset))
+            st.expected = [stdout_offset, stderr_offset]
+            st.subscribed = True
+        self._start_sink(handle, st, sink)
+
+    async def write_stdin(self, handle: int, data: bytes) -> None:
+        """Queue ``data`` for the process's stdin, waiting while the agent's window is full."""
+        st = self._procs.setdefault(handle, _Proc(subscribed=False))
+        async with st.stdin_lock:
+            view = memoryview(data)
+            while view:
+                chunk = bytes(view[: p.CHUNK])
+                view = view[p.CHUNK :]
+                while st.stdin_sent - st.stdin_acked + len(chunk) > self.stdin_window:
+                    self._check_open()
+                    st.stdin_changed.clear()
+                    closed = asyncio.ensure_future(self.closed.wait())
+                    try:
+                        await asyncio.wait(
+                            [asyncio.ensure_future(st.stdin_changed.wait()), closed],
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                    finally:
+                        closed.cancel()
+                await self._send(p.Stdin(handle, st.stdin_sent, chunk))
+                st.stdin_sent += len(chunk)
+
+    async def close_stdin(self, handle: int) -> None:
+        """End the process's input after what was written (a terminal gets ^D)."""
+        await self._call(p.StdinClose(handle))
+
+    async def signal(self, handle: int, signum: int) -> None:
+        """Send ``signum`` to the process's process group."""
+        await self._call(p.Signal(handle, signum))
+
+    async def resize(self, handle: int, rows: int, cols: int) -> None:
+        """Resize a terminal process's terminal (characters)."""
+        await self._call(p.Resize(handle, rows, cols))
+
+    async def forget(self, handle: int) -> None:
+        """Drop an exited process the host has fully recorded (EBUSY while it runs)."""
+        await self._call(p.Forget(handle))
+        self._drop_proc(handle)
+
+    # ---- files ---------------------------------------------------------------------------
+
+    async def open_read(self, path: str, uid: int, gid: int) -> FileReader:
+        """Open a regular file as uid/gid; raises AgentFileError (ENOENT, EACCES, EISDIR, ...)."""
+        fid, req = self._register(streamed=True)
+        await self._send(p.ReadFile(uid, gid, path), fid)
+        first = await self._next(fid, req)
+        if isinstance(first, p.Error):
+            raise AgentFileError(first.errno, f"{path}: {first.message}")
+        if not isinstance(first, p.ReadOpen):
+            raise AgentProtocolError(f"unexpected reply {type(first).__name__} to READ")
+        return FileReader(self, fid, req, path, first.size)
+
+    async def read_file(self, path: str, uid: int, gid: int) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks; AgentFileError comes before the first chunk if it cannot open."""
+        reader = await self.open_read(path, uid, gid)
+        try:
+            async for chunk in reader:
+                yield chunk
+        finally:
+            await reader.aclose()
+
+    async def write_file(
+        self, path: str, chunks: AsyncIterable[bytes], uid: int, gid: int, mode: int = 0o644
+    ) -> None:
+        """Replace ``path`` atomically with the chunks, creating parents, as uid/gid (mode: permission bits)."""
+        fid, req = self._register(streamed=False)
+        await self._send(p.WriteFile(mode, uid, gid, path), fid)
+        try:
+            async for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    if req.future.done():  # the agent failed early: stop sending
+                        break
+                    await self._send(p.WriteData(bytes(view[: p.CHUNK])), fid)
+                    view = view[p.CHUNK :]
+            if not req.future.done():
+                await self._send(p.WriteEnd(), fid)
+        except BaseException:
+            if not req.future.done() and not self.closed.is_set():
+                with contextlib.suppress(AgentError):
+                    await self._send(p.Cancel(), fid)
+            self._requests.pop(fid, None)
+            raise
+        self._expect_ok(await self._await(fid, req), path)
+
+    async def remove(self, path: str, uid: int, gid: int) -> None:
+        """Remove a file or an empty directory (AgentFileError: ENOENT, ENOTEMPTY, EACCES, ...)."""
+        self._expect_ok(await self._call(p.Remove(uid, gid, path), file_path=path), path)
+
+    async def list_dir(self, path: str, uid: int, gid: int) -> list[p.DirEntry]:
+        """A directory's entries (not . and ..), links followed for the type."""
+        fid, req = self._register(streamed=True)
+        await self._send(p.ListDir(uid, gid, path), fid)
+        entries: list[p.DirEntry] = []
+        while True:
+            msg = await self._next(fid, req)
+            if isinstance(msg, p.DirEntries):
+                entries.extend(msg.entries)
+            elif isinstance(msg, p.End):
+                self._requests.pop(fid, None)
+                return entries
+            elif isinstance(msg, p.Error):
+                self._requests.pop(fid, None)
+                raise AgentFileError(msg.errno, f"{path}: {msg.message}")
+            else:
+                raise AgentProtocolError(f"unexpected reply {type(msg).__name__} to LIST_DIR")
+
+    async def stat(self, path: str, uid: int, gid: int) -> FileStat:
+        """Stat ``path`` following links (AgentFileError ENOENT when it does not exist)."""
+        reply = await self._call(p.Stat(uid, gid, path), file_path=path)
+        assert isinstance(reply, p.StatOk)
+        return FileStat(reply.type, reply.size, reply.mode, reply.uid, reply.gid, reply.mtime)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed_error is not None:
+            raise type(self._closed_error)(self._closed_error.message)
+
+    def _register(self, streamed: bool) -> tuple[int, _Request]:
+        self._check_open()
+        while True:
+            fid = self._next_id
+            self._next_id = self._next_id % 0xFFFFFFFF + 1  # ids 1..2^32-1; 0 is "no reply"
+            if fid not in self._requests:
+                break
+        req = self._requests[fid] = _Request(streamed)
+        return fid, req
+
+    async def _send(self, msg: p.Message, frame_id: int = 0) -> None:
+        self._check_open()
+        self._writer.write(p.encode(msg, frame_id))
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            self._lost(AgentConnectionLost(f"writing to the sandbox agent failed: {e}"))
+            self._check_open()
+
+    async def _await(self, fid: int, req: _Request) -> p.Message:
+        try:
+            return await req.future
+        finally:
+            self._requests.pop(fid, None)
+
+    async def _next(self, fid: int, req: _Request) -> p.Message:
+        assert req.queue is not None
+        item = await req.queue.get()
+        if isinstance(item, BaseException):
+            self._requests.pop(fid, None)
+            raise item
+        return item
+
+    async def _call(self, msg: p.Message, file_path: str | None = None) -> p.Message:
+        fid, req = self._register(streamed=False)
+        try:
+            await self._send(msg, fid)
+        except BaseException:
+            self._requests.pop(fid, None)
+            raise
+        reply = await self._await(fid, req)
+        if isinstance(reply, p.Error):
+            if file_path is not None:
+                raise AgentFileError(reply.errno, f"{file_path}: {reply.message}")
+            raise AgentRequestError(reply.errno, f"{type(msg).__name__}: {reply.message}")
+        if isinstance(reply, p.SpawnFailedMsg):
+            raise p.spawn_error(reply.errno, reply.stage, reply.message)
+        return reply
+
+    @staticmethod
+    def _expect_ok(reply: p.Message, path: str) -> None:
+        if isinstance(reply, p.Error):
+            raise AgentFileError(reply.errno, f"{path}: {reply.message}")
+        if not isinstance(reply, p.Ok):
+            raise AgentProtocolError(f"unexpected reply {type(reply).__name__}")
+
+    def _start_sink(self, handle: int, st: _Proc, sink: ProcessSink) -> None:
+        st.sink = sink
+        st.worker = asyncio.create_task(self._deliver(handle, st, sink), name=f"agent-sink-{handle}")
+
+    def _drop_proc(self, handle: int) -> None:
+        st = self._procs.pop(handle, None)
+        if st is not None and st.worker is not None:
+            st.events.put_nowait(None)
+
+    async def _deliver(self, handle: int, st: _Proc, sink: ProcessSink) -> None:
+        """Hands events to the sink in order, acking each output chunk after the sink returned."""
+        while True:
+            ev = await st.events.get()
+            if ev is None:
+                return
+            stream, value, data = ev
+            if stream == _EXIT:
+                await sink.on_exit(value)
+                return
+            await sink.on_output(p.STREAM_NAMES[stream], data)
+            if not self.closed.is_set():
+                with contextlib.suppress(AgentError):
+                    await self._send(p.Ack(handle, stream, value + len(data)))
+
+    async def _read_loop(self) -> None:
+        error: AgentError = AgentConnectionLost("the sandbox agent closed the connection")
+        try:
+            while True:
+                data = await self._reader.read(_READ_BUFFER)
+                if not data:
+                    break
+                for frame in self._frames.feed(data):
+                    self._dispatch(frame)
+        except AgentProtocolError as e:
+            log.error("agent channel protocol error: %s", e.message)
+            error = e
+            self._writer.close()
+        except (ConnectionError, OSError) as e:
+            error = AgentConnectionLost(f"reading from the sandbox agent failed: {e}")
+        finally:
+            self._lost(error)
+
+    def _dispatch(self, frame: p.Frame) -> None:
+        msg = p.decode(frame.type, frame.payload)
+        if isinstance(msg, p.Output):
+            self._on_output(msg)
+        elif isinstance(msg, p.Exited):
+            self._procs.setdefault(msg.handle, _Proc(subscribed=True)).events.put_nowait(
+                (_EXIT, msg.exit_code, b"")
+            )
+        elif isinstance(msg, p.StdinAck):
+            st = self._procs.get(msg.handle)
+            if st is not None and msg.offset > st.stdin_acked:
+                st.stdin_acked = msg.offset
+                st.stdin_changed.set()
+        else:
+            req = self._requests.get(frame.id)
+            if req is None:
+                return  # a late chunk of a cancelled READ or LIST_DIR
+            if req.queue is not None:
+                req.queue.put_nowait(msg)
+            elif not req.future.done():
+                req.future.set_result(msg)
+
+    def _on_output(self, msg: p.Output) -> None:
+        if msg.stream > 1:
+            raise AgentProtocolError(f"output on unknown stream {msg.stream}")
+        st = self._procs.setdefault(msg.handle, _Proc(subscribed=True))
+        expected = st.expected[msg.stream]
+        data, offset = msg.data, msg.offset
+        if offset > expected:
+            raise AgentProtocolError(f"output of handle {msg.handle} skips from byte {expected} to {offset}")
+        if offset < expected:  # a resend overlapping what we have: keep only the new tail
+            data = data[expected - offset :]
+            offset = expected
+        if data:
+            st.expected[msg.stream] = offset + len(data)
+            st.events.put_nowait((msg.stream, offset, data))
+
+    def _lost(self, error: AgentError) -> None:
+        if self._closed_error is not None:
+            return
+        self._closed_error = error
+        self.closed.set()
+        for req in self._requests.values():
+            if req.queue is not None:
+                req.queue.put_nowait(error)
+            elif not req.future.done():
+                req.future.set_exception(error)
+                req.future.exception()  # mark retrieved: nobody may be awaiting it any more
+        self._requests.clear()
+        for st in self._procs.values():
+            st.stdin_changed.set()
+            if st.worker is not None:
+                st.events.put_nowait(None)  # deliver what arrived, then stop
+
+
+class FileReader:
+    """An open READ: ``size`` (bytes, when opened) and async iteration over chunks."""
+
+    def __init__(self, client: AgentClient, fid: int, req: _Request, path: str, size: int) -> None:
+        self._client = client
+        self._fid = fid
+        self._req = req
+        self._path = path
+        self.size = size
+        self._consumed = 0
+        self._acked = 0
+        self._done = False
+
+    def __aiter__(self) -> FileReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            raise StopAsyncIteration
+        c = self._client
+        # Ack what the caller took since the last call, a quarter window at a time.
+        if self._consumed - self._acked >= max(1, c.read_window // 4):
+            await c._send(p.ReadAck(self._consumed), self._fid)
+            self._acked = self._consumed
+        msg = await c._next(self._fid, self._req)
+        if isinstance(msg, p.Data):
+            self._consumed += len(msg.data)
+            return msg.data
+        self._done = True
+        c._requests.pop(self._fid, None)
+        if isinstance(msg, p.End):
+            raise StopAsyncIteration
+        if isinstance(msg, p.Error):
+            raise AgentFileError(msg.errno, f"{self._path}: {msg.message}")
+        raise AgentProtocolError(f"unexpected reply {type(msg).__name__} to READ")
+
+    async def aclose(self) -> None:
+        """Stop reading early; the agent closes the file."""
+        if self._done:
+            return
+        self._done = True
+        c = self._client
+        c._requests.pop(self._fid, None)
+        if not c.closed.is_set():
+            with contextlib.suppress(AgentError):
+                await c._send(p.Cancel(), self._fid)
