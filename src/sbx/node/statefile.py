@@ -23,12 +23,14 @@ def _tmp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
     """Replace ``path`` with ``obj`` as JSON, atomically and durably.
 
     Writes to a temporary file in the same directory (so the rename never crosses file systems),
     fsyncs it, renames it over ``path`` and fsyncs the directory so the rename itself survives a
-    power loss. The file gets mode 0600: state files may name sandboxes and labels.
+    power loss. With ``durable=False`` both fsyncs are skipped: the replacement is still atomic
+    against a killed process (the page cache outlives it), just not against a power loss; for
+    records on a hot path that a host crash makes moot anyway. The file gets mode 0600: state files may name sandboxes and labels.
 
     Raises ``TypeError``/``ValueError`` if ``obj`` is not JSON-serialisable (``path`` untouched)
     and ``OSError`` if the disk write fails (``path`` untouched as well).
@@ -44,7 +46,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp_name, path)
@@ -54,7 +57,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(directory)
+    if durable:
+        _fsync_dir(directory)
 
 
 def read_json(path: Path) -> Any | None:

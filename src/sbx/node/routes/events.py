@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from sbx.api.errors import NotFound, Unsupported
@@ -20,7 +22,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         sandbox = ctx.manager.resolve_or_none(ref)
         # A forgotten terminated sandbox is still answered by id; a name matches live sandboxes only.
         sandbox_id = sandbox.record.id if sandbox is not None else ref
-        found, truncated = ctx.audit.events_for(sandbox_id, limit=MAX_EVENTS)
+        found, truncated = await asyncio.to_thread(ctx.audit.events_for, sandbox_id, limit=MAX_EVENTS)
         if sandbox is None and not found:
             raise NotFound(f"no sandbox {ref!r} on this node")
         return json_response({"events": found, "truncated": truncated})

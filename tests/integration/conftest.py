@@ -1,0 +1,77 @@
+"""Fixtures for integration tests against a real sandboxd with the gVisor backend."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sandboxd_harness import REPO, Sandboxd, missing_requirements
+
+_MISSING = missing_requirements()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in item.nodeid.split("/"):
+            item.add_marker(pytest.mark.integration)
+            if _MISSING:
+                item.add_marker(pytest.mark.skip(reason=f"needs gVisor sandboxes: {_MISSING}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{report.when}", report)
+
+
+def _evidence_dir(request: pytest.FixtureRequest) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.nodeid)
+    return REPO / "test-artifacts" / name
+
+
+@pytest.fixture
+def sandboxd_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandboxd]]:
+    """Start sandboxd servers (each in its own temp dir); all are torn down after the test."""
+    servers: list[Sandboxd] = []
+    dirs: list[Path] = []
+
+    def start(config_text: str = "", args: list[str] | None = None, wait: bool = True) -> Sandboxd:
+        workdir = Path(tempfile.mkdtemp(prefix="sbxd-", dir="/var/tmp"))
+        dirs.append(workdir)
+        server = Sandboxd(workdir, config_text, args)
+        servers.append(server)
+        return server.start(wait=wait)
+
+    yield start
+    failed = any(getattr(request.node, f"rep_{w}", None) and getattr(request.node, f"rep_{w}").failed
+                 for w in ("setup", "call"))  # fmt: skip
+    for server in servers:
+        if failed:
+            server.save_evidence(_evidence_dir(request) / server.workdir.name)
+        server.teardown()
+    for workdir in dirs:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sandboxd(request: pytest.FixtureRequest) -> Iterator[Sandboxd]:
+    """One sandboxd shared by a test module (default config)."""
+    workdir = Path(tempfile.mkdtemp(prefix="sbxd-", dir="/var/tmp"))
+    server = Sandboxd(workdir).start()
+    yield server
+    server.teardown()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sandbox(sandboxd: Sandboxd) -> Iterator[dict[str, object]]:
+    """One running sandbox shared by a test module."""
+    created = sandboxd.create()
+    yield created
+    sandboxd.request("DELETE", f"/v1/sandboxes/{created['id']}")

@@ -1,0 +1,226 @@
+"""Start a real sandboxd (real gVisor backend) on a temporary socket and state dir, and talk HTTP to it.
+
+Every server the harness starts is stopped, and every sandbox it made is torn down, even when a test fails;
+on failure the server log and state files are copied to test-artifacts/<test>/ for a post-mortem.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DATA_ROOT = Path(os.environ.get("SBX_DATA_ROOT", "/var/lib/sandboxd"))
+IMAGES_DIR = DATA_ROOT / "images"
+AGENT_PATH = DATA_ROOT / "agent" / "sbx-agent"
+
+
+def missing_requirements() -> str | None:
+    """Why integration tests cannot run here, or None when they can."""
+    if shutil.which("runsc") is None:
+        return "runsc (gVisor) is not installed: run scripts/install.sh"
+    if os.geteuid() != 0:
+        return "integration tests need root (gVisor sandboxes, loop mounts)"
+    if not AGENT_PATH.is_file():
+        return f"the sandbox agent {AGENT_PATH} is not built: run scripts/install.sh"
+    if not any(IMAGES_DIR.glob("*/image.json")):
+        return f"no image installed in {IMAGES_DIR}: run scripts/install.sh"
+    return None
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a unix socket; Host stays ``localhost``."""
+
+    def __init__(self, path: Path, timeout: float = 120.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(str(self.socket_path))
+        self.sock = sock
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def error(self) -> tuple[str, str]:
+        """(code, message) of an error body."""
+        err = self.json()["error"]
+        return err["code"], err["message"]
+
+
+class Sandboxd:
+    """One running sandboxd process."""
+
+    def __init__(self, workdir: Path, config_text: str = "", args: list[str] | None = None) -> None:
+        self.workdir = workdir
+        self.state_dir = workdir / "state"
+        self.socket_path = workdir / "sandboxd.sock"
+        self.log_path = workdir / "sandboxd.log"
+        self.config_path = workdir / "sandboxd.toml"
+        self.config_path.write_text(
+            f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text, encoding="utf-8"
+        )
+        self.args = args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        listen_given = any(a.startswith("--listen") for a in self.args)
+        socket_args = [] if listen_given else ["--socket", str(self.socket_path)]
+        return [
+            sys.executable, "-m", "sbx.node.main", *socket_args, "--state-dir", str(self.state_dir),
+            "--config", str(self.config_path), *self.args,
+        ]  # fmt: skip
+
+    def start(self, wait: bool = True) -> Sandboxd:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_secs: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_secs
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sandboxd exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            try:
+                if self.request("GET", "/v1/capabilities").status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"sandboxd did not answer within {timeout_secs}s:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        json_body: Any = None,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> Response:
+        conn = UnixHTTPConnection(self.socket_path, timeout=timeout)
+        hdrs = dict(headers or {})
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+        finally:
+            conn.close()
+
+    def create(self, **fields: Any) -> dict[str, Any]:
+        resp = self.request("POST", "/v1/sandboxes", fields)
+        assert resp.status == 201, (resp.status, resp.body)
+        return resp.json()  # type: ignore[no-any-return]
+
+    def run(self, ref: str, argv: list[str], **fields: Any) -> dict[str, Any]:
+        resp = self.request("POST", f"/v1/sandboxes/{ref}/run", {"argv": argv, **fields})
+        assert resp.status == 200, (resp.status, resp.body)
+        result = resp.json()
+        import base64
+
+        result["stdout"] = base64.b64decode(result["stdout"])
+        result["stderr"] = base64.b64decode(result["stderr"])
+        return result  # type: ignore[no-any-return]
+
+    def follow(self, ref: str, pid: int) -> Iterator[dict[str, Any]]:
+        """Output events of a process as they come (the ndjson stream, read line by line)."""
+        conn = UnixHTTPConnection(self.socket_path, timeout=60)
+        try:
+            conn.request("GET", f"/v1/sandboxes/{ref}/processes/{pid}/output")
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            while True:
+                line = resp.readline()
+                if not line:
+                    return
+                yield json.loads(line)
+        finally:
+            conn.close()
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def teardown(self) -> None:
+        """Stop the server and destroy everything it left: sandboxes, mounts, cgroups."""
+        self.stop()
+        runsc_root = self.state_dir / "gvisor" / "runsc"
+        if runsc_root.exists():
+            listing = subprocess.run(
+                ["runsc", "--root", str(runsc_root), "list", "-quiet"], capture_output=True, text=True
+            )
+            for sandbox_id in listing.stdout.split():
+                subprocess.run(["runsc", "--root", str(runsc_root), "kill", sandbox_id, "KILL"], capture_output=True)
+                subprocess.run(["runsc", "--root", str(runsc_root), "delete", "-force", sandbox_id],
+                               capture_output=True)  # fmt: skip
+        mounts = [
+            line.split()[4]
+            for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith(str(self.workdir))
+        ]
+        for mount_point in sorted(mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount_point], capture_output=True)
+        cgroup_root = Path("/sys/fs/cgroup")
+        for controller in cgroup_root.iterdir():
+            parent = controller / "sandboxd"
+            if parent.is_dir():
+                for child in parent.iterdir():
+                    if child.is_dir() and child.name.startswith("sbx_") and self._owns(child.name):
+                        try:
+                            child.rmdir()
+                        except OSError:
+                            pass
+
+    def _owns(self, sandbox_id: str) -> bool:
+        return (self.state_dir / "sandboxes" / sandbox_id).exists() or (
+            self.state_dir / "gvisor" / sandbox_id
+        ).exists()
+
+    def save_evidence(self, dest: Path) -> None:
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():
+            shutil.copy(self.log_path, dest / "sandboxd.log")
+        for console in self.state_dir.glob("gvisor/*/console.log"):
+            shutil.copy(console, dest / f"{console.parent.name}-console.log")
+        for record in self.state_dir.glob("sandboxes/*/sandbox.json"):
+            shutil.copy(record, dest / f"{record.parent.name}.json")

@@ -1,0 +1,64 @@
+"""Restart: SIGKILL and SIGTERM of sandboxd keep every sandbox, its processes and their output."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import time
+from collections.abc import Callable
+
+from sandboxd_harness import Sandboxd
+
+
+def test_sigkill_takes_back_running_sandboxes(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    s = server.create(name="survivor", labels={"k": "v"})
+    ref = s["id"]
+    server.request("PUT", f"/v1/sandboxes/{ref}/files?path=/sandbox/home/kept", body=b"still here")
+    counter = server.request(
+        "POST", f"/v1/sandboxes/{ref}/processes",
+        {"argv": ["sh", "-c", "i=0; while [ $i -lt 40 ]; do echo $i; i=$((i+1)); sleep 0.1; done"]},
+    ).json()  # fmt: skip
+    gone = server.create()
+    server.request("DELETE", f"/v1/sandboxes/{gone['id']}")
+    time.sleep(0.5)
+    server.signal(signal.SIGKILL)
+    time.sleep(1.0)  # the counter keeps printing while nobody listens
+    server.start()
+    listed = {x["id"]: x for x in server.request("GET", "/v1/sandboxes").json()["sandboxes"]}
+    assert listed[ref]["state"] == "running" and listed[ref]["name"] == "survivor"
+    assert listed[gone["id"]]["state"] == "terminated"
+    assert server.run("survivor", ["cat", "/sandbox/home/kept"])["stdout"] == b"still here"
+    proc = server.request("GET", f"/v1/sandboxes/{ref}/processes/{counter['pid']}").json()
+    assert proc["state"] == "running"
+    lines = list(server.follow(ref, counter["pid"]))
+    out = b"".join(base64.b64decode(x["data"]) for x in lines if "data" in x)
+    # Nothing lost or repeated across the restart.
+    assert out == b"".join(b"%d\n" % i for i in range(40))
+    assert lines[-1] == {"exit_code": 0}
+    # A new process gets a new handle, never a reused one.
+    again = server.request("POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["true"]}).json()
+    assert again["pid"] > counter["pid"]
+
+
+def test_sigterm_stops_cleanly_and_keeps_sandboxes(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    s = server.create()
+    server.signal(signal.SIGTERM)
+    assert server.proc is not None and server.proc.returncode == 0
+    assert not server.socket_path.exists()
+    server.start()
+    assert server.run(s["id"], ["echo", "ok"])["stdout"] == b"ok\n"
+
+
+def test_second_server_on_same_state_dir_refuses(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    from sandboxd_harness import Sandboxd as Server
+
+    twin = Server(server.workdir, args=[])
+    twin.socket_path = server.workdir / "twin.sock"
+    twin.log_path = server.workdir / "twin.log"
+    twin.start(wait=False)
+    assert twin.proc is not None
+    assert twin.proc.wait(timeout=30) == 1
+    assert "another sandboxd is already using the state directory" in twin.log_text()

@@ -1,0 +1,83 @@
+"""sandboxd's command line: listening rules, tokens, TLS, metrics."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sandboxd_harness import Sandboxd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--listen", "127.0.0.1:7999"], "refuses to listen on TCP without a token"),
+        (["--listen", "0.0.0.0:7999", "--token-file", "{token}"], "without TLS"),
+        (["--metrics-listen", "0.0.0.0:9999"], "loopback"),
+        (["--node-id", "Bad_Id"], "a-z"),
+    ],
+    ids=["tcp-without-token", "public-without-tls", "metrics-not-loopback", "bad-node-id"],
+)
+def test_refuses_unsafe_listening(tmp_path: Path, args: list[str], needle: str) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    argv = [a.replace("{token}", str(token)) for a in args]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sbx.node.main", "--state-dir", str(tmp_path / "state"), *argv],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+
+
+def test_tcp_with_token_and_metrics(sandboxd_factory: Callable[..., Sandboxd], tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken-value\n")
+    port, metrics_port = free_port(), free_port()
+    server = sandboxd_factory(
+        args=["--socket", str(tmp_path / "s.sock"), "--listen", f"127.0.0.1:{port}", "--token-file", str(token),
+              "--metrics-listen", f"127.0.0.1:{metrics_port}"],
+        wait=False,
+    )  # fmt: skip
+    server.socket_path = tmp_path / "s.sock"
+    import time
+
+    deadline = time.monotonic() + 30
+    while not server.socket_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.wait_ready()
+    assert server.socket_path.stat().st_mode & 0o777 == 0o600
+
+    def get(path: str, auth: str | None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", path, headers={"Authorization": auth} if auth else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+
+    status, body = get("/v1/capabilities", None)
+    assert status == 401 and b'"unauthorized"' in body
+    status, body = get("/v1/capabilities", "Bearer wrong")
+    assert status == 401
+    status, body = get("/v1/capabilities", "Bearer t0ken-value")
+    assert status == 200
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+    for name in ("sandboxd_sandboxes", "sandboxd_processes_running", "sandboxd_capacity_cpus", "sandboxd_free_cpus",
+                 "sandboxd_cordoned", "sandboxd_creates_total", "sandboxd_create_seconds", "sandboxd_pool_target"):
+        assert name in metrics, name
+    server.create()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+    assert 'sandboxd_sandboxes{state="running"} 1.0' in metrics
+    assert 'sandboxd_creates_total{status="created"} 1.0' in metrics
