@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from sbx.node.config import (
     ConfigError,
     NodeConfig,
     PathsConfig,
+    config_from_mapping,
     load_config,
     measure_capacity,
     resolve_capacity,
@@ -245,3 +247,12 @@ def test_zero_fields_are_measured_one_by_one(tmp_path: Path) -> None:
 
 def test_measure_uses_nearest_existing_parent(tmp_path: Path) -> None:
     assert measure_capacity(tmp_path / "not" / "yet").cpus >= 1
+
+
+def test_documented_full_file_is_exactly_the_defaults() -> None:
+    """docs/config.md ends with every key at its default; keep the two in step."""
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    example = (
+        doc.split("## A complete file with every default", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    )
+    assert config_from_mapping(tomllib.loads(example)) == NodeConfig()

@@ -42,6 +42,7 @@ __all__ = [
     "NodeConfig",
     "PathsConfig",
     "ServerConfig",
+    "config_from_mapping",
     "load_config",
     "measure_capacity",
     "resolve_capacity",
