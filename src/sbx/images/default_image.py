@@ -1,0 +1,330 @@
+"""Build the offline default image ``default``: a minimal Debian bookworm root made by debootstrap.
+
+Usage (as root; ``scripts/install.sh`` runs it)::
+
+    python -m sbx.images.default_image [--images-dir DIR] [--mirror URL] [--force]
+
+The recipe: ``debootstrap --variant=minbase --include=<INCLUDE> bookworm``, then the sandbox user (uid 1000,
+gid 1000, ``sandbox``, home ``/sandbox/home``, shell ``/bin/bash``), the sandbox mount points (see
+:mod:`sbx.images.store`), placeholder ``/etc/resolv.conf``, ``/etc/hosts`` and ``/etc/hostname`` (the
+host's must not leak in), and no apt caches or package lists (``apt-get update`` first inside a sandbox with
+network access). It takes about a minute and 180 MB.
+
+Idempotent: an installed ``default`` whose ``sbx.recipe`` annotation equals :data:`RECIPE_ID` is kept;
+otherwise (or with ``--force``) it is rebuilt and replaces the old one atomically. :data:`RECIPE_ID` is a hash
+of :data:`RECIPE`, so changing the package list or bumping ``RECIPE["version"]`` (do that whenever the code
+below changes what ends up in the root) makes every node rebuild on its next install.
+
+The digest is the store's :func:`~sbx.images.store.tree_digest` of the root (content, not timestamps).
+
+The mirror: ``--mirror``, else ``SANDBOX_DEBIAN_MIRROR``, else the first Debian mirror in the machine's apt
+sources, else ``http://deb.debian.org/debian``. apt's ``Acquire::http::Proxy`` is passed on as
+``http_proxy`` when the environment sets none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from sbx.api.errors import InvalidRequest, Refused, SandboxError, Unavailable
+from sbx.images.store import SANDBOX_GID, SANDBOX_UID, ImageConfig, ImageStore, InstalledImage
+
+#: Reference of the default image in the store.
+DEFAULT_IMAGE = "default"
+#: Where the images live unless told otherwise.
+DEFAULT_IMAGES_DIR = Path("/var/lib/sandboxd/images")
+#: The fallback mirror when the apt sources name none.
+DEBIAN_DEFAULT_MIRROR = "http://deb.debian.org/debian"
+#: The annotation holding the recipe id the image was built from.
+RECIPE_ANNOTATION = "sbx.recipe"
+
+#: Everything that decides the image's content; bump ``version`` when the build code changes.
+RECIPE: dict[str, object] = {
+    "version": 1,
+    "suite": "bookworm",
+    "variant": "minbase",
+    "include": ["python3", "bash", "coreutils", "procps", "ca-certificates"],
+    "user": {"name": "sandbox", "uid": SANDBOX_UID, "gid": SANDBOX_GID, "home": "/sandbox/home",
+             "shell": "/bin/bash"},
+    "clean": ["apt-caches", "apt-lists"],
+}  # fmt: skip
+RECIPE_ID = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()[:16]
+
+#: How processes run in the default image.
+DEFAULT_CONFIG = ImageConfig(
+    env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+    working_dir="/sandbox/home",
+    user=f"{SANDBOX_UID}:{SANDBOX_GID}",
+)
+
+# Suites whose presence in an apt source marks it as a Debian archive (not security, updates or a vendor).
+_DEBIAN_SUITES = (
+    "bookworm",
+    "bullseye",
+    "trixie",
+    "forky",
+    "sid",
+    "stable",
+    "oldstable",
+    "testing",
+    "unstable",
+)
+_TAIL_LINES = 30
+
+
+def ensure_default_image(
+    store: ImageStore, mirror: str, *, force: bool = False, progress: bool = True
+) -> tuple[InstalledImage, bool]:
+    """Install ``default`` unless it is installed from the current recipe; returns (image, built).
+
+    ``progress`` streams debootstrap's output to stderr.
+    """
+    current = store.get(DEFAULT_IMAGE)
+    if current is not None and not force and is_current(current):
+        return current, False
+    image = store.install_rootfs(
+        DEFAULT_IMAGE,
+        lambda rootfs: build_rootfs(rootfs, mirror, progress=progress),
+        config=DEFAULT_CONFIG,
+        annotations={RECIPE_ANNOTATION: RECIPE_ID, "sbx.suite": str(RECIPE["suite"]), "sbx.mirror": mirror},
+        replace=True,
+    )
+    return image, True
+
+
+def is_current(image: InstalledImage) -> bool:
+    """Whether ``image`` was built from this module's recipe."""
+    return image.annotations.get(RECIPE_ANNOTATION) == RECIPE_ID
+
+
+def build_rootfs(rootfs: Path, mirror: str, *, progress: bool = True) -> None:
+    """Fill the empty directory ``rootfs`` with the default image's root (needs root and debootstrap)."""
+    if shutil.which("debootstrap") is None:
+        raise Unavailable(
+            "debootstrap is not installed; run scripts/install.sh or apt-get install debootstrap"
+        )
+    include = ",".join(_strings(RECIPE["include"]))
+    _run(
+        ["debootstrap", f"--variant={RECIPE['variant']}", f"--include={include}", str(RECIPE["suite"]),
+         str(rootfs), mirror],
+        what=f"debootstrap from {mirror}",
+        hint="check that the mirror is reachable (or pass --mirror URL) and that the disk has 1 GB free",
+        progress=progress,
+        env=_env_with_apt_proxy(),
+    )  # fmt: skip
+    _add_sandbox_user(rootfs)
+    _replace_host_files(rootfs)
+    _clean_apt(rootfs)
+
+
+def _add_sandbox_user(rootfs: Path) -> None:
+    # groupadd/useradd --root chroot into the image, so the image's own passwd, shadow and login.defs are
+    # edited with the usual locking and formats.
+    _run(["groupadd", "--root", str(rootfs), "--gid", str(SANDBOX_GID), "sandbox"], what="groupadd")
+    _run(
+        ["useradd", "--root", str(rootfs), "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+         "--home-dir", "/sandbox/home", "--no-create-home", "--shell", "/bin/bash", "sandbox"],
+        what="useradd",
+    )  # fmt: skip
+    home = rootfs / "sandbox" / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    os.chmod(rootfs / "sandbox", 0o755)
+    skel = rootfs / "etc" / "skel"
+    if skel.is_dir() and not skel.is_symlink():
+        shutil.copytree(skel, home, symlinks=True, dirs_exist_ok=True)
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, SANDBOX_UID, SANDBOX_GID, follow_symlinks=False)
+    os.chmod(home, 0o755)
+
+
+def _replace_host_files(rootfs: Path) -> None:
+    # debootstrap copies the host's resolv.conf and hostname; a sandbox must not learn them. The files stay
+    # as mount points for whatever sets up a sandbox's network.
+    etc = rootfs / "etc"
+    (etc / "resolv.conf").unlink(missing_ok=True)
+    (etc / "resolv.conf").write_text(
+        "# name servers are provided by sandboxd when the network policy allows\n"
+    )
+    (etc / "hostname").unlink(missing_ok=True)
+    (etc / "hostname").write_text("sandbox\n")
+    if not (etc / "hosts").exists():
+        (etc / "hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+
+
+def _clean_apt(rootfs: Path) -> None:
+    for pattern in ("var/cache/apt/*.bin", "var/cache/apt/archives/*.deb", "var/lib/apt/lists/*"):
+        for path in rootfs.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                if path.name != "partial":
+                    shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _env_with_apt_proxy() -> dict[str, str]:
+    env = dict(os.environ)
+    proxy = apt_http_proxy()
+    if proxy and not env.get("http_proxy"):
+        env["http_proxy"] = proxy
+    return env
+
+
+def _run(
+    argv: Sequence[str],
+    *,
+    what: str,
+    hint: str = "",
+    progress: bool = False,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run a tool; on failure raise Unavailable with the tail of its output and ``hint``."""
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    with subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        errors="replace",
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if progress:
+                print(f"    {line.rstrip()}", file=sys.stderr, flush=True)
+    if proc.returncode != 0:
+        output = "\n".join(tail)
+        raise Unavailable(f"{what} failed (exit {proc.returncode}); {hint}\n{output}".rstrip())
+
+
+def apt_http_proxy() -> str | None:
+    """apt's configured HTTP proxy (``Acquire::http::Proxy``), or None."""
+    if shutil.which("apt-config") is None:
+        return None
+    result = subprocess.run(
+        ["apt-config", "shell", "PROXY", "Acquire::http::Proxy"], capture_output=True, text=True, check=False
+    )
+    # Output is `PROXY='http://host:port/'` when set.
+    value = result.stdout.strip().partition("=")[2].strip("'\"")
+    return value or None
+
+
+def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+    """The first Debian archive in the apt sources under ``apt_dir``, else :data:`DEBIAN_DEFAULT_MIRROR`.
+
+    Reads ``sources.list`` and ``sources.list.d/*.list`` (one-line format) and ``*.sources`` (deb822),
+    skipping disabled entries, ``deb-src`` and URIs debootstrap cannot fetch from. A source naming the
+    bookworm suite wins over one naming another Debian suite.
+    """
+    sources = list(_apt_sources(apt_dir))
+    for wanted in ((str(RECIPE["suite"]),), _DEBIAN_SUITES):
+        for uri, suites in sources:
+            if any(s in wanted for s in suites):
+                return uri
+    return DEBIAN_DEFAULT_MIRROR
+
+
+def _apt_sources(apt_dir: Path) -> Iterable[tuple[str, list[str]]]:
+    """(uri, suites) of every enabled binary source, in apt's reading order."""
+    files = [apt_dir / "sources.list"]
+    parts = apt_dir / "sources.list.d"
+    if parts.is_dir():
+        files += sorted(p for p in parts.iterdir() if p.suffix in (".list", ".sources"))
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        entries = _parse_deb822(text) if path.suffix == ".sources" else _parse_one_line(text)
+        for uri, suites in entries:
+            if urlsplit(uri).scheme in ("http", "https", "file"):
+                yield uri.rstrip("/"), suites
+
+
+def _parse_one_line(text: str) -> Iterable[tuple[str, list[str]]]:
+    for raw in text.splitlines():
+        words = raw.split("#", 1)[0].split()
+        if len(words) < 3 or words[0] != "deb":
+            continue
+        words = words[1:]
+        if words[0].startswith("["):
+            while words and not words[0].endswith("]"):
+                words = words[1:]
+            words = words[1:]
+        if len(words) >= 2:
+            yield words[0], [words[1]]
+
+
+def _parse_deb822(text: str) -> Iterable[tuple[str, list[str]]]:
+    for stanza in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        key = ""
+        for line in stanza.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            if line[0].isspace() and key:
+                fields[key] += " " + line.strip()
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                fields[key] = value.strip()
+        if "deb" not in fields.get("types", "").split() or fields.get("enabled", "yes").lower() == "no":
+            continue
+        suites = fields.get("suites", "").split()
+        for uri in fields.get("uris", "").split():
+            yield uri, suites
+
+
+def _strings(value: object) -> list[str]:
+    assert isinstance(value, list)
+    return [str(v) for v in value]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: build or keep the default image; exit 0 on success, 1 on failure, 2 on bad usage."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sbx.images.default_image", description="Build the offline default sandbox image."
+    )
+    parser.add_argument(
+        "--images-dir", type=Path, default=Path(os.environ.get("SANDBOX_IMAGES_DIR", DEFAULT_IMAGES_DIR)),
+        help=f"image store directory (default: $SANDBOX_IMAGES_DIR or {DEFAULT_IMAGES_DIR})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mirror", default=os.environ.get("SANDBOX_DEBIAN_MIRROR"),
+        help="Debian mirror URL (default: $SANDBOX_DEBIAN_MIRROR, else the apt sources, else deb.debian.org)",
+    )  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="rebuild even if installed from this recipe")
+    args = parser.parse_args(argv)
+    try:
+        if os.geteuid() != 0:
+            raise Refused("building the default image needs root (debootstrap); run it with sudo")
+        mirror = args.mirror or debian_mirror()
+        if urlsplit(mirror).scheme not in ("http", "https", "file"):
+            raise InvalidRequest(f"--mirror {mirror!r} is not an http, https or file URL")
+        store = ImageStore(args.images_dir)
+        store.clean_leftovers()
+        current = store.get(DEFAULT_IMAGE)
+        if current is None or args.force or not is_current(current):
+            print(f"building image {DEFAULT_IMAGE!r} from {mirror} (debootstrap, about a minute)", flush=True)
+        started = time.monotonic()
+        image, built = ensure_default_image(store, mirror, force=args.force)
+    except SandboxError as exc:
+        print(f"{type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 1
+    state = f"built in {time.monotonic() - started:.0f} s" if built else "up to date"
+    print(
+        f"image {DEFAULT_IMAGE!r} {state}: {image.bytes / 1e6:.0f} MB, {image.digest[:19]}, recipe {RECIPE_ID}, "
+        f"at {image.path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
