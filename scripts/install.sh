@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# Install everything sandboxd needs on Debian 12 and (re)start it on /run/sandboxd.sock.
+#
+#   sudo bash scripts/install.sh             install, then start or restart sandboxd
+#   sudo bash scripts/install.sh --no-start  install only (scripts/test.sh uses this)
+#
+# Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
+# Steps: apt packages (apt-get update only when one is missing), the virtualenv .venv with this checkout
+# installed editable, the guest agent binary, the default image, then sandboxd under systemd (when systemd
+# is PID 1) or as a daemon with a pidfile. Paths and details: docs/install.md.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DATA_ROOT=/var/lib/sandboxd
+IMAGES_DIR=$DATA_ROOT/images
+AGENT_PATH=$DATA_ROOT/agent/sbx-agent
+STATE_DIR=$DATA_ROOT/state
+SOCKET=/run/sandboxd.sock
+PIDFILE=/run/sandboxd.pid
+LOG=/var/log/sandboxd.log
+UNIT=/etc/systemd/system/sandboxd.service
+VENV=$REPO/.venv
+# Debian's own interpreter: the venv must not depend on a pyenv or other python found first on PATH.
+SYSTEM_PYTHON=/usr/bin/python3
+STAMP=$VENV/.sbx-install-stamp
+START_TIMEOUT_SECS=60
+
+APT_PACKAGES=(
+    runsc                   # gVisor, the sandbox runtime
+    debootstrap debian-archive-keyring  # builds the default image
+    e2fsprogs               # mkfs.ext4 for each sandbox's writable layer
+    util-linux mount        # losetup, mount, setsid, flock
+    iproute2                # ip, for sandbox networking
+    procps                  # ps, pkill used by tests and diagnostics
+    passwd                  # groupadd/useradd --root for the image's sandbox user
+    gcc libc6-dev           # the guest agent is C, linked statically
+    python3 python3-venv python3-dev
+    ca-certificates curl    # curl talks to the socket below and in README examples
+)
+
+ARGS="$*"
+START=1
+usage() {
+    sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-start) START=0 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "install.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+T0=$SECONDS
+step() { printf '==> %s\n' "$*"; }
+note() { printf '    %s\n' "$*"; }
+die() {
+    printf '\ninstall.sh: error: %s\n' "$1" >&2
+    shift
+    for line in "$@"; do printf '    %s\n' "$line" >&2; done
+    exit 1
+}
+trap 'rc=$?; [ $rc -eq 0 ] || printf "install.sh: failed (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
+
+[ "$(id -u)" -eq 0 ] || die "install.sh must run as root (it installs packages and runs gVisor)" \
+    "run: sudo bash scripts/install.sh $ARGS"
+command -v apt-get >/dev/null && command -v dpkg-query >/dev/null ||
+    die "apt-get not found: this script supports Debian 12 only" \
+        "elsewhere install the equivalents of: ${APT_PACKAGES[*]}"
+
+# --- 1. apt packages ------------------------------------------------------------------------------------------
+step "apt packages"
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
+    [ "$status" = installed ] || missing+=("$pkg")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    note "all ${#APT_PACKAGES[@]} present"
+else
+    note "installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt_opts=(-q -o DPkg::Lock::Timeout=300)
+    apt-get "${apt_opts[@]}" update ||
+        die "apt-get update failed" "check /etc/apt/sources.list* and the network, then run this again"
+    apt-get "${apt_opts[@]}" install -y --no-install-recommends "${missing[@]}" ||
+        die "apt-get install failed for: ${missing[*]}" \
+            "on Debian 12 these are all in main; fix the apt error above and run this again"
+fi
+[ -x "$SYSTEM_PYTHON" ] || die "$SYSTEM_PYTHON is missing although python3 is installed" \
+    "reinstall it: apt-get install --reinstall python3"
+
+# --- 2. virtualenv --------------------------------------------------------------------------------------------
+step "virtualenv $VENV"
+if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
+    note "existing virtualenv is broken or too old: recreating it"
+    rm -rf "$VENV"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    "$SYSTEM_PYTHON" -m venv "$VENV" ||
+        die "could not create $VENV" "check that python3-venv is installed and the disk is writable"
+fi
+# Reinstall only when pyproject.toml or the interpreter changed, or the package resolves to another checkout.
+want_stamp="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
+sbx_path=$("$VENV/bin/python" -c 'import sbx; print(sbx.__file__)' 2>/dev/null || true)
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$want_stamp" ] && [ "$sbx_path" = "$REPO/src/sbx/__init__.py" ]; then
+    note "up to date"
+else
+    note "pip install -e '.[test]'"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[test]" ||
+        die "pip install failed" "check access to PyPI (or a configured index) and run this again"
+    printf '%s\n' "$want_stamp" >"$STAMP"
+fi
+
+# --- 3. data directories and the guest agent ----------------------------------------------------------------
+step "guest agent $AGENT_PATH"
+install -d -m 0700 "$DATA_ROOT"
+install -d -m 0755 "$(dirname "$AGENT_PATH")"
+if [ ! -f "$REPO/src/sbx/agent/build.py" ]; then
+    die "src/sbx/agent/build.py is missing from this checkout, so the guest agent cannot be built" \
+        "update the checkout (git pull) and run this again"
+fi
+"$VENV/bin/python" -m sbx.agent.build --out "$AGENT_PATH" ||
+    die "building the guest agent failed" "see the compiler output above (needs gcc and libc6-dev)"
+
+# --- 4. default image ---------------------------------------------------------------------------------------
+step "default image in $IMAGES_DIR"
+"$VENV/bin/python" -m sbx.images.default_image --images-dir "$IMAGES_DIR" ||
+    die "building the default image failed" "see the messages above; rebuild later with:" \
+        "$VENV/bin/python -m sbx.images.default_image --images-dir $IMAGES_DIR --force"
+
+if [ "$START" -eq 0 ]; then
+    step "installed in $((SECONDS - T0)) s (sandboxd not started: --no-start)"
+    exit 0
+fi
+
+# --- 5. start sandboxd --------------------------------------------------------------------------------------
+SANDBOXD=("$VENV/bin/sandboxd" --socket "$SOCKET" --state-dir "$STATE_DIR")
+"$VENV/bin/python" -c 'import sbx.node.main' 2>/dev/null ||
+    die "sbx.node.main cannot be imported, so sandboxd cannot start" \
+        "$("$VENV/bin/python" -c 'import sbx.node.main' 2>&1 | tail -n 1)" \
+        "update the checkout (git pull) and run this again"
+touch "$LOG"
+
+daemon_alive() {
+    if [ "$MODE" = systemd ]; then
+        systemctl is-active --quiet sandboxd
+    else
+        local pid
+        pid=$(cat "$PIDFILE" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+    fi
+}
+
+if [ -d /run/systemd/system ]; then
+    MODE=systemd
+    step "sandboxd under systemd ($UNIT)"
+    unit_text="[Unit]
+Description=sandboxd, the sandbox node server (gVisor)
+Documentation=file://$REPO/docs/install.md
+After=network-online.target
+
+[Service]
+Type=simple
+ExecStart=${SANDBOXD[*]}
+# Sandboxes run outside sandboxd (runsc run --detach); stopping or restarting sandboxd must not kill them.
+KillMode=process
+Restart=on-failure
+RestartSec=2
+StandardOutput=append:$LOG
+StandardError=append:$LOG
+
+[Install]
+WantedBy=multi-user.target"
+    if [ "$(cat "$UNIT" 2>/dev/null)" != "$unit_text" ]; then
+        printf '%s\n' "$unit_text" >"$UNIT"
+        systemctl daemon-reload
+    fi
+    systemctl enable --quiet sandboxd
+    systemctl restart sandboxd || die "systemctl restart sandboxd failed" "see: journalctl -u sandboxd; tail $LOG"
+else
+    MODE=pidfile
+    step "sandboxd as a daemon (no systemd; pidfile $PIDFILE)"
+    old=$(cat "$PIDFILE" 2>/dev/null || true)
+    if [ -n "$old" ] && kill -0 "$old" 2>/dev/null && tr '\0' ' ' <"/proc/$old/cmdline" | grep -q sandboxd; then
+        note "stopping the running sandboxd (pid $old); its sandboxes keep running"
+        kill -TERM "$old"
+        for _ in $(seq 1 100); do kill -0 "$old" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$old" 2>/dev/null; then
+            note "still running after 10 s: killing it"
+            kill -KILL "$old" 2>/dev/null || true
+        fi
+    fi
+    rm -f "$PIDFILE"
+    # setsid: the daemon leaves this shell's session, so it survives the terminal or CI step that ran us.
+    nohup setsid "${SANDBOXD[@]}" >>"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+fi
+
+note "waiting for $SOCKET to answer GET /v1/capabilities"
+deadline=$((SECONDS + START_TIMEOUT_SECS))
+until caps=$(curl -sS --fail --max-time 2 --unix-socket "$SOCKET" http://localhost/v1/capabilities 2>/dev/null); do
+    if ! daemon_alive || [ $SECONDS -ge $deadline ]; then
+        echo "---- last lines of $LOG ----" >&2
+        tail -n 30 "$LOG" >&2 || true
+        die "sandboxd did not come up on $SOCKET (mode $MODE)" \
+            "read the log above ($LOG), fix the cause and run this again"
+    fi
+    sleep 0.2
+done
+
+backend=$(printf '%s' "$caps" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin).get("backend","?"))')
+step "sandboxd is up in $((SECONDS - T0)) s: socket $SOCKET, backend $backend, log $LOG"
+cat <<EOF
+
+Try it:
+    curl -s --unix-socket $SOCKET -X POST http://localhost/v1/sandboxes \\
+         -H 'Content-Type: application/json' -d '{}'
+    curl -s --unix-socket $SOCKET -X POST http://localhost/v1/sandboxes/<id>/run \\
+         -H 'Content-Type: application/json' -d '{"argv": ["echo", "hi"]}'
+More in README.md; stop it with: $(if [ "$MODE" = systemd ]; then echo "systemctl stop sandboxd"; else echo "kill \$(cat $PIDFILE)"; fi)
+EOF
