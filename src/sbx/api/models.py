@@ -247,7 +247,7 @@ def _bool(value: object, where: str) -> bool:
 def _number(value: object, where: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise _wrong(where, "a number", value)
-    return float(value)
+    return value  # an int stays an int so messages echo what was sent
 
 
 def _object(value: object, where: str) -> Mapping[str, Any]:
