@@ -101,6 +101,8 @@ class CapacityConfig:
     cpus: int = 0
     memory_mb: int = 0
     disk_mb: int = 0
+    #: vCPUs offered per measured core when ``cpus`` is 0 (vCPUs are time-shared, as in every cloud).
+    cpu_overcommit: int = 8
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,7 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
         cpus=_int(cap, "capacity.cpus", 0),
         memory_mb=_int(cap, "capacity.memory_mb", 0),
         disk_mb=_int(cap, "capacity.disk_mb", 0),
+        cpu_overcommit=_int(cap, "capacity.cpu_overcommit", CapacityConfig.cpu_overcommit, minimum=1),
     )
 
     srv = sections["server"]
@@ -461,7 +464,7 @@ def resolve_capacity(config: CapacityConfig, state_dir: Path) -> Capacity:
     if 0 in (config.cpus, config.memory_mb, config.disk_mb):
         measured = measure_capacity(state_dir)
     return Capacity(
-        cpus=config.cpus or (measured.cpus if measured else 0),
+        cpus=config.cpus or (measured.cpus * config.cpu_overcommit if measured else 0),
         memory_mb=config.memory_mb or (measured.memory_mb if measured else 0),
         disk_mb=config.disk_mb or (measured.disk_mb if measured else 0),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sbx import __version__
@@ -66,8 +66,8 @@ class NodeContext:
             "name": self.node_name,
             "version": self.version,
             "capabilities": self.capabilities(),
-            "capacity": manager.capacity.to_wire(),
-            "free": manager.free().to_wire(),
+            "capacity": asdict(manager.capacity),
+            "free": asdict(manager.free()),
             "running": manager.count_by_state()["running"],
             "pooled": {},
             "images": sorted(i.reference for i in manager.images.list()),

@@ -11,7 +11,6 @@ import logging
 import shutil
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from sbx.agent.client import AgentClient, AgentError
@@ -21,7 +20,7 @@ from sbx.api.network_policy import MODE_ORDER
 from sbx.backends.base import Backend, BackendError, BootSpec
 from sbx.images.store import ImageStore
 from sbx.node.audit import AuditLog
-from sbx.node.config import NodeConfig
+from sbx.node.config import Capacity, NodeConfig
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.node.statefile import read_json, write_json_atomic
@@ -34,18 +33,6 @@ KEEP_TERMINATED = 100
 AGENT_CONNECT_TIMEOUT_SECS = 10.0
 #: How often idle timeouts are checked, in seconds.
 IDLE_CHECK_INTERVAL_SECS = 1.0
-
-
-@dataclass(frozen=True)
-class Resources:
-    """CPUs (count), memory and disk (MiB)."""
-
-    cpus: int
-    memory_mb: int
-    disk_mb: int
-
-    def to_wire(self) -> dict[str, int]:
-        return {"cpus": self.cpus, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb}
 
 
 class Sandbox:
@@ -77,7 +64,7 @@ class SandboxManager:
         backend: Backend,
         images: ImageStore,
         audit: AuditLog,
-        capacity: Resources,
+        capacity: Capacity,
         node_id: str | None = None,
     ) -> None:
         self.config = config
@@ -172,19 +159,19 @@ class SandboxManager:
     def live(self) -> Iterable[Sandbox]:
         return (s for s in self._sandboxes.values() if s.record.live)
 
-    def used(self) -> Resources:
+    def used(self) -> Capacity:
         """Resources given to every non-terminated sandbox."""
         live = list(self.live())
-        return Resources(
+        return Capacity(
             cpus=sum(s.record.cpus for s in live),
             memory_mb=sum(s.record.memory_mb for s in live),
             disk_mb=sum(s.record.disk_mb for s in live),
         )
 
-    def free(self) -> Resources:
+    def free(self) -> Capacity:
         """Capacity less what live sandboxes were given, never negative."""
         used = self.used()
-        return Resources(
+        return Capacity(
             cpus=max(0, self.capacity.cpus - used.cpus),
             memory_mb=max(0, self.capacity.memory_mb - used.memory_mb),
             disk_mb=max(0, self.capacity.disk_mb - used.disk_mb),

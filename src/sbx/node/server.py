@@ -17,10 +17,10 @@ from aiohttp import web
 from sbx.backends.gvisor import GVisorBackend
 from sbx.images.store import ImageStore
 from sbx.node.audit import AuditLog
-from sbx.node.config import NodeConfig
+from sbx.node.config import NodeConfig, resolve_capacity
 from sbx.node.context import NodeContext
 from sbx.node.http import error_middleware, make_guard
-from sbx.node.manager import Resources, SandboxManager
+from sbx.node.manager import SandboxManager
 from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
 from sbx.node.routes import all_routes
 
@@ -59,25 +59,6 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
-def measured_capacity(config: NodeConfig, state_dir: Path) -> Resources:
-    """Capacity from the config, with 0 meaning measured from this host (see docs/config.md)."""
-    cap = config.capacity
-    cpus = cap.cpus or (os.cpu_count() or 1)
-    if cap.memory_mb:
-        memory_mb = cap.memory_mb
-    else:
-        total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
-        # Leave room for the host, sandboxd and gVisor's own overhead per sandbox.
-        memory_mb = max(0, total_mb - max(1024, total_mb // 10))
-    if cap.disk_mb:
-        disk_mb = cap.disk_mb
-    else:
-        st = os.statvfs(state_dir)
-        free_mb = st.f_bavail * st.f_frsize // (1024 * 1024)
-        disk_mb = max(0, free_mb - max(2048, free_mb // 20))
-    return Resources(cpus=cpus, memory_mb=memory_mb, disk_mb=disk_mb)
-
-
 async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
@@ -87,7 +68,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     audit = AuditLog(options.state_dir / "audit")
     manager = SandboxManager(
         config, options.state_dir, backend, images, audit,
-        capacity=measured_capacity(config, options.state_dir), node_id=options.node_id,
+        capacity=resolve_capacity(config.capacity, options.state_dir), node_id=options.node_id,
     )  # fmt: skip
     metrics = NodeMetrics(lambda: _snapshot(manager))
     ctx = NodeContext(
