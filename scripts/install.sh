@@ -115,7 +115,7 @@ fi
 
 # --- 3. data directories and the guest agent ----------------------------------------------------------------
 step "guest agent $AGENT_PATH"
-install -d -m 0700 "$DATA_ROOT"
+install -d -m 0700 "$DATA_ROOT" "$STATE_DIR"
 install -d -m 0755 "$(dirname "$AGENT_PATH")"
 if [ ! -f "$REPO/src/sbx/agent/build.py" ]; then
     die "src/sbx/agent/build.py is missing from this checkout, so the guest agent cannot be built" \
@@ -155,14 +155,17 @@ daemon_alive() {
 if [ -d /run/systemd/system ]; then
     MODE=systemd
     step "sandboxd under systemd ($UNIT)"
+    # systemd's own quoting: each argument in double quotes, % doubled (it starts specifiers).
+    exec_start=""
+    for arg in "${SANDBOXD[@]}"; do exec_start+=" \"${arg//%/%%}\""; done
     unit_text="[Unit]
 Description=sandboxd, the sandbox node server (gVisor)
 Documentation=file://$REPO/docs/install.md
-After=network-online.target
+After=network.target
 
 [Service]
 Type=simple
-ExecStart=${SANDBOXD[*]}
+ExecStart=${exec_start# }
 # Sandboxes run outside sandboxd (runsc run --detach); stopping or restarting sandboxd must not kill them.
 KillMode=process
 Restart=on-failure

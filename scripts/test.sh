@@ -15,6 +15,9 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 ART=$REPO/test-artifacts
 VENV=$REPO/.venv
+# Per test (pytest-timeout: the test fails, the run goes on) and per run (a backstop: the run is interrupted).
+UNIT_TEST_TIMEOUT_SECS=120
+INTEGRATION_TEST_TIMEOUT_SECS=600
 UNIT_TIMEOUT=15m
 INTEGRATION_TIMEOUT=45m
 T0=$SECONDS
@@ -57,9 +60,9 @@ run_check "ruff format" ruff-format.log "$VENV/bin/ruff" format --check --diff s
 run_check mypy mypy.log "$VENV/bin/mypy" src
 
 declare -A RC=()
-run_pytest() {  # name, directory, timeout, extra args...
-    local name=$1 dir=$2 limit=$3 t=$SECONDS
-    shift 3
+run_pytest() {  # name, directory, per-test timeout (s), run timeout, extra args...
+    local name=$1 dir=$2 per_test=$3 limit=$4 t=$SECONDS
+    shift 4
     banner "pytest $dir"
     if [ ! -d "$dir" ]; then
         RC[$name]=5
@@ -67,7 +70,8 @@ run_pytest() {  # name, directory, timeout, extra args...
         return
     fi
     timeout --signal=INT --kill-after=60 "$limit" \
-        "$VENV/bin/pytest" "$dir" -ra --junitxml="$ART/$name.xml" "$@" 2>&1 | tee "$ART/$name.log"
+        "$VENV/bin/pytest" "$dir" -ra --timeout="$per_test" --junitxml="$ART/$name.xml" "$@" 2>&1 |
+        tee "$ART/$name.log"
     local rc=${PIPESTATUS[0]}
     RC[$name]=$rc
     local counts
@@ -92,8 +96,8 @@ print(f"{n - f - e - s} passed, {f} failed, {e} errors, {s} skipped")
 EOF
 }
 
-run_pytest unit tests/unit "$UNIT_TIMEOUT" "$@"
-run_pytest integration tests/integration "$INTEGRATION_TIMEOUT" "$@"
+run_pytest unit tests/unit "$UNIT_TEST_TIMEOUT_SECS" "$UNIT_TIMEOUT" "$@"
+run_pytest integration tests/integration "$INTEGRATION_TEST_TIMEOUT_SECS" "$INTEGRATION_TIMEOUT" "$@"
 
 # An integration run where everything was skipped tested nothing: its prerequisites (root, runsc, the agent,
 # an image) are missing although install.sh just ran. Say so rather than pass.
