@@ -81,7 +81,7 @@ if [ ${#missing[@]} -eq 0 ]; then
 else
     note "installing: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt_opts=(-q -o DPkg::Lock::Timeout=300)
+    apt_opts=(-q -o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
     apt-get "${apt_opts[@]}" update ||
         die "apt-get update failed" "check /etc/apt/sources.list* and the network, then run this again"
     apt-get "${apt_opts[@]}" install -y --no-install-recommends "${missing[@]}" ||
