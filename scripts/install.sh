@@ -101,6 +101,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$SYSTEM_PYTHON" -m venv "$VENV" ||
         die "could not create $VENV" "check that python3-venv is installed and the disk is writable"
 fi
+if ! grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg" 2>/dev/null; then
+    note "note: $VENV was not made with $SYSTEM_PYTHON; delete it to have it recreated with Debian's python3"
+fi
 # Reinstall only when pyproject.toml or the interpreter changed, or the package resolves to another checkout.
 want_stamp="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
 sbx_path=$("$VENV/bin/python" -c 'import sbx; print(sbx.__file__)' 2>/dev/null || true)
