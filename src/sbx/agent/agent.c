@@ -1484,6 +1484,58 @@ static void pump_procs(void)
     }
 }
 
+/* One batch of directory entries per call to keep frames small; loops while the channel has room. */
+static void pump_listdir(struct fop *o)
+{
+    while (room()) {
+        int ce = as_user(o->uid, o->gid);
+        if (ce) {
+            send_error(o->id, ce, NULL);
+            fop_free(o);
+            return;
+        }
+        size_t f = frame_begin(T_DIR_ENTRIES, o->id);
+        size_t count_pos = obuf.len;
+        put_u32(0);
+        uint32_t count = 0;
+        struct dirent *de = NULL;
+        int dfd = dirfd(o->dir);
+        while (count < DIR_BATCH && (errno = 0, de = readdir(o->dir)) != NULL) {
+            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+                continue;
+            struct stat st;
+            /* Follow links (a link to a directory lists as a directory); a dangling link is
+             * listed as what it is. */
+            if (fstatat(dfd, de->d_name, &st, 0) < 0 &&
+                fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+                continue; /* vanished meanwhile */
+            put_str(de->d_name);
+            put_u8((uint8_t)(S_ISDIR(st.st_mode) ? FT_DIR : FT_FILE));
+            put_u64(S_ISREG(st.st_mode) ? (uint64_t)st.st_size : 0);
+            count++;
+        }
+        int e = errno;
+        as_root();
+        uint8_t *c = obuf.p + obuf.head + count_pos;
+        c[0] = (uint8_t)(count >> 24);
+        c[1] = (uint8_t)(count >> 16);
+        c[2] = (uint8_t)(count >> 8);
+        c[3] = (uint8_t)count;
+        if (count)
+            frame_end(f);
+        else
+            obuf.len = f;
+        if (!de) {
+            if (e)
+                send_error(o->id, e, NULL);
+            else
+                frame_end(frame_begin(T_END, o->id));
+            fop_free(o);
+            return;
+        }
+    }
+}
+
 static void pump_files(void)
 {
     struct fop *next;
@@ -1512,52 +1564,20 @@ static void pump_files(void)
                 o->sent += (uint64_t)n;
             }
         } else if (o->kind == OP_LISTDIR) {
-            int ce = as_user(o->uid, o->gid);
-            if (ce) {
-                send_error(o->id, ce, NULL);
-                fop_free(o);
-                continue;
-            }
-            size_t f = frame_begin(T_DIR_ENTRIES, o->id);
-            size_t count_pos = obuf.len;
-            put_u32(0);
-            uint32_t count = 0;
-            struct dirent *de = NULL;
-            int dfd = dirfd(o->dir);
-            while (count < DIR_BATCH && (errno = 0, de = readdir(o->dir)) != NULL) {
-                if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-                    continue;
-                struct stat st;
-                /* Follow links (a link to a directory lists as a directory); a dangling link is
-                 * listed as what it is. */
-                if (fstatat(dfd, de->d_name, &st, 0) < 0 &&
-                    fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
-                    continue; /* vanished meanwhile */
-                put_str(de->d_name);
-                put_u8((uint8_t)(S_ISDIR(st.st_mode) ? FT_DIR : FT_FILE));
-                put_u64(S_ISREG(st.st_mode) ? (uint64_t)st.st_size : 0);
-                count++;
-            }
-            int e = errno;
-            as_root();
-            uint8_t *c = obuf.p + obuf.head + count_pos;
-            c[0] = (uint8_t)(count >> 24);
-            c[1] = (uint8_t)(count >> 16);
-            c[2] = (uint8_t)(count >> 8);
-            c[3] = (uint8_t)count;
-            if (count)
-                frame_end(f);
-            else
-                obuf.len = f;
-            if (!de) {
-                if (e)
-                    send_error(o->id, e, NULL);
-                else
-                    frame_end(frame_begin(T_END, o->id));
-                fop_free(o);
-            }
+            pump_listdir(o);
         }
     }
+}
+
+/* Whether pump_files() has work that no descriptor will wake us for. */
+static int files_ready(void)
+{
+    if (!connected() || !room())
+        return 0;
+    for (struct fop *o = fops; o; o = o->next)
+        if (o->kind == OP_LISTDIR || (o->kind == OP_READ && o->sent - o->acked < READ_WINDOW))
+            return 1;
+    return 0;
 }
 
 /* ---- setup and main loop -------------------------------------------------------------------- */
@@ -1667,7 +1687,7 @@ int main(int argc, char **argv)
             int in_want = p->in.len || p->in_close;
             pfd[n++] = (struct pollfd){.fd = in_want ? p->in_fd : -1, .events = POLLOUT};
         }
-        if (poll(pfd, n, -1) < 0) {
+        if (poll(pfd, n, files_ready() ? 0 : -1) < 0) {
             if (errno == EINTR)
                 continue;
             logmsg("poll: %s", strerror(errno));

@@ -43,7 +43,9 @@ def ensure_agent(path: Path, cc: str = "gcc") -> Path:
     if _up_to_date(path):
         return path
     if shutil.which(cc) is None:
-        raise AgentBuildError(f"cannot build sbx-agent: {cc} is not installed (apt-get install gcc libc6-dev)")
+        raise AgentBuildError(
+            f"cannot build sbx-agent: {cc} is not installed (apt-get install gcc libc6-dev)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so a concurrent caller never runs a half-written binary.
     fd, tmp = tempfile.mkstemp(prefix=".sbx-agent-", dir=path.parent)

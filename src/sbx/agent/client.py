@@ -297,9 +297,14 @@ class AgentClient:
             if stdout_offset or stderr_offset:
                 raise ValueError("a process spawned on this connection is delivered from offset 0")
         else:
-            await self._call(p.Resume(handle, stdout_offset, stderr_offset))
+            # Set before asking: output follows the agent's OK at once, maybe in the same read.
             st.expected = [stdout_offset, stderr_offset]
             st.subscribed = True
+            try:
+                await self._call(p.Resume(handle, stdout_offset, stderr_offset))
+            except BaseException:
+                st.subscribed = False
+                raise
         self._start_sink(handle, st, sink)
 
     async def write_stdin(self, handle: int, data: bytes) -> None:

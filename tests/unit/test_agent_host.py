@@ -1,0 +1,513 @@
+"""sbx-agent run as a normal host process (as root), driven through AgentClient.
+
+The agent is compiled once into a temp dir; each test gets its own agent on its own socket.
+Processes run as uid/gid 65534 where a test proves the uid switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sbx.agent.build import ensure_agent
+from sbx.agent.client import (
+    AgentClient,
+    AgentConnectionLost,
+    AgentFileError,
+    AgentRequestError,
+    AgentUnavailable,
+    CommandNotFound,
+    SpawnFailed,
+)
+from sbx.agent.protocol import STAGE_CWD
+
+NOBODY = 65534
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C"}
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("gcc") is None, reason="needs root (uid switch) and gcc"
+)
+
+
+@pytest.fixture(scope="session")
+def agent_bin() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="sbx-agent-bin-"))
+    yield ensure_agent(d / "sbx-agent")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    dir: Path
+    sock: Path
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.fixture
+def agent(agent_bin: Path) -> Iterator[Agent]:
+    d = Path(tempfile.mkdtemp(prefix="sbxa-"))  # short: unix socket paths are limited to 107 bytes
+    d.chmod(0o755)
+    with open(d / "agent.log", "wb") as log:
+        proc = subprocess.Popen([str(agent_bin), "--listen", str(d / "agent.sock")], stderr=log)
+    a = Agent(proc, d, d / "agent.sock")
+    yield a
+    # Kill what a failed test left running (each child leads its own group; orphans were
+    # reparented to the agent, a subreaper), then the agent.
+    for child in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def client(agent: Agent) -> AsyncIterator[AgentClient]:
+    c = await AgentClient.connect(agent.sock, 5)
+    yield c
+    await c.close()
+
+
+class Recorder:
+    """A sink that keeps everything; ``delay_secs`` per chunk makes it a slow host."""
+
+    def __init__(self, delay_secs: float = 0.0) -> None:
+        self.out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self.exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.delay_secs = delay_secs
+        self.calls = 0
+
+    async def on_output(self, stream: str, data: bytes) -> None:
+        self.calls += 1
+        if self.delay_secs:
+            await asyncio.sleep(self.delay_secs)
+        self.out[stream] += data
+
+    async def on_exit(self, exit_code: int) -> None:
+        self.exit.set_result(exit_code)
+
+    async def wait(self, timeout: float = 20) -> int:
+        return await asyncio.wait_for(self.exit, timeout)
+
+    def text(self, stream: str = "stdout") -> str:
+        return self.out[stream].decode()
+
+
+async def run(
+    c: AgentClient, handle: int, argv: list[str], uid: int = 0, cwd: str = "/", **kw: object
+) -> Recorder:
+    rec = Recorder()
+    await c.spawn(handle, argv, kw.pop("env", ENV), cwd, uid, uid, sink=rec, **kw)  # type: ignore[arg-type]
+    await rec.wait()
+    return rec
+
+
+async def test_echo_separates_streams(client: AgentClient) -> None:
+    rec = await run(client, 1, ["sh", "-c", "echo out; echo err >&2"])
+    assert rec.exit.result() == 0
+    assert rec.text() == "out\n" and rec.text("stderr") == "err\n"
+
+
+@pytest.mark.parametrize(
+    ("script", "code"),
+    [("exit 0", 0), ("exit 3", 3), ("exit 255", 255), ("kill -TERM $$", 143), ("kill -KILL $$", 137)],
+)
+async def test_exit_codes(client: AgentClient, script: str, code: int) -> None:
+    assert (await run(client, 1, ["sh", "-c", script])).exit.result() == code
+
+
+async def test_runs_as_the_requested_user(client: AgentClient) -> None:
+    rec = await run(client, 1, ["sh", "-c", "id -u; id -g; id -G"], uid=NOBODY)
+    assert rec.text().split() == [str(NOBODY)] * 3
+
+
+async def test_env_is_exactly_the_given_one_and_cwd_applies(client: AgentClient) -> None:
+    env = {"PATH": "/usr/bin:/bin", "FOO": "bar baz"}
+    rec = await run(client, 1, ["sh", "-c", 'pwd; echo "$FOO"; env | sort'], cwd="/tmp", env=env)
+    lines = rec.text().splitlines()
+    assert lines[:2] == ["/tmp", "bar baz"]
+    assert {ln.split("=")[0] for ln in lines[2:]} <= {"FOO", "PATH", "PWD", "SHLVL", "_", "OLDPWD"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "cls", "err"),
+    [
+        (["no-such-program-xyz"], CommandNotFound, errno.ENOENT),
+        (["/no/such/dir/prog"], CommandNotFound, errno.ENOENT),
+        (["{dir}/plain"], CommandNotFound, errno.EACCES),  # exists, not executable
+        (["{dir}/plain/x"], CommandNotFound, errno.ENOTDIR),
+    ],
+)
+async def test_missing_program_is_command_not_found(
+    client: AgentClient, agent: Agent, argv: list[str], cls: type[Exception], err: int
+) -> None:
+    (agent.dir / "plain").write_text("echo not a program\n")
+    argv = [a.format(dir=agent.dir) for a in argv]
+    with pytest.raises(cls) as info:
+        await client.spawn(1, argv, ENV, "/", 0, 0)
+    assert info.value.errno == err  # type: ignore[attr-defined]
+    assert await client.list_processes() == []  # the failed child was reaped, nothing retained
+
+
+async def test_bad_cwd_is_a_spawn_failure_not_command_not_found(client: AgentClient) -> None:
+    with pytest.raises(SpawnFailed) as info:
+        await client.spawn(1, ["true"], ENV, "/no/such/dir", 0, 0)
+    assert not isinstance(info.value, CommandNotFound)
+    assert info.value.stage == STAGE_CWD and info.value.errno == errno.ENOENT
+    # A directory the user may not enter is refused too (checked after the uid switch).
+    with pytest.raises(SpawnFailed, match="working directory"):
+        await client.spawn(2, ["true"], ENV, "/root", NOBODY, NOBODY)
+
+
+async def test_duplicate_handle_is_refused(client: AgentClient) -> None:
+    await run(client, 1, ["true"])
+    other = await AgentClient.connect(client_sock(client), 5)  # a fresh connection knows no handles
+    with pytest.raises(SpawnFailed, match="already in use"):
+        await other.spawn(1, ["true"], ENV, "/", 0, 0)
+    await other.close()
+
+
+def client_sock(c: AgentClient) -> Path:
+    return Path(c._writer.get_extra_info("peername"))
+
+
+async def test_stdin_round_trip_with_close(client: AgentClient) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 17)  # several windows: proves stdin flow control
+    rec = Recorder()
+    await client.spawn(1, ["sha256sum"], ENV, "/", NOBODY, NOBODY, sink=rec)
+    await client.write_stdin(1, data)
+    await client.close_stdin(1)
+    assert await rec.wait() == 0
+    assert rec.text().split()[0] == hashlib.sha256(data).hexdigest()
+
+
+async def test_signal_reaches_the_whole_process_group(client: AgentClient) -> None:
+    rec = Recorder()
+    await client.spawn(1, ["sh", "-c", "sleep 1000 & echo $!; wait"], ENV, "/", 0, 0, sink=rec)
+    while b"\n" not in rec.out["stdout"]:
+        await asyncio.sleep(0.01)
+    child = int(rec.text())
+    await client.signal(1, signal.SIGTERM)
+    assert await rec.wait() == 143
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists():  # the background sleep died and was reaped by the agent
+        assert time.monotonic() < deadline, "the background child survived the group signal"
+        await asyncio.sleep(0.01)
+
+
+async def test_forget(client: AgentClient) -> None:
+    rec = Recorder()
+    await client.spawn(1, ["sleep", "1000"], ENV, "/", 0, 0, sink=rec)
+    with pytest.raises(AgentRequestError) as info:
+        await client.forget(1)
+    assert info.value.errno == errno.EBUSY
+    await client.signal(1, signal.SIGKILL)
+    assert await rec.wait() == 137
+    [proc] = await client.list_processes()
+    assert proc.exit_code == 137
+    await client.forget(1)
+    assert await client.list_processes() == []
+    with pytest.raises(AgentRequestError):
+        await client.signal(1, signal.SIGTERM)
+
+
+async def test_large_output_to_a_slow_host_keeps_agent_memory_bounded(
+    client: AgentClient, agent: Agent
+) -> None:
+    size = 50 * 1024 * 1024
+    expected = hashlib.sha256((b"0123456789abcde\n" * (size // 16 + 1))[:size]).hexdigest()
+
+    class Digesting(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.h = hashlib.sha256()
+            self.n = 0
+            self.max_rss_kib = 0
+
+        async def on_output(self, stream: str, data: bytes) -> None:
+            self.h.update(data)
+            self.n += len(data)
+            if self.n < 8 * 1024 * 1024:  # slow for the first 8 MiB: the producer must block
+                await asyncio.sleep(0.005)
+            self.max_rss_kib = max(self.max_rss_kib, agent.rss_kib())
+
+    rec = Digesting()
+    argv = ["sh", "-c", f"yes 0123456789abcde | head -c {size}"]
+    await client.spawn(1, argv, ENV, "/", NOBODY, NOBODY, sink=rec)
+    assert await rec.wait(120) == 0
+    assert rec.n == size and rec.h.hexdigest() == expected
+    # 1 MiB window + 256 KiB outgoing buffer + a static binary: far below what 50 MiB would need.
+    assert rec.max_rss_kib < 8 * 1024, f"agent RSS reached {rec.max_rss_kib} KiB"
+
+
+async def test_reconnect_mid_stream_loses_and_duplicates_nothing(agent: Agent) -> None:
+    size = 20 * 1024 * 1024
+    expected = (b"0123456789\n" * (size // 11 + 1))[:size]
+
+    class DiesAfter(Recorder):
+        """Records until 2 MiB, then hangs like a host that was SIGKILLed mid-write."""
+
+        async def on_output(self, stream: str, data: bytes) -> None:
+            if len(self.out[stream]) >= 2 * 1024 * 1024:
+                await asyncio.Event().wait()
+            self.out[stream] += data
+
+    first = await AgentClient.connect(agent.sock, 5)
+    dying = DiesAfter()
+    await first.spawn(
+        1, ["sh", "-c", f"yes 0123456789 | head -c {size}; echo done >&2"], ENV, "/", 0, 0, sink=dying
+    )
+    while len(dying.out["stdout"]) < 2 * 1024 * 1024:
+        await asyncio.sleep(0.01)
+
+    second = await AgentClient.connect(agent.sock, 5)  # replaces the first connection
+    await asyncio.wait_for(first.closed.wait(), 5)
+    with pytest.raises(AgentConnectionLost):
+        await first.list_processes()
+    [info] = await second.list_processes()
+    assert info.handle == 1
+    have = bytes(dying.out["stdout"])
+    rest = Recorder()
+    await second.set_process_sink(1, rest, stdout_offset=len(have), stderr_offset=0)
+    assert await rest.wait(60) == 0
+    assert have + bytes(rest.out["stdout"]) == expected
+    assert rest.text("stderr") == "done\n"
+    # Output already acknowledged is gone: resuming before it is refused, not silently wrong.
+    third = await AgentClient.connect(agent.sock, 5)
+    await third.list_processes()
+    with pytest.raises(AgentRequestError) as info_err:
+        await third.set_process_sink(1, Recorder(), stdout_offset=0)
+    assert info_err.value.errno == errno.ERANGE
+    await third.close()
+    await first.close()
+    await second.close()
+
+
+async def test_exited_process_is_resumable_after_reconnect(agent: Agent) -> None:
+    first = await AgentClient.connect(agent.sock, 5)
+    await first.spawn(1, ["sh", "-c", "echo one; echo two >&2; exit 7"], ENV, "/", 0, 0)  # no sink yet
+    await first.close()
+    second = await AgentClient.connect(agent.sock, 5)
+    deadline = time.monotonic() + 5
+    while (procs := await second.list_processes())[0].exit_code is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert (procs[0].exit_code, procs[0].stdout_bytes, procs[0].stderr_bytes) == (7, 4, 4)
+    rec = Recorder()
+    await second.set_process_sink(1, rec, stdout_offset=2, stderr_offset=0)
+    assert await rec.wait() == 7
+    assert rec.text() == "e\n" and rec.text("stderr") == "two\n"
+    await second.close()
+
+
+async def test_connect_times_out_clearly(tmp_path: Path) -> None:
+    with pytest.raises(AgentUnavailable, match="did not accept a connection"):
+        await AgentClient.connect(tmp_path / "nothing.sock", 0.2)
+
+
+async def test_processes_keep_running_without_a_host(agent: Agent) -> None:
+    first = await AgentClient.connect(agent.sock, 5)
+    await first.spawn(1, ["sh", "-c", "read x; echo got $x"], ENV, "/", 0, 0)
+    await first.write_stdin(1, b"hello\n")
+    await first.close()
+    await asyncio.sleep(0.2)
+    second = await AgentClient.connect(agent.sock, 5)
+    [info] = await second.list_processes()
+    assert info.exit_code == 0 and info.stdout_bytes == len("got hello\n")
+    await second.close()
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+
+async def chunks(data: bytes, size: int = 100_000) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+async def test_write_and_read_a_big_file_as_the_user(client: AgentClient, agent: Agent) -> None:
+    data = os.urandom(9 * 1024 * 1024 + 3)
+    home = agent.dir / "home"
+    home.mkdir()
+    os.chown(home, NOBODY, NOBODY)
+    target = home / "a" / "b" / "big.bin"
+    await client.write_file(str(target), chunks(data), NOBODY, NOBODY, mode=0o640)
+    st = target.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777, st.st_size) == (NOBODY, NOBODY, 0o640, len(data))
+    for parent in (home / "a", home / "a" / "b"):
+        assert (parent.stat().st_uid, parent.stat().st_gid) == (NOBODY, NOBODY)
+    assert sorted(os.listdir(target.parent)) == ["big.bin"]  # no temp file left behind
+    h = hashlib.sha256()
+    async for chunk in client.read_file(str(target), NOBODY, NOBODY):
+        h.update(chunk)
+    assert h.digest() == hashlib.sha256(data).digest()
+    reader = await client.open_read(str(target), 0, 0)
+    assert reader.size == len(data)
+    await reader.aclose()  # abandoning a read midway is fine
+    assert (await client.stat(str(target), 0, 0)).size == len(data)
+
+
+async def test_write_replaces_atomically_and_empty_files_work(client: AgentClient, agent: Agent) -> None:
+    target = agent.dir / "f"
+    target.write_bytes(b"old")
+    await client.write_file(str(target), chunks(b""), 0, 0)
+    assert target.read_bytes() == b""
+    assert [c async for c in client.read_file(str(target), 0, 0)] == []
+
+
+async def test_list_stat_and_remove(client: AgentClient, agent: Agent) -> None:
+    d = agent.dir / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "file").write_bytes(b"12345")
+    (d / "link").symlink_to(d / "sub")
+    (d / "dangling").symlink_to(d / "nowhere")
+    entries = {e.name: (e.type, e.size) for e in await client.list_dir(str(d), 0, 0)}
+    assert entries == {"sub": ("dir", 0), "file": ("file", 5), "link": ("dir", 0), "dangling": ("file", 0)}
+    assert (await client.stat(str(d), 0, 0)).type == "dir"
+    assert (await client.stat(str(d / "file"), 0, 0)).type == "file"
+    many = agent.dir / "many"
+    many.mkdir()
+    for i in range(1000):  # several DIR_ENTRIES batches
+        (many / f"f{i}").touch()
+    assert len(await client.list_dir(str(many), 0, 0)) == 1000
+    await client.remove(str(d / "file"), 0, 0)
+    await client.remove(str(d / "sub"), 0, 0)
+    assert not (d / "file").exists() and not (d / "sub").exists()
+
+
+@pytest.mark.parametrize(
+    ("op", "path", "uid", "err"),
+    [
+        ("read", "missing", 0, errno.ENOENT),
+        ("read", "secret", NOBODY, errno.EACCES),
+        ("read", "dir", 0, errno.EISDIR),
+        ("write", "secret_dir/x", NOBODY, errno.EACCES),
+        ("write", "dir", 0, errno.EISDIR),
+        ("write", "secret/x", 0, errno.ENOTDIR),
+        ("remove", "missing", 0, errno.ENOENT),
+        ("remove", "dir", 0, errno.ENOTEMPTY),
+        ("remove", "secret_dir/inner", NOBODY, errno.EACCES),
+        ("list", "missing", 0, errno.ENOENT),
+        ("list", "secret_dir", NOBODY, errno.EACCES),
+        ("list", "secret", 0, errno.ENOTDIR),
+        ("stat", "missing", 0, errno.ENOENT),
+        ("stat", "secret_dir/inner", NOBODY, errno.EACCES),
+    ],
+)
+async def test_file_errors(client: AgentClient, agent: Agent, op: str, path: str, uid: int, err: int) -> None:
+    (agent.dir / "dir").mkdir()
+    (agent.dir / "dir" / "child").touch()
+    (agent.dir / "secret").write_bytes(b"s")
+    (agent.dir / "secret").chmod(0o600)
+    (agent.dir / "secret_dir").mkdir(mode=0o700)
+    (agent.dir / "secret_dir" / "inner").touch()
+    full = str(agent.dir / path)
+    with pytest.raises(AgentFileError) as info:
+        if op == "read":
+            [c async for c in client.read_file(full, uid, uid)]
+        elif op == "write":
+            await client.write_file(full, chunks(b"data"), uid, uid)
+        elif op == "remove":
+            await client.remove(full, uid, uid)
+        elif op == "list":
+            await client.list_dir(full, uid, uid)
+        else:
+            await client.stat(full, uid, uid)
+    assert info.value.errno == err, info.value
+    # The agent switched back to root: a root operation still works afterwards.
+    assert (await client.stat(str(agent.dir / "secret"), 0, 0)).size == 1
+
+
+# ---- terminals ----------------------------------------------------------------------------
+
+
+async def test_tty_is_a_terminal_of_the_requested_size(client: AgentClient) -> None:
+    rec = Recorder()
+    await client.spawn(1, ["sh", "-c", "tty; stty size"], ENV, "/", NOBODY, NOBODY, tty=(24, 80), sink=rec)
+    assert await rec.wait() == 0
+    lines = rec.text().replace("\r", "").splitlines()
+    assert lines[0].startswith("/dev/pts/") and lines[1] == "24 80"
+    assert rec.out["stderr"] == b""
+
+
+async def test_tty_resize_and_end_of_input(client: AgentClient) -> None:
+    rec = Recorder()
+    script = "read x; stty size; cat; echo end"
+    await client.spawn(1, ["sh", "-c", script], ENV, "/", 0, 0, tty=(24, 80), sink=rec)
+    await client.resize(1, 50, 132)
+    await client.write_stdin(1, b"go\n")
+    await client.close_stdin(1)  # ^D ends cat
+    assert await rec.wait() == 0
+    out = rec.text().replace("\r", "")
+    assert "50 132\n" in out and out.endswith("end\n")
+
+
+async def test_resize_of_a_pipe_process_is_refused(client: AgentClient) -> None:
+    rec = Recorder()
+    await client.spawn(1, ["sleep", "1000"], ENV, "/", 0, 0, sink=rec)
+    with pytest.raises(AgentRequestError) as info:
+        await client.resize(1, 10, 10)
+    assert info.value.errno == errno.ENOTTY
+    await client.signal(1, signal.SIGKILL)
+    await rec.wait()
+
+
+# ---- robustness -----------------------------------------------------------------------------
+
+
+async def test_garbage_and_oversized_frames_do_not_kill_the_agent(agent: Agent) -> None:
+    import socket
+    import struct
+
+    await (await AgentClient.connect(agent.sock, 5)).close()  # the socket exists from here on
+    for junk in (b"\x7f" + b"\0" * 8, b"\x01\0\0\0\1\0\0\0\0", struct.pack(">BII", 3, 1, 1 << 30)):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(agent.sock))
+        s.sendall(junk)
+        s.settimeout(2)
+        try:
+            s.recv(100)
+        except (TimeoutError, ConnectionError):
+            pass
+        s.close()
+    c = await AgentClient.connect(agent.sock, 5)
+    assert (await run(c, 1, ["true"])).exit.result() == 0
+    assert agent.proc.poll() is None
+    await c.close()
+
+
+async def test_idle_agent_is_small(agent: Agent, client: AgentClient) -> None:
+    await run(client, 1, ["true"])
+    assert agent.rss_kib() < 4 * 1024
