@@ -1594,12 +1594,15 @@ static int listen_on(const char *path)
     if (fd < 0)
         return -1;
     unlink(path); /* a stale socket from a previous agent */
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || chmod(path, 0600) < 0 || listen(fd, 8) < 0) {
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, 8) < 0) {
         int e = errno;
         close(fd);
         errno = e;
         return -1;
     }
+    /* Best effort: gVisor refuses chmod on a host-backed socket (EPERM); there the host's control
+     * directory (mode 0700) is what keeps other users out. */
+    (void)chmod(path, 0600);
     return fd;
 }
 
