@@ -49,6 +49,22 @@ def agent_bin() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def test_agent_source_has_no_warnings(tmp_path: Path) -> None:
+    from sbx.agent.build import SOURCES
+
+    cmd = ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", *map(str, SOURCES)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_build_is_idempotent(agent_bin: Path) -> None:
+    before = agent_bin.stat().st_mtime_ns
+    assert ensure_agent(agent_bin) == agent_bin
+    assert agent_bin.stat().st_mtime_ns == before
+    out = subprocess.run([str(agent_bin), "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "sbx-agent protocol 1"
+
+
 @dataclass
 class Agent:
     proc: subprocess.Popen[bytes]

@@ -806,6 +806,10 @@ static void do_ack(struct rd *r)
         ring_consume(&st->ring, (size_t)(off - st->acked));
         st->acked = off;
     }
+    if (st->fd < 0 && st->ring.len == 0) { /* finished and recorded: no need to hold the buffer */
+        free(st->ring.p);
+        memset(&st->ring, 0, sizeof st->ring);
+    }
 }
 
 static void do_stdin(struct rd *r)

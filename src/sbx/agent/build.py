@@ -19,7 +19,8 @@ from sbx.api.errors import Internal
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = (SOURCE_DIR / "agent.c",)
-CFLAGS = ("-static", "-O2", "-Wall", "-Wextra", "-Werror")
+CFLAGS = ("-static", "-O2", "-Wall", "-Wextra")
+"""Warnings do not fail an install; tests compile with -Werror to keep the source warning-free."""
 
 
 class AgentBuildError(Internal):

@@ -1,0 +1,183 @@
+"""Smoke test: sbx-agent as PID 1 of a real gVisor sandbox, reached through --host-uds=create.
+
+Uses the debootstrap rootfs at /var/tmp/sbx-dev/rootfs (or $SBX_TEST_ROOTFS) read-only; the
+sandbox's writes go to tmpfs. Needs root, runsc and gcc; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sbx.agent.build import ensure_agent
+from sbx.agent.client import AgentClient, CommandNotFound
+
+ROOTFS = Path(os.environ.get("SBX_TEST_ROOTFS", "/var/tmp/sbx-dev/rootfs"))
+NOBODY = 65534
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"}
+# Docker's default set: enough for the agent to switch users and signal its children.
+CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_MKNOD",
+    "CAP_AUDIT_WRITE", "CAP_SETFCAP",
+]  # fmt: skip
+
+
+def _why_skip() -> str | None:
+    if shutil.which("runsc") is None:
+        return "runsc (gVisor) is not installed"
+    if os.geteuid() != 0:
+        return "runsc needs root"
+    if shutil.which("gcc") is None:
+        return "gcc is needed to build sbx-agent"
+    if not (ROOTFS / "bin" / "sh").exists():
+        return f"no test rootfs at {ROOTFS} (set SBX_TEST_ROOTFS)"
+    return None
+
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+
+
+def _config(agent: Path, ctl: Path) -> dict[str, object]:
+    return {
+        "ociVersion": "1.0.0",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/.sbx/agent", "--listen", "/.sbx/ctl/agent.sock"],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
+        },
+        "root": {"path": str(ROOTFS), "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/.sbx/agent", "type": "bind", "source": str(agent), "options": ["rbind", "ro"]},
+            {"destination": "/.sbx/ctl", "type": "bind", "source": str(ctl), "options": ["rbind", "rw"]},
+        ],
+        "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]},
+    }
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Path]:
+    """A running gVisor sandbox whose init is the agent; yields the host path of its socket."""
+    state = Path(tempfile.mkdtemp(prefix="sbxg-"))
+    agent = ensure_agent(state / "bin" / "sbx-agent")
+    ctl = state / "ctl"
+    ctl.mkdir(mode=0o700)
+    bundle = state / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(_config(agent, ctl)))
+    root = state / "runroot"
+    cid = f"sbx-agent-test-{uuid.uuid4().hex[:8]}"
+    base = ["runsc", "--root", str(root), "--platform=ptrace", "--network=none", "--host-uds=create"]
+    with open(state / "runsc.log", "wb") as log:
+        subprocess.run(
+            [*base, "run", "--detach", "--bundle", str(bundle), cid],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True, timeout=60,
+        )  # fmt: skip
+    try:
+        yield ctl / "agent.sock"
+    finally:
+        subprocess.run([*base, "kill", cid, "KILL"], capture_output=True, timeout=30, check=False)
+        subprocess.run([*base, "delete", "-force", cid], capture_output=True, timeout=30, check=False)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+async def client(sandbox: Path) -> AsyncIterator[AgentClient]:
+    c = await AgentClient.connect(sandbox, timeout_secs=20)
+    yield c
+    await c.close()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_output(self, stream: str, data: bytes) -> None:
+        self.out += data
+
+    async def on_exit(self, exit_code: int) -> None:
+        self.exit.set_result(exit_code)
+
+
+_handles = iter(range(1, 1 << 30))
+
+
+async def run(c: AgentClient, argv: list[str], uid: int = 0, tty: tuple[int, int] | None = None) -> Recorder:
+    rec = Recorder()
+    h = next(_handles)
+    await c.spawn(h, argv, ENV, "/tmp", uid, uid, tty=tty, sink=rec)
+    await asyncio.wait_for(rec.exit, 30)
+    await c.forget(h)
+    return rec
+
+
+async def test_agent_is_init_and_runs_processes_as_the_user(client: AgentClient) -> None:
+    assert client.agent_pid == 1
+    rec = await run(client, ["sh", "-c", "id -u; cat /proc/1/cmdline | tr '\\0' ' '"], uid=NOBODY)
+    assert rec.exit.result() == 0
+    lines = rec.out.decode().splitlines()
+    assert lines[0] == str(NOBODY) and lines[1].startswith("/.sbx/agent --listen")
+    assert (await run(client, ["sh", "-c", "exit 5"])).exit.result() == 5
+    with pytest.raises(CommandNotFound):
+        await client.spawn(next(_handles), ["no-such-cmd"], ENV, "/", 0, 0)
+
+
+async def test_files_and_terminal(client: AgentClient) -> None:
+    data = os.urandom(3 * 1024 * 1024)
+
+    async def one() -> AsyncIterator[bytes]:
+        yield data
+
+    await client.write_file("/tmp/u/f.bin", one(), NOBODY, NOBODY)
+    assert (await client.stat("/tmp/u", 0, 0)).uid == NOBODY
+    got = b"".join([c async for c in client.read_file("/tmp/u/f.bin", NOBODY, NOBODY)])
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    assert [e.name for e in await client.list_dir("/tmp/u", 0, 0)] == ["f.bin"]
+    rec = await run(client, ["sh", "-c", "tty; stty size"], tty=(30, 100))
+    text = rec.out.decode().replace("\r", "")
+    assert text.startswith("/dev/pts/") and "30 100" in text
+
+
+async def test_reconnect_keeps_processes(sandbox: Path) -> None:
+    first = await AgentClient.connect(sandbox, 20)
+    await first.spawn(9001, ["sh", "-c", "sleep 0.5; echo after"], ENV, "/", 0, 0)
+    await first.close()
+    second = await AgentClient.connect(sandbox, 20)
+    rec = Recorder()
+    await second.set_process_sink(9001, rec)
+    assert await asyncio.wait_for(rec.exit, 20) == 0 and rec.out == b"after\n"
+    await second.forget(9001)
+    await second.close()
+
+
+async def test_round_trip_of_true(client: AgentClient) -> None:
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        await run(client, ["/bin/true"])
+        times.append(time.perf_counter() - t)
+    median_ms = sorted(times)[len(times) // 2] * 1000
+    status = (await run(client, ["cat", "/proc/1/status"])).out.decode()
+    rss = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmRSS:"))
+    print(
+        f"gVisor: round trip of true (spawn to exit, forget) median {median_ms:.1f} ms; agent RSS {rss} KiB"
+    )
+    assert median_ms < 1000
