@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from sandboxd_harness import REPO, Sandboxd, missing_requirements
 
 _MISSING = missing_requirements()

@@ -15,9 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +82,8 @@ class Sandboxd:
             f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text, encoding="utf-8"
         )
         self.args = args or []
+        #: Bearer token sent with every request, for servers started with --token-file.
+        self.token: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -127,6 +129,8 @@ class Sandboxd:
     ) -> Response:
         conn = UnixHTTPConnection(self.socket_path, timeout=timeout)
         hdrs = dict(headers or {})
+        if self.token is not None:
+            hdrs.setdefault("Authorization", f"Bearer {self.token}")
         if json_body is not None:
             body = json.dumps(json_body).encode()
             hdrs.setdefault("Content-Type", "application/json")

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import pytest
-
 from sandboxd_harness import Sandboxd
 
 MiB = 1024 * 1024

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from sandboxd_harness import Sandboxd
 
 
@@ -53,11 +52,7 @@ def test_tcp_with_token_and_metrics(sandboxd_factory: Callable[..., Sandboxd], t
         wait=False,
     )  # fmt: skip
     server.socket_path = tmp_path / "s.sock"
-    import time
-
-    deadline = time.monotonic() + 30
-    while not server.socket_path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    server.token = "t0ken-value"
     server.wait_ready()
     assert server.socket_path.stat().st_mode & 0o777 == 0o600
 
@@ -73,6 +68,10 @@ def test_tcp_with_token_and_metrics(sandboxd_factory: Callable[..., Sandboxd], t
     assert status == 401
     status, body = get("/v1/capabilities", "Bearer t0ken-value")
     assert status == 200
+    # A token is required on the unix socket too once one is configured.
+    server.token = None
+    assert server.request("GET", "/v1/capabilities").status == 401
+    server.token = "t0ken-value"
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
     for name in ("sandboxd_sandboxes", "sandboxd_processes_running", "sandboxd_capacity_cpus", "sandboxd_free_cpus",
                  "sandboxd_cordoned", "sandboxd_creates_total", "sandboxd_create_seconds", "sandboxd_pool_target"):

@@ -6,7 +6,6 @@ import socket
 import time
 
 import pytest
-
 from sandboxd_harness import Sandboxd
 
 

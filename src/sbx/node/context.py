@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sbx import __version__
-from sbx.api.network_policy import MODE_ORDER
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig
@@ -75,7 +74,3 @@ class NodeContext:
             "cordoned": manager.cordoned,
         }
 
-
-def strictest_mode(*modes: str) -> str:
-    """The strictest of the given network modes (none < allowlist < open)."""
-    return min(modes, key=MODE_ORDER.index)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from sbx.api.errors import (
     ForbiddenOrigin,
@@ -73,9 +74,7 @@ def host_name(host: str) -> str:
     return name.rsplit(":", 1)[0] if name.count(":") == 1 else name
 
 
-def make_guard(
-    allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def make_guard(allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None) -> Middleware:
     """The request guard: Host, then Origin, then the bearer token, before any handler runs."""
 
     @web.middleware

@@ -10,8 +10,9 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
+from typing import Any
 
 from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, Refused, Unavailable, Unsupported
@@ -119,8 +120,8 @@ class SandboxManager:
             if agent is not None:
                 await agent.close()
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -139,6 +140,13 @@ class SandboxManager:
             sandbox.touch()
         return sandbox
 
+    def resolve_or_none(self, ref: str) -> Sandbox | None:
+        """Like resolve, without noting activity; None when there is no such sandbox."""
+        try:
+            return self.resolve(ref, touch=False)
+        except NotFound:
+            return None
+
     def resolve_running(self, ref: str) -> Sandbox:
         """Like resolve, but a terminated sandbox is 409."""
         sandbox = self.resolve(ref)
@@ -146,7 +154,7 @@ class SandboxManager:
             raise Conflict(f"sandbox {sandbox.record.id} is {sandbox.record.state.value}, not running")
         return sandbox
 
-    def list(self, labels: dict[str, str] | None = None) -> list[SandboxRecord]:
+    def records(self, labels: dict[str, str] | None = None) -> list[SandboxRecord]:
         """Sandboxes, newest first, terminated ones included until forgotten; all ``labels`` must match."""
         wanted = labels or {}
         records = [
@@ -330,6 +338,7 @@ class SandboxManager:
         record.terminated_reason = reason
         sandbox.save()
         agent = sandbox.processes.agent
+        sandbox.processes.agent = None
         if agent is not None:
             await agent.close()
         await sandbox.processes.kill_all()
@@ -359,8 +368,9 @@ class SandboxManager:
         """When the agent's channel closes on its own, the sandbox died (or its init did): terminate it."""
 
         async def watch() -> None:
-            await agent.wait_closed()
-            if sandbox.record.live and sandbox.processes.agent is agent and not agent.closed_by_host:
+            await agent.closed.wait()
+            # Closed by this host (terminate, shutdown) means the sandbox is no longer live or no longer ours.
+            if sandbox.record.live and sandbox.processes.agent is agent:
                 async with sandbox.lock:
                     if sandbox.record.live:
                         log.warning("sandbox agent went away", extra={"sandbox": sandbox.record.id})

@@ -151,8 +151,7 @@ class ProcessTable:
             if proc.record.exit_code is not None:
                 continue
             if pid in known:
-                proc.log.closed = False
-                agent.set_process_sink(
+                await agent.set_process_sink(
                     pid, _Sink(self, proc), stdout_offset=proc.log.offsets["stdout"],
                     stderr_offset=proc.log.offsets["stderr"],
                 )  # fmt: skip
@@ -161,7 +160,7 @@ class ProcessTable:
 
     # -- queries ----------------------------------------------------------------------------------------
 
-    def list(self) -> list[ProcessRecord]:
+    def records(self) -> list[ProcessRecord]:
         """Every remembered process, oldest first."""
         return [p.record for p in sorted(self._procs.values(), key=lambda p: p.record.pid)]
 
@@ -198,10 +197,9 @@ class ProcessTable:
         if capture:
             proc.capture = {"stdout": bytearray(), "stderr": bytearray()}
         self._procs[pid] = proc
-        agent.set_process_sink(pid, _Sink(self, proc))
         write_json_atomic(meta_path, asdict(record), durable=False)
         try:
-            await agent.spawn(pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty)
+            await agent.spawn(pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc))
         except CommandNotFound as exc:
             self._discard(proc)
             raise InvalidRequest(f"command not found: {argv[0]} ({exc})") from None
@@ -218,8 +216,6 @@ class ProcessTable:
 
     def _discard(self, proc: _Process) -> None:
         self._procs.pop(proc.record.pid, None)
-        if self.agent is not None:
-            self.agent.clear_process_sink(proc.record.pid)
         proc.meta_path.unlink(missing_ok=True)
         proc.log.path.unlink(missing_ok=True)
 
@@ -274,7 +270,7 @@ class ProcessTable:
         timed_out = False
         try:
             await asyncio.wait_for(proc.exited.wait(), timeout_secs)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             await agent.signal(pid, signals.SIGKILL)
             await proc.exited.wait()
@@ -337,6 +333,6 @@ class ProcessTable:
         return proc
 
     def require_agent(self) -> AgentClient:
-        if self.agent is None or self.agent.is_closed:
+        if self.agent is None or self.agent.closed.is_set():
             raise Internal(f"the agent of sandbox {self.sandbox_id} is not connected")
         return self.agent

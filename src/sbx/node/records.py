@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
@@ -21,7 +21,7 @@ class SandboxState(str, Enum):
 
 def utc_now() -> str:
     """Now as an RFC 3339 UTC timestamp with milliseconds."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def new_sandbox_id(node_id: str | None) -> str:

@@ -12,7 +12,7 @@ from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxE
 from sbx.api.validation import validate_guest_path
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.context import NodeContext
-from sbx.node.http import FILE_BODY_CAP, query_one, stream_body
+from sbx.node.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
 
 def file_error(exc: AgentFileError, path: str) -> SandboxError:
@@ -47,18 +47,20 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         sandbox = manager.resolve_running(request.match_info["ref"])
         path = validate_guest_path(query_one(request, "path"))
         agent = sandbox.processes.require_agent()
-        chunks = agent.read_file(path, SANDBOX_UID, SANDBOX_GID)
         try:
-            first = await anext(chunks, b"")
+            reader = await agent.open_read(path, SANDBOX_UID, SANDBOX_GID)
         except AgentFileError as exc:
             raise file_error(exc, path) from None
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        await response.prepare(request)
-        total = len(first)
-        await response.write(first)
-        async for chunk in chunks:
-            total += len(chunk)
-            await response.write(chunk)
+        response.content_length = reader.size
+        total = 0
+        try:
+            await response.prepare(request)
+            async for chunk in reader:
+                total += len(chunk)
+                await response.write(chunk)
+        finally:
+            await reader.aclose()
         await response.write_eof()
         audit.record("file.read", sandbox.record.id, path=path, bytes=total)
         return response
@@ -99,8 +101,6 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
             entries = await agent.list_dir(path, SANDBOX_UID, SANDBOX_GID)
         except AgentFileError as exc:
             raise file_error(exc, path) from None
-        from sbx.node.http import json_response
-
         return json_response(
             {"entries": [{"name": e.name, "type": e.type, "size": e.size} for e in sorted(entries, key=lambda e: e.name)]}
         )

@@ -9,7 +9,6 @@ from aiohttp import web
 
 from sbx.api.errors import InvalidRequest
 from sbx.api.models import parse_process, parse_run, parse_signal
-from sbx.api.validation import validate_env
 from sbx.node.context import NodeContext
 from sbx.node.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 from sbx.node.manager import Sandbox
@@ -34,9 +33,8 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def run(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
         req = parse_run(await read_json_body(request))
-        validate_env(req.env)
         result = await sandbox.processes.run(
-            req.argv, process_env(sandbox, req.env), sorted(req.env), req.cwd, req.stdin, req.timeout_secs
+            list(req.argv), process_env(sandbox, dict(req.env)), sorted(req.env), req.cwd, req.stdin, req.timeout_secs
         )
         sandbox.touch()
         return json_response(
@@ -52,19 +50,18 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def start(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
         req = parse_process(await read_json_body(request))
-        validate_env(req.env)
-        env = process_env(sandbox, req.env)
+        env = process_env(sandbox, dict(req.env))
         tty = (req.rows, req.cols) if req.tty else None
         if tty is not None:
             env.setdefault("TERM", "xterm-256color")
-        proc = await sandbox.processes.start(req.argv, env, sorted(req.env), req.cwd, tty=tty)
+        proc = await sandbox.processes.start(list(req.argv), env, sorted(req.env), req.cwd, tty=tty)
         if req.stdin:
             await sandbox.processes.send_stdin(proc.record.pid, req.stdin)
         return json_response(proc.record.to_wire(), status=201)
 
     async def list_processes(request: web.Request) -> web.Response:
         sandbox = manager.resolve(request.match_info["ref"])
-        return json_response({"processes": [p.to_wire() for p in sandbox.processes.list()]})
+        return json_response({"processes": [p.to_wire() for p in sandbox.processes.records()]})
 
     async def get(request: web.Request) -> web.Response:
         sandbox = manager.resolve(request.match_info["ref"])

@@ -41,7 +41,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
             ctx.on_create(status, time.monotonic() - started)
 
     async def list_sandboxes(request: web.Request) -> web.Response:
-        records = manager.list(parse_label_filters(request))
+        records = manager.records(parse_label_filters(request))
         return json_response({"sandboxes": [r.to_wire() for r in records]})
 
     async def get(request: web.Request) -> web.Response:
