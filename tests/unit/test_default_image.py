@@ -9,12 +9,14 @@ import pytest
 
 from sbx.images.default_image import (
     DEBIAN_DEFAULT_MIRROR,
+    DEFAULT_IMAGE,
     RECIPE_ANNOTATION,
     RECIPE_ID,
     debian_mirror,
+    installed_default,
     is_current,
 )
-from sbx.images.store import ImageConfig, InstalledImage
+from sbx.images.store import ImageConfig, ImageStore, InstalledImage, image_dir_name
 
 BOOKWORM_DEB822 = """\
 Types: deb
@@ -120,3 +122,13 @@ def test_rebuild_only_when_the_recipe_changed(annotations: dict[str, str], curre
         path=Path("/nonexistent"),
     )
     assert is_current(image) is current
+
+
+def test_damaged_default_counts_as_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = ImageStore(tmp_path)
+    assert installed_default(store) is None
+    damaged = tmp_path / image_dir_name(DEFAULT_IMAGE)
+    damaged.mkdir()
+    (damaged / "image.json").write_text("{")
+    assert installed_default(store) is None
+    assert "rebuilding the damaged default image" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sbx.api.errors import InvalidRequest, Refused, SandboxError, Unavailable
+from sbx.api.errors import Internal, InvalidRequest, Refused, SandboxError, Unavailable
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID, ImageConfig, ImageStore, InstalledImage
 
 #: Reference of the default image in the store.
@@ -90,7 +90,7 @@ def ensure_default_image(
 
     ``progress`` streams debootstrap's output to stderr.
     """
-    current = store.get(DEFAULT_IMAGE)
+    current = installed_default(store)
     if current is not None and not force and is_current(current):
         return current, False
     image = store.install_rootfs(
@@ -101,6 +101,15 @@ def ensure_default_image(
         replace=True,
     )
     return image, True
+
+
+def installed_default(store: ImageStore) -> InstalledImage | None:
+    """The installed default image; None when absent or damaged (a build then replaces it)."""
+    try:
+        return store.get(DEFAULT_IMAGE)
+    except Internal as exc:
+        print(f"rebuilding the damaged default image: {exc.message}", file=sys.stderr)
+        return None
 
 
 def is_current(image: InstalledImage) -> bool:
@@ -310,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InvalidRequest(f"--mirror {mirror!r} is not an http, https or file URL")
         store = ImageStore(args.images_dir)
         store.clean_leftovers()
-        current = store.get(DEFAULT_IMAGE)
+        current = installed_default(store)
         if current is None or args.force or not is_current(current):
             print(f"building image {DEFAULT_IMAGE!r} from {mirror} (debootstrap, about a minute)", flush=True)
         started = time.monotonic()
