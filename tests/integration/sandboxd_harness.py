@@ -79,7 +79,8 @@ class Sandboxd:
         self.log_path = workdir / "sandboxd.log"
         self.config_path = workdir / "sandboxd.toml"
         self.config_path.write_text(
-            f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text, encoding="utf-8"
+            f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text,
+            encoding="utf-8",
         )
         self.args = args or []
         #: Bearer token sent with every request, for servers started with --token-file.
@@ -95,8 +96,8 @@ class Sandboxd:
         ]  # fmt: skip
 
     def start(self, wait: bool = True) -> Sandboxd:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         if wait:
             self.wait_ready()
         return self
@@ -191,19 +192,26 @@ class Sandboxd:
         runsc_root = self.state_dir / "gvisor" / "runsc"
         if runsc_root.exists():
             listing = subprocess.run(
-                ["runsc", "--root", str(runsc_root), "list", "-quiet"], capture_output=True, text=True
+                ["runsc", "--root", str(runsc_root), "list", "-quiet"],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             for sandbox_id in listing.stdout.split():
-                subprocess.run(["runsc", "--root", str(runsc_root), "kill", sandbox_id, "KILL"], capture_output=True)
+                subprocess.run(
+                    ["runsc", "--root", str(runsc_root), "kill", sandbox_id, "KILL"],
+                    capture_output=True,
+                    check=False,
+                )
                 subprocess.run(["runsc", "--root", str(runsc_root), "delete", "-force", sandbox_id],
-                               capture_output=True)  # fmt: skip
+                               capture_output=True, check=False)  # fmt: skip
         mounts = [
             line.split()[4]
             for line in Path("/proc/self/mountinfo").read_text().splitlines()
             if line.split()[4].startswith(str(self.workdir))
         ]
         for mount_point in sorted(mounts, key=len, reverse=True):
-            subprocess.run(["umount", "-l", mount_point], capture_output=True)
+            subprocess.run(["umount", "-l", mount_point], capture_output=True, check=False)
         cgroup_root = Path("/sys/fs/cgroup")
         for controller in cgroup_root.iterdir():
             parent = controller / "sandboxd"

@@ -27,8 +27,8 @@ def test_write_read_list_remove(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
     digest = sandboxd.run(ref, ["sha256sum", "/sandbox/home/deep/er/blob.bin"])["stdout"].split()[0]
     assert digest.decode() == hashlib.sha256(data).hexdigest()
     # (python, not coreutils stat: this runsc rejects the statx flags coreutils passes; docs/backends.md)
-    owners = sandboxd.run(ref, ["python3", "-c", "import os; print(os.stat('/sandbox/home/deep').st_uid, "
-                                "os.stat('/sandbox/home/deep/er/blob.bin').st_uid)"])  # fmt: skip
+    script = "import os; print(os.stat('/sandbox/home/deep').st_uid, os.stat('/sandbox/home/deep/er/blob.bin').st_uid)"
+    owners = sandboxd.run(ref, ["python3", "-c", script])
     assert owners["stdout"] == b"1000 1000\n"
     listing = sandboxd.request("GET", f"/v1/sandboxes/{ref}/dirs?path=/sandbox/home/deep/er").json()
     assert listing == {"entries": [{"name": "blob.bin", "type": "file", "size": len(data)}]}

@@ -94,7 +94,9 @@ def test_bad_runs(sandboxd: Sandboxd, sandbox: dict[str, Any], body: dict[str, A
 
 def test_background_process_stdin_output_and_exit(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
     ref = sandbox["id"]
-    proc = start(sandboxd, ref, ["sh", "-c", "while read line; do echo got:$line; done; echo bye >&2; exit 7"])
+    proc = start(
+        sandboxd, ref, ["sh", "-c", "while read line; do echo got:$line; done; echo bye >&2; exit 7"]
+    )
     assert proc["state"] == "running" and proc["exit_code"] is None
     assert proc["argv"][0] == "sh"
     pid = proc["pid"]

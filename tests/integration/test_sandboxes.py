@@ -78,7 +78,9 @@ def test_delete_is_idempotent_and_terminated_stays_listed(sandboxd: Sandboxd) ->
 
 def test_unknown_sandbox_is_404(sandboxd: Sandboxd) -> None:
     for method, path in (("GET", ""), ("DELETE", ""), ("PATCH", ""), ("POST", "/run")):
-        resp = sandboxd.request(method, f"/v1/sandboxes/sbx_0000000000000000{path}", {} if method != "GET" else None)
+        resp = sandboxd.request(
+            method, f"/v1/sandboxes/sbx_0000000000000000{path}", {} if method != "GET" else None
+        )
         assert resp.status == 404, (method, path)
         assert resp.error == ("not_found", "no sandbox 'sbx_0000000000000000' on this node")
 
@@ -103,8 +105,13 @@ REFUSED_CREATES: list[tuple[str, dict[str, Any], int, str, str]] = [
     ("label-key", {"labels": {"Bad Key": "x"}}, 400, "invalid_request", "Bad Key"),
     ("too-many-labels", {"labels": {f"k{i}": "v" for i in range(33)}}, 400, "invalid_request", "32"),
     ("mode-above-ceiling", {"network": {"mode": "open"}}, 403, "refused", "rule 3"),
-    ("allow-with-none", {"network": {"mode": "none", "allow": ["a.example.com"]}}, 400, "invalid_request",
-     "rule 6"),
+    (
+        "allow-with-none",
+        {"network": {"mode": "none", "allow": ["a.example.com"]}},
+        400,
+        "invalid_request",
+        "rule 6",
+    ),
     ("image-missing", {"image": "no-such-image"}, 400, "invalid_request", "not installed"),
     ("idle-over-limit", {"idle_timeout_secs": 10**9}, 400, "invalid_request", "idle_timeout_secs"),
     ("volumes", {"volumes": [{"name": "v", "path": "/data"}]}, 501, "unsupported", "volumes"),
@@ -167,7 +174,9 @@ def test_patch_rules(sandboxd: Sandboxd) -> None:
 
 
 def test_node_status_and_cordon(sandboxd_factory: Callable[..., Sandboxd]) -> None:
-    server = sandboxd_factory(args=["--node-id", "n1"], config_text="[capacity]\ncpus = 3\nmemory_mb = 4096\n")
+    server = sandboxd_factory(
+        args=["--node-id", "n1"], config_text="[capacity]\ncpus = 3\nmemory_mb = 4096\n"
+    )
     status = server.request("GET", "/v1/node").json()
     assert status["name"] == "n1"
     assert status["capacity"]["cpus"] == 3 and status["capacity"]["memory_mb"] == 4096

@@ -36,7 +36,7 @@ def test_refuses_unsafe_listening(tmp_path: Path, args: list[str], needle: str) 
     argv = [a.replace("{token}", str(token)) for a in args]
     proc = subprocess.run(
         [sys.executable, "-m", "sbx.node.main", "--state-dir", str(tmp_path / "state"), *argv],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 2
     assert needle in proc.stderr
@@ -73,8 +73,16 @@ def test_tcp_with_token_and_metrics(sandboxd_factory: Callable[..., Sandboxd], t
     assert server.request("GET", "/v1/capabilities").status == 401
     server.token = "t0ken-value"
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
-    for name in ("sandboxd_sandboxes", "sandboxd_processes_running", "sandboxd_capacity_cpus", "sandboxd_free_cpus",
-                 "sandboxd_cordoned", "sandboxd_creates_total", "sandboxd_create_seconds", "sandboxd_pool_target"):
+    for name in (
+        "sandboxd_sandboxes",
+        "sandboxd_processes_running",
+        "sandboxd_capacity_cpus",
+        "sandboxd_free_cpus",
+        "sandboxd_cordoned",
+        "sandboxd_creates_total",
+        "sandboxd_create_seconds",
+        "sandboxd_pool_target",
+    ):
         assert name in metrics, name
     server.create()
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()

@@ -63,14 +63,27 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["ro", "nosuid", "nodev"]},
-            {"destination": GUEST_AGENT_PATH, "type": "bind", "source": str(agent_path),
-             "options": ["rbind", "ro"]},
-            {"destination": GUEST_CTL_DIR, "type": "bind", "source": str(ctl_dir), "options": ["rbind", "rw"]},
-        ],  # fmt: skip
+            {
+                "destination": GUEST_AGENT_PATH,
+                "type": "bind",
+                "source": str(agent_path),
+                "options": ["rbind", "ro"],
+            },
+            {
+                "destination": GUEST_CTL_DIR,
+                "type": "bind",
+                "source": str(ctl_dir),
+                "options": ["rbind", "rw"],
+            },
+        ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
             "cgroupsPath": f"{CGROUP_PARENT}/{spec.sandbox_id}",
@@ -89,7 +102,9 @@ class GVisorBackend:
     name = "gvisor"
     network_modes = frozenset({"none"})
 
-    def __init__(self, state_dir: Path, agent_path: Path, platform: str = "ptrace", runsc: str = "runsc") -> None:
+    def __init__(
+        self, state_dir: Path, agent_path: Path, platform: str = "ptrace", runsc: str = "runsc"
+    ) -> None:
         self.base = state_dir / "gvisor"
         self.runsc_root = self.base / "runsc"
         self.agent_path = agent_path
@@ -99,7 +114,9 @@ class GVisorBackend:
     def check(self) -> None:
         """Raise BackendError naming what is missing on this host."""
         if shutil.which(self.runsc) is None:
-            raise BackendError(f"{self.runsc} not found: install gVisor (Debian package runsc) or run scripts/install.sh")
+            raise BackendError(
+                f"{self.runsc} not found: install gVisor (Debian package runsc) or run scripts/install.sh"
+            )
         for tool in ("mkfs.ext4", "mount", "umount"):
             if shutil.which(tool) is None:
                 raise BackendError(f"{tool} not found: install e2fsprogs and mount (scripts/install.sh does)")
@@ -142,7 +159,7 @@ class GVisorBackend:
             raise
 
     async def _start(self, sandbox_id: str, bundle: Path, console: Path) -> None:
-        with open(console, "ab") as log:
+        with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
                 *self._runsc_argv(
                     f"--platform={self.platform}", "--network=none", "--host-uds=create", "--cpu-num-from-quota",
@@ -171,8 +188,10 @@ class GVisorBackend:
 
     async def destroy(self, sandbox_id: str) -> None:
         directory = self._dir(sandbox_id)
-        if (self.runsc_root / sandbox_id).exists() or (self.runsc_root / f"{sandbox_id}_sandbox").exists() or any(
-            self.runsc_root.glob(f"{sandbox_id}*")
+        if (
+            (self.runsc_root / sandbox_id).exists()
+            or (self.runsc_root / f"{sandbox_id}_sandbox").exists()
+            or any(self.runsc_root.glob(f"{sandbox_id}*"))
         ):
             # kill may fail when it already stopped; delete --force then cleans up what is left.
             for args in (("kill", sandbox_id, "KILL"), ("delete", "--force", sandbox_id)):

@@ -29,7 +29,10 @@ SANDBOX_GID = 1000
 async def run_tool(*argv: str) -> str:
     """Run a host tool, returning its stdout; raise BackendError with its stderr when it fails."""
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await proc.communicate()
     if proc.returncode != 0:
@@ -68,7 +71,7 @@ class WritableLayer:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.disk_dir.mkdir(exist_ok=True)
             self.rootfs.mkdir(exist_ok=True)
-            with open(self.image_file, "wb") as f:
+            with open(self.image_file, "wb") as f:  # noqa: ASYNC230 - a sparse truncate, no data written
                 f.truncate(disk_mb * 1024 * 1024)
             # Lazy init and no journal keep mkfs at a few milliseconds even for many GiB; the layer is
             # discarded with the sandbox, so a journal would buy nothing after a host crash.

@@ -73,4 +73,3 @@ class NodeContext:
             "labels": {},
             "cordoned": manager.cordoned,
         }
-

@@ -74,7 +74,9 @@ def host_name(host: str) -> str:
     return name.rsplit(":", 1)[0] if name.count(":") == 1 else name
 
 
-def make_guard(allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None) -> Middleware:
+def make_guard(
+    allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None
+) -> Middleware:
     """The request guard: Host, then Origin, then the bearer token, before any handler runs."""
 
     @web.middleware

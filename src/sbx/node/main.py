@@ -55,20 +55,44 @@ def read_token(path: Path) -> str:
 
 
 @click.command(context_settings={"auto_envvar_prefix": "SANDBOX", "help_option_names": ["-h", "--help"]})
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
-              help=f"Unix socket to serve on (mode 0600). Default {DEFAULT_SOCKET} unless --listen is given.")
-@click.option("--listen", default=None, help="HOST:PORT to serve on over TCP; needs --token-file, and TLS "
-              "unless HOST is loopback.")
-@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="File holding the bearer token clients must send (optional on a unix socket).")
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=f"Unix socket to serve on (mode 0600). Default {DEFAULT_SOCKET} unless --listen is given.",
+)
+@click.option(
+    "--listen",
+    default=None,
+    help="HOST:PORT to serve on over TCP; needs --token-file, and TLS unless HOST is loopback.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="File holding the bearer token clients must send (optional on a unix socket).",
+)
 @click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None)
 @click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None)
-@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), default=DEFAULT_STATE_DIR,
-              show_default=True, help="Where sandboxd keeps its state; restarts take back its sandboxes.")
-@click.option("--config", "config_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              default=None, help="TOML config: limits, defaults, network policy, capacity (docs/config.md).")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=DEFAULT_STATE_DIR,
+    show_default=True,
+    help="Where sandboxd keeps its state; restarts take back its sandboxes.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    default=None,
+    help="TOML config: limits, defaults, network policy, capacity (docs/config.md).",
+)
 @click.option("--node-id", default=None, help="Node id (1-16 of a-z 0-9): sandbox ids become sbx_<N>_<hex>.")
-@click.option("--metrics-listen", default=None, help="127.0.0.1:PORT for Prometheus /metrics (loopback only).")
+@click.option(
+    "--metrics-listen", default=None, help="127.0.0.1:PORT for Prometheus /metrics (loopback only)."
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     socket_path: Path | None,

@@ -96,7 +96,9 @@ class SandboxManager:
             try:
                 await self._take_back(sandbox)
             except (AgentError, BackendError, OSError) as exc:
-                log.warning("sandbox could not be taken back", extra={"sandbox": record.id, "error": str(exc)})
+                log.warning(
+                    "sandbox could not be taken back", extra={"sandbox": record.id, "error": str(exc)}
+                )
                 await self._terminate(sandbox, "lost")
         self._forget_old_terminated()
         self._spawn(self._idle_loop())
@@ -202,7 +204,9 @@ class SandboxManager:
             raise Unavailable("this node is cordoned and takes no new sandboxes; uncordon it with "
                               "POST /v1/node/cordon {\"cordoned\": false}")  # fmt: skip
         if req.snapshot_id is not None:
-            raise Unsupported("forks from snapshots are not supported by this node (capability memory_snapshot)")
+            raise Unsupported(
+                "forks from snapshots are not supported by this node (capability memory_snapshot)"
+            )
         if req.volumes:
             raise Unsupported("volumes are not supported by this node yet")
         if req.snapshot_every_secs:
@@ -213,7 +217,9 @@ class SandboxManager:
                 f"ask for one of: {', '.join(m for m in MODE_ORDER if m in self.backend.network_modes)}"
             )
         if req.name is not None and any(s.record.name == req.name for s in self.live()):
-            raise Conflict(f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one")
+            raise Conflict(
+                f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one"
+            )
         if self.images.get(req.image) is None:
             raise InvalidRequest(
                 f"image {req.image!r} is not installed on this node; installed: "
@@ -268,7 +274,9 @@ class SandboxManager:
                     network=record.network,
                 )
             )
-            agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+            agent = await AgentClient.connect(
+                self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
+            )
             await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
@@ -302,9 +310,12 @@ class SandboxManager:
                     "changing the network policy of a running sandbox is not supported by this node "
                     "(capability network_policy_update)"
                 )
-            if req.name is not None and req.name != "" and req.name != record.name:
-                if any(s.record.name == req.name for s in self.live() if s is not sandbox):
-                    raise Conflict(f"the name {req.name!r} is in use by a live sandbox")
+            if (
+                req.name
+                and req.name != record.name
+                and any(s.record.name == req.name for s in self.live() if s is not sandbox)
+            ):
+                raise Conflict(f"the name {req.name!r} is in use by a live sandbox")
             changed: dict[str, object] = {}
             if req.name is not None:
                 new_name = req.name or None
@@ -365,16 +376,33 @@ class SandboxManager:
             shutil.rmtree(sandbox.directory, ignore_errors=True)
 
     def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
-        """When the agent's channel closes on its own, the sandbox died (or its init did): terminate it."""
+        """When the agent's channel closes on its own: reconnect if the sandbox still runs, else terminate it."""
 
         async def watch() -> None:
             await agent.closed.wait()
             # Closed by this host (terminate, shutdown) means the sandbox is no longer live or no longer ours.
-            if sandbox.record.live and sandbox.processes.agent is agent:
-                async with sandbox.lock:
-                    if sandbox.record.live:
-                        log.warning("sandbox agent went away", extra={"sandbox": sandbox.record.id})
-                        await self._terminate(sandbox, "crashed")
+            if not (sandbox.record.live and sandbox.processes.agent is agent):
+                return
+            async with sandbox.lock:
+                if not (sandbox.record.live and sandbox.processes.agent is agent):
+                    return
+                sandbox_id = sandbox.record.id
+                if await self.backend.is_running(sandbox_id):
+                    try:
+                        again = await AgentClient.connect(
+                            self.backend.agent_socket(sandbox_id), AGENT_CONNECT_TIMEOUT_SECS
+                        )
+                        await sandbox.processes.attach_agent(again)
+                    except AgentError as exc:
+                        log.warning(
+                            "agent reconnect failed", extra={"sandbox": sandbox_id, "error": str(exc)}
+                        )
+                    else:
+                        log.info("agent channel re-established", extra={"sandbox": sandbox_id})
+                        self._watch_agent(sandbox, again)
+                        return
+                log.warning("sandbox agent went away", extra={"sandbox": sandbox_id})
+                await self._terminate(sandbox, "crashed")
 
         self._spawn(watch())
 

@@ -8,6 +8,7 @@ be replayed from the start and survives a sandboxd restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal as signals
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sbx.agent.client import AgentClient, CommandNotFound, SpawnFailed
+from sbx.agent.client import AgentClient, AgentError, CommandNotFound, SpawnFailed
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.audit import AuditLog, process_started_fields
@@ -199,7 +200,9 @@ class ProcessTable:
         self._procs[pid] = proc
         write_json_atomic(meta_path, asdict(record), durable=False)
         try:
-            await agent.spawn(pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc))
+            await agent.spawn(
+                pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc)
+            )
         except CommandNotFound as exc:
             self._discard(proc)
             raise InvalidRequest(f"command not found: {argv[0]} ({exc})") from None
@@ -229,7 +232,11 @@ class ProcessTable:
         proc.exited.set()
         duration_ms = int((time.monotonic() - proc.started_monotonic) * 1000)
         self.audit.record(
-            "process.exited", self.sandbox_id, pid=proc.record.pid, exit_code=exit_code, duration_ms=duration_ms
+            "process.exited",
+            self.sandbox_id,
+            pid=proc.record.pid,
+            exit_code=exit_code,
+            duration_ms=duration_ms,
         )
         if self.agent is not None:
             asyncio.get_running_loop().create_task(self._forget_in_agent(proc.record.pid))
@@ -239,10 +246,9 @@ class ProcessTable:
         agent = self.agent
         if agent is None:
             return
-        try:
+        # The agent going away forgets everything anyway.
+        with contextlib.suppress(AgentError):
             await agent.forget(pid)
-        except Exception:  # noqa: BLE001 - the agent going away forgets everything anyway
-            pass
 
     def _forget_old(self) -> None:
         exited = [p for p in self._procs.values() if p.record.exit_code is not None]

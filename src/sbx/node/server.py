@@ -99,7 +99,11 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         metrics_runner = await start_metrics_server(metrics, *options.metrics_listen)
     log.info(
         "sandboxd serving",
-        extra={"socket": str(options.socket_path or ""), "listen": options.listen, "state_dir": str(options.state_dir)},
+        extra={
+            "socket": str(options.socket_path or ""),
+            "listen": options.listen,
+            "state_dir": str(options.state_dir),
+        },
     )
 
     stop = asyncio.Event()

@@ -21,7 +21,9 @@ def file_error(exc: AgentFileError, path: str) -> SandboxError:
     if code == errno.ENOENT:
         return NotFound(f"no such file or directory: {path}")
     if code in (errno.EACCES, errno.EPERM):
-        return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {SANDBOX_UID})")
+        return Refused(
+            f"permission denied: {path} (files are accessed as the sandbox user, uid {SANDBOX_UID})"
+        )
     if code == errno.EROFS:
         return Conflict("read-only file system")
     if code == errno.ENOSPC:
@@ -102,7 +104,12 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         except AgentFileError as exc:
             raise file_error(exc, path) from None
         return json_response(
-            {"entries": [{"name": e.name, "type": e.type, "size": e.size} for e in sorted(entries, key=lambda e: e.name)]}
+            {
+                "entries": [
+                    {"name": e.name, "type": e.type, "size": e.size}
+                    for e in sorted(entries, key=lambda e: e.name)
+                ]
+            }
         )
 
     base = "/v1/sandboxes/{ref}"

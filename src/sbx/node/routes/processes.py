@@ -34,7 +34,12 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         sandbox = manager.resolve_running(request.match_info["ref"])
         req = parse_run(await read_json_body(request))
         result = await sandbox.processes.run(
-            list(req.argv), process_env(sandbox, dict(req.env)), sorted(req.env), req.cwd, req.stdin, req.timeout_secs
+            list(req.argv),
+            process_env(sandbox, dict(req.env)),
+            sorted(req.env),
+            req.cwd,
+            req.stdin,
+            req.timeout_secs,
         )
         sandbox.touch()
         return json_response(
