@@ -1,0 +1,210 @@
+"""Benchmark sandboxd against raw runsc, measured in one run on the same machine.
+
+    sudo .venv/bin/python bench/bench_sandboxd.py [--sandboxes 50] [--runs 200] [--concurrent 20]
+
+Prints p50/p95 (and p99 for concurrent creates) with ratios against the raw tool:
+- create-to-first-run-result (POST /v1/sandboxes, then POST .../run of `true`) vs `runsc run` of `true`
+  in a bundle on the same image root;
+- run round trip of `true` vs `runsc exec` of `true` into a running raw sandbox;
+- N concurrent creates;
+- idle memory per sandbox (its cgroup's usage, and the host's MemAvailable drop per sandbox).
+Results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+
+from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, missing_requirements
+
+from sbx.backends.gvisor import CGROUP_PARENT
+from sbx.client import AsyncClient
+from sbx.images.store import ImageStore
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank, in milliseconds."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index] * 1000
+
+
+def summary(name: str, values: list[float], raw: list[float] | None = None, p99: bool = False) -> str:
+    line = f"{name:<42} p50 {pct(values, 50):8.1f} ms   p95 {pct(values, 95):8.1f} ms"
+    if p99:
+        line += f"   p99 {pct(values, 99):8.1f} ms"
+    if raw:
+        line += f"   ratio p50 {pct(values, 50) / pct(raw, 50):5.2f}x   p95 {pct(values, 95) / pct(raw, 95):5.2f}x"
+    return line
+
+
+class RawRunsc:
+    """runsc used directly on a bundle whose root is the image root (read-only), for comparison."""
+
+    def __init__(self, workdir: Path, image_root: Path) -> None:
+        self.root = workdir / "runsc-root"
+        self.bundle = workdir / "bundle"
+        self.bundle.mkdir(parents=True)
+        self.image_root = image_root
+
+    def write_spec(self, args: list[str]) -> None:
+        spec = {
+            "ociVersion": "1.0.0",
+            "process": {"user": {"uid": 1000, "gid": 1000}, "args": args, "cwd": "/",
+                        "env": ["PATH=/usr/local/bin:/usr/bin:/bin"]},
+            "root": {"path": str(self.image_root), "readonly": True},
+            "hostname": "raw",
+            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+                       {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}],
+            "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                      "resources": {"memory": {"limit": 512 * 1024 * 1024},
+                                    "cpu": {"quota": 100000, "period": 100000}}},
+        }  # fmt: skip
+        (self.bundle / "config.json").write_text(json.dumps(spec))
+
+    def argv(self, *args: str) -> list[str]:
+        return ["runsc", "--root", str(self.root), "--platform=ptrace", "--network=none", *args]
+
+    def run(self, name: str) -> float:
+        started = time.monotonic()
+        subprocess.run(self.argv("run", "--bundle", str(self.bundle), name), check=True,
+                       stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
+        return time.monotonic() - started
+
+    def exec(self, name: str) -> float:
+        started = time.monotonic()
+        subprocess.run(self.argv("exec", name, "true"), check=True, stdout=subprocess.DEVNULL)
+        return time.monotonic() - started
+
+    def cleanup(self, name: str) -> None:
+        for args in (("kill", name, "KILL"), ("delete", "-force", name)):
+            subprocess.run(self.argv(*args), capture_output=True, check=False)
+
+
+async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
+    started = time.monotonic()
+    await fn()
+    return time.monotonic() - started
+
+
+def mem_available_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> None:
+    client = AsyncClient(f"unix://{server.socket_path}")
+    print(f"# sandboxd vs runsc, {time.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} cores")
+
+    # 1. create-to-first-run-result vs runsc run of the same command
+    raw.write_spec(["true"])
+    raw_runs = []
+    for i in range(args.sandboxes):
+        raw_runs.append(raw.run(f"raw-run-{i}"))
+        raw.cleanup(f"raw-run-{i}")
+    ours = []
+    for _ in range(args.sandboxes):
+        started = time.monotonic()
+        created = await client.create()
+        result = await client.run(created["id"], ["true"])
+        ours.append(time.monotonic() - started)
+        assert result.exit_code == 0
+        await client.delete(created["id"])
+    print(summary("runsc run (true)", raw_runs))
+    print(summary("create + first run (true)", ours, raw_runs))
+
+    # 2. run round trip vs runsc exec
+    raw.write_spec(["sleep", "3600"])
+    # Blocking on purpose: the raw baseline is timed without the event loop in the way.
+    subprocess.run(raw.argv("run", "--detach", "--bundle", str(raw.bundle), "raw-exec"), check=True,  # noqa: ASYNC221
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        raw.exec("raw-exec")
+        raw_execs = [raw.exec("raw-exec") for _ in range(min(args.runs, 100))]
+    finally:
+        raw.cleanup("raw-exec")
+    sandbox = await client.create()
+    await client.run(sandbox["id"], ["true"])
+    runs = [await timed(lambda: client.run(sandbox["id"], ["true"])) for _ in range(args.runs)]
+    print(summary("runsc exec (true)", raw_execs))
+    print(summary("run round trip (true)", runs, raw_execs))
+
+    # 3. idle memory per sandbox
+    idle_count = 10
+    before = mem_available_kib()
+    idle = [await client.create() for _ in range(idle_count)]
+    await asyncio.sleep(5)
+    after = mem_available_kib()
+    usages = []
+    for s in idle + [sandbox]:
+        usage_file = (
+            Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / s["id"] / "memory.usage_in_bytes"
+        )
+        if usage_file.exists():
+            usages.append(int(usage_file.read_text()) / 2**20)
+    print(f"{'idle memory per sandbox (cgroup usage)':<42} mean {statistics.mean(usages):6.1f} MiB   "
+          f"max {max(usages):6.1f} MiB over {len(usages)}")  # fmt: skip
+    print(f"{'idle memory per sandbox (MemAvailable)':<42} {(before - after) / 1024 / idle_count:6.1f} MiB each "
+          f"over {idle_count}")  # fmt: skip
+    for s in idle + [sandbox]:
+        await client.delete(s["id"])
+    await asyncio.sleep(3)
+
+    # 4. concurrent creates
+    async def create_one() -> tuple[float, str]:
+        started = time.monotonic()
+        created = await client.create()
+        return time.monotonic() - started, created["id"]
+
+    results = await asyncio.gather(*(create_one() for _ in range(args.concurrent)))
+    print(summary(f"{args.concurrent} concurrent creates", [r[0] for r in results], p99=True))
+    for _, sandbox_id in results:
+        await client.delete(sandbox_id)
+    await client.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sandboxes", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--concurrent", type=int, default=20)
+    args = parser.parse_args()
+    missing = missing_requirements()
+    if missing:
+        sys.exit(f"cannot benchmark: {missing}")
+    image = ImageStore(IMAGES_DIR).get("default")
+    assert image is not None and AGENT_PATH.exists()
+    workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
+    (workdir / "node").mkdir()
+    server = Sandboxd(workdir / "node")
+    raw = RawRunsc(workdir / "raw", image.rootfs)
+    try:
+        server.start()
+        asyncio.run(bench(args, server, raw))
+    finally:
+        server.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
