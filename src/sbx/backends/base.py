@@ -53,6 +53,12 @@ class Backend(Protocol):
     def check(self) -> None:
         """Raise BackendError naming what to install or fix when the host cannot run sandboxes."""
 
+    async def start(self) -> None:
+        """Start the backend's background work (called once before the first boot)."""
+
+    async def close(self) -> None:
+        """Stop background work; running sandboxes are left alone."""
+
     async def boot(self, spec: BootSpec) -> None:
         """Boot the sandbox; on return its agent is listening on ``agent_socket(spec.sandbox_id)``.
 

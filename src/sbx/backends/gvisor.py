@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sbx.backends.base import BackendError, BackendUsage, BootSpec
-from sbx.backends.layers import WritableLayer, run_tool
+from sbx.backends.layers import LayerPool, WritableLayer, run_tool
 
 #: The in-sandbox paths of the agent and its control directory.
 GUEST_AGENT_PATH = "/.sbx/agent"
@@ -103,13 +103,29 @@ class GVisorBackend:
     network_modes = frozenset({"none"})
 
     def __init__(
-        self, state_dir: Path, agent_path: Path, platform: str = "ptrace", runsc: str = "runsc"
+        self,
+        state_dir: Path,
+        agent_path: Path,
+        platform: str = "ptrace",
+        runsc: str = "runsc",
+        pooled_disk_mb: int = 0,
     ) -> None:
+        """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time."""
         self.base = state_dir / "gvisor"
         self.runsc_root = self.base / "runsc"
         self.agent_path = agent_path
         self.platform = platform
         self.runsc = runsc
+        self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
+
+    async def start(self) -> None:
+        """Background work: keep the layer pool filled."""
+        if self.layer_pool is not None:
+            await self.layer_pool.start()
+
+    async def close(self) -> None:
+        if self.layer_pool is not None:
+            await self.layer_pool.close()
 
     def check(self) -> None:
         """Raise BackendError naming what is missing on this host."""
@@ -149,7 +165,7 @@ class GVisorBackend:
             directory.mkdir(parents=True, mode=0o700)
             ctl_dir.mkdir(mode=0o700)
             bundle.mkdir()
-            await layer.create(spec.image_root, spec.disk_mb)
+            await layer.create(spec.image_root, spec.disk_mb, self.layer_pool)
             (bundle / "config.json").write_text(
                 json.dumps(oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir)), encoding="utf-8"
             )

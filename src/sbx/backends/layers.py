@@ -15,11 +15,15 @@ Layout under the layer directory::
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from sbx.backends.base import BackendError
+
+log = logging.getLogger(__name__)
 
 #: uid and gid of the sandbox user inside every sandbox; its home is /sandbox/home.
 SANDBOX_UID = 1000
@@ -53,6 +57,19 @@ def is_mounted(path: Path) -> bool:
     return False
 
 
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    """Mount an overlay with mount(2) directly: a ``mount`` process would cost milliseconds per create."""
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NODEV | _MS_NOSUID, options) != 0:
+        err = ctypes.get_errno()
+        raise BackendError(f"cannot mount the sandbox's root overlay at {target}: {os.strerror(err)}")
+
+
 class WritableLayer:
     """The writable layer and overlay root of one sandbox, in its own directory."""
 
@@ -62,36 +79,37 @@ class WritableLayer:
         self.disk_dir = directory / "disk"
         self.rootfs = directory / "rootfs"
 
-    async def create(self, image_root: Path, disk_mb: int) -> None:
-        """Make the ext4 layer of ``disk_mb`` MiB and mount the overlay at ``rootfs``.
+    async def create(self, image_root: Path, disk_mb: int, pool: LayerPool | None = None) -> None:
+        """Make the ext4 layer of ``disk_mb`` MiB (or take a ready one from ``pool``) and mount the overlay.
 
         On failure, whatever was made is removed again.
         """
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.disk_dir.mkdir(exist_ok=True)
+            if pool is None or not pool.take(disk_mb, self.directory):
+                await self.format_disk(disk_mb)
             self.rootfs.mkdir(exist_ok=True)
-            with open(self.image_file, "wb") as f:  # noqa: ASYNC230 - a sparse truncate, no data written
-                f.truncate(disk_mb * 1024 * 1024)
-            # Lazy init and no journal keep mkfs at a few milliseconds even for many GiB; the layer is
-            # discarded with the sandbox, so a journal would buy nothing after a host crash.
-            await run_tool(
-                "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
-                "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1", str(self.image_file),
-            )  # fmt: skip
-            await run_tool("mount", "-o", "loop,nodev,nosuid", str(self.image_file), str(self.disk_dir))
             upper = self.disk_dir / "upper"
-            upper.mkdir(exist_ok=True)
-            (self.disk_dir / "work").mkdir(exist_ok=True)
             self._prepare_upper(upper, image_root)
-            await run_tool(
-                "mount", "-t", "overlay", "overlay", "-o",
-                f"lowerdir={image_root},upperdir={upper},workdir={self.disk_dir / 'work'},nodev,nosuid",
-                str(self.rootfs),
-            )  # fmt: skip
+            mount_overlay(image_root, upper, self.disk_dir / "work", self.rootfs)
         except BaseException:
             await self.remove()
             raise
+
+    async def format_disk(self, disk_mb: int) -> None:
+        """Make and mount the ext4 file system of the writable layer, with empty upper/ and work/."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.disk_dir.mkdir(exist_ok=True)
+        with open(self.image_file, "wb") as f:  # noqa: ASYNC230 - a sparse truncate, no data written
+            f.truncate(disk_mb * 1024 * 1024)
+        # Lazy init and no journal keep mkfs at a few milliseconds even for many GiB; the layer is
+        # discarded with the sandbox, so a journal would buy nothing after a host crash.
+        await run_tool(
+            "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
+            "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1", str(self.image_file),
+        )  # fmt: skip
+        await run_tool("mount", "-o", "loop,nodev,nosuid", str(self.image_file), str(self.disk_dir))
+        (self.disk_dir / "upper").mkdir(exist_ok=True)
+        (self.disk_dir / "work").mkdir(exist_ok=True)
 
     @staticmethod
     def _prepare_upper(upper: Path, image_root: Path) -> None:
@@ -128,3 +146,59 @@ class WritableLayer:
                     # once the last user goes.
                     await run_tool("umount", "-l", str(mount_point))
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class LayerPool:
+    """Writable layers of one size formatted and mounted ahead of time, so a create only mounts its overlay.
+
+    Entries live in ``directory`` as ``<n>/`` (a WritableLayer without its overlay); ``take`` renames one
+    into the new sandbox's layer directory (the loop mount moves with it) and a refill starts in the
+    background. Entries left by an earlier run are removed at ``start``.
+    """
+
+    def __init__(self, directory: Path, disk_mb: int, target: int = 2) -> None:
+        self.directory = directory
+        self.disk_mb = disk_mb
+        self.target = target
+        self._ready: list[Path] = []
+        self._counter = 0
+        self._refilling: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Clear leftovers, then fill the pool in the background."""
+        if self.directory.exists():
+            for leftover in self.directory.iterdir():
+                await WritableLayer(leftover).remove()
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._refill_soon()
+
+    def take(self, disk_mb: int, dest: Path) -> bool:
+        """Move a ready layer of ``disk_mb`` MiB to ``dest``; False when none is ready."""
+        if disk_mb != self.disk_mb or not self._ready:
+            return False
+        entry = self._ready.pop()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(entry, dest)
+        self._refill_soon()
+        return True
+
+    def _refill_soon(self) -> None:
+        if self.target > 0 and (self._refilling is None or self._refilling.done()):
+            self._refilling = asyncio.get_running_loop().create_task(self._refill())
+
+    async def _refill(self) -> None:
+        while len(self._ready) < self.target:
+            self._counter += 1
+            entry = self.directory / f"{os.getpid()}-{self._counter}"
+            try:
+                await WritableLayer(entry).format_disk(self.disk_mb)
+            except (BackendError, OSError) as exc:
+                log.warning("layer pool refill failed", extra={"error": str(exc)})
+                await WritableLayer(entry).remove()
+                return
+            self._ready.append(entry)
+
+    async def close(self) -> None:
+        """Stop refilling; ready entries stay mounted for the next start to clear."""
+        if self._refilling is not None:
+            self._refilling.cancel()

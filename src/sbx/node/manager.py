@@ -50,9 +50,9 @@ class Sandbox:
         """Note activity: a request naming the sandbox, or a process starting or exiting."""
         self.last_activity = time.monotonic()
 
-    def save(self) -> None:
-        """Persist the record atomically."""
-        write_json_atomic(self.directory / "sandbox.json", self.record.to_disk())
+    def save(self, durable: bool = True) -> None:
+        """Persist the record atomically (``durable``: fsynced, surviving a power loss too)."""
+        write_json_atomic(self.directory / "sandbox.json", self.record.to_disk(), durable=durable)
 
 
 class SandboxManager:
@@ -263,7 +263,8 @@ class SandboxManager:
         # Registered before the first await, so a concurrent create sees the name and the capacity taken.
         self._sandboxes[record.id] = sandbox
         try:
-            sandbox.save()
+            # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
+            sandbox.save(durable=False)
             await self.backend.boot(
                 BootSpec(
                     sandbox_id=record.id,
@@ -277,7 +278,7 @@ class SandboxManager:
             agent = await AgentClient.connect(
                 self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
             )
-            await sandbox.processes.attach_agent(agent)
+            sandbox.processes.agent = agent  # a fresh sandbox has no processes to resume
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
             self._sandboxes.pop(record.id, None)

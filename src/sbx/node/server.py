@@ -62,7 +62,9 @@ def lock_state_dir(state_dir: Path) -> int:
 async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
-    backend = GVisorBackend(options.state_dir, config.paths.agent_path)
+    backend = GVisorBackend(
+        options.state_dir, config.paths.agent_path, pooled_disk_mb=config.defaults.disk_mb
+    )
     backend.check()
     images = ImageStore(config.paths.images_dir)
     audit = AuditLog(options.state_dir / "audit")
@@ -75,6 +77,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
         on_create=metrics.observe_create,
     )  # fmt: skip
+    await backend.start()
     await manager.start()
 
     app = web.Application(
@@ -116,6 +119,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await manager.close()
+    await backend.close()
     if options.socket_path is not None:
         options.socket_path.unlink(missing_ok=True)
     os.close(lock_fd)
