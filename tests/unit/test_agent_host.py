@@ -197,6 +197,43 @@ async def test_missing_program_is_command_not_found(
     assert await client.list_processes() == []  # the failed child was reaped, nothing retained
 
 
+@pytest.mark.parametrize(
+    ("path", "cwd", "program", "out"),
+    [
+        ("{dir}/bin1:/usr/bin:/bin", "/", "prog", "one"),  # the requested env's PATH, not the agent's
+        ("{dir}/noexec:{dir}/bin1", "/", "prog", "one"),  # EACCES is remembered, the search goes on
+        ("{dir}/isdir:{dir}/bin1", "/", "prog", "one"),  # a directory of that name is skipped
+        ("{dir}/bin2:{dir}/bin1", "/", "prog", "two"),  # the first match wins
+        ("/usr/bin:", "{dir}/bin2", "prog", "two"),  # an empty entry is the working directory
+        ("bin1", "{dir}", "prog", "one"),  # a relative entry is relative to the working directory
+        ("{dir}/bin1", "/", "noshebang", "via-sh"),  # a file without #! runs with /bin/sh
+        (None, "/", "true", ""),  # no PATH: libc's default (/bin:/usr/bin)
+    ],
+)
+async def test_program_search_is_execvp_over_the_requested_path(
+    client: AgentClient, agent: Agent, path: str | None, cwd: str, program: str, out: str
+) -> None:
+    for name, text in [("bin1/prog", "echo one"), ("bin2/prog", "echo two"), ("noexec/prog", "echo no")]:
+        f = agent.dir / name
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(f"#!/bin/sh\n{text}\n")
+        f.chmod(0o644 if name.startswith("noexec") else 0o755)
+    (agent.dir / "bin1" / "noshebang").write_text("echo via-sh\n")
+    (agent.dir / "bin1" / "noshebang").chmod(0o755)
+    (agent.dir / "isdir" / "prog").mkdir(parents=True)
+    env = {"LANG": "C"} if path is None else {"PATH": path.format(dir=agent.dir)}
+    rec = await run(client, 1, [program], cwd=cwd.format(dir=agent.dir), env=env)
+    assert (rec.exit.result(), rec.text().strip()) == (0, out)
+
+
+async def test_program_found_only_without_permission_is_eacces(client: AgentClient, agent: Agent) -> None:
+    (agent.dir / "noexec").mkdir()
+    (agent.dir / "noexec" / "prog").write_text("#!/bin/sh\n")
+    with pytest.raises(CommandNotFound) as info:
+        await client.spawn(1, ["prog"], {"PATH": f"/nonexistent:{agent.dir}/noexec"}, "/", 0, 0)
+    assert info.value.errno == errno.EACCES
+
+
 async def test_bad_cwd_is_a_spawn_failure_not_command_not_found(client: AgentClient) -> None:
     with pytest.raises(SpawnFailed) as info:
         await client.spawn(1, ["true"], ENV, "/no/such/dir", 0, 0)

@@ -34,10 +34,12 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -534,69 +536,139 @@ static void reap(void)
     }
 }
 
-struct exec_err {
-    int stage;
-    int err;
+/* What the vfork child needs, prepared by the parent so the child only makes system calls. The
+ * child shares the agent's memory until it execs: it writes nothing but `stage` and `err`, and
+ * only on failure, right before _exit. */
+struct spawn_req {
+    int slave;              /* terminal slave, or -1 for pipes */
+    int in_fd, out_fd, err_fd; /* the child's ends of the pipes */
+    uid_t uid;
+    gid_t gid;
+    uint32_t nproc, nofile;
+    const char *cwd;
+    char **argv, **envp;
+    char **sh_argv; /* {"/bin/sh", <file>, argv[1..]} for a file without #! (ENOEXEC), as execvp */
+    const char *path; /* PATH of envp; glibc's default when it has none */
+    int stage, err;   /* set by the child when it fails; stage -1 means it exec'd */
 };
 
-/* Runs in the forked child: report why we could not exec through the CLOEXEC error pipe. */
-static void child_fail(int errfd, int stage, int err) __attribute__((noreturn));
-static void child_fail(int errfd, int stage, int err)
+/* The child runs on its own stack in the agent's address space; one spawn at a time (the agent
+ * is single-threaded and the parent is suspended until exec or exit), so one static stack does. */
+static char child_stack[64 * 1024] __attribute__((aligned(64)));
+
+static void child_fail(struct spawn_req *q, int stage, int err) __attribute__((noreturn));
+static void child_fail(struct spawn_req *q, int stage, int err)
 {
-    struct exec_err e = {stage, err};
-    ssize_t w = write(errfd, &e, sizeof e);
-    (void)w;
+    q->stage = stage;
+    q->err = err;
     _exit(127);
 }
 
-static void child_main(int errfd, int slave, int pin[2], int pout[2], int perr[2], uid_t uid, gid_t gid,
-                       uint32_t nproc, uint32_t nofile, const char *cwd, char **argv, char **envp)
-    __attribute__((noreturn));
-static void child_main(int errfd, int slave, int pin[2], int pout[2], int perr[2], uid_t uid, gid_t gid,
-                       uint32_t nproc, uint32_t nofile, const char *cwd, char **argv, char **envp)
+/* execve, then what execvp does for a file without #!: run it with /bin/sh (errno is then the
+ * shell's, as with glibc). */
+static void child_exec(struct spawn_req *q, const char *file)
 {
+    execve(file, q->argv, q->envp);
+    if (errno == ENOEXEC) {
+        q->sh_argv[1] = (char *)file; /* the parent's array, unused by it until we exec or exit */
+        execve(q->sh_argv[0], q->sh_argv, q->envp);
+    }
+}
+
+/* execvp's search (glibc's, same errors) over the PATH of the requested environment rather than
+ * the agent's. It runs after the uid switch and chdir, as execvp did, so permissions are the
+ * user's and relative PATH entries are relative to cwd. Returns only on failure, errno set. */
+static void child_execvp(struct spawn_req *q)
+{
+    const char *file = q->argv[0];
+    if (!file[0]) {
+        errno = ENOENT;
+        return;
+    }
+    if (strchr(file, '/')) {
+        child_exec(q, file);
+        return;
+    }
+    size_t flen = strlen(file);
+    if (flen > NAME_MAX) {
+        errno = ENAMETOOLONG;
+        return;
+    }
+    char buf[PATH_MAX + NAME_MAX + 2];
+    int eacces = 0;
+    for (const char *p = q->path;;) {
+        const char *end = strchrnul(p, ':');
+        size_t dlen = (size_t)(end - p);
+        if (dlen < PATH_MAX) {
+            memcpy(buf, p, dlen);
+            buf[dlen] = '/';
+            /* An empty entry is the current directory: the bare name. */
+            memcpy(buf + dlen + (dlen ? 1 : 0), file, flen + 1);
+            child_exec(q, buf);
+            switch (errno) {
+            case EACCES:
+                eacces = 1;
+                break;
+            case ENOENT: case ESTALE: case ENOTDIR: case ENODEV: case ETIMEDOUT:
+                break;
+            default:
+                return; /* found it, but it cannot run */
+            }
+        }
+        if (!*end)
+            break;
+        p = end + 1;
+    }
+    errno = eacces ? EACCES : ENOENT;
+}
+
+/* The vfork child. Raw set*id system calls: libc's wrappers may synchronise with threads, and
+ * this child is not a thread libc knows. */
+static int child_main(void *arg)
+{
+    struct spawn_req *q = arg;
     /* Undo what the agent changed for itself: ignored signals survive exec, blocked ones too. */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
     if (setsid() < 0)
-        child_fail(errfd, STAGE_SETUP, errno);
-    if (slave >= 0) {
-        if (ioctl(slave, TIOCSCTTY, 0) < 0)
-            child_fail(errfd, STAGE_TTY, errno);
-        if (dup2(slave, 0) < 0 || dup2(slave, 1) < 0 || dup2(slave, 2) < 0)
-            child_fail(errfd, STAGE_TTY, errno);
+        child_fail(q, STAGE_SETUP, errno);
+    if (q->slave >= 0) {
+        if (ioctl(q->slave, TIOCSCTTY, 0) < 0)
+            child_fail(q, STAGE_TTY, errno);
+        if (dup2(q->slave, 0) < 0 || dup2(q->slave, 1) < 0 || dup2(q->slave, 2) < 0)
+            child_fail(q, STAGE_TTY, errno);
     } else {
-        if (dup2(pin[0], 0) < 0 || dup2(pout[1], 1) < 0 || dup2(perr[1], 2) < 0)
-            child_fail(errfd, STAGE_SETUP, errno);
+        if (dup2(q->in_fd, 0) < 0 || dup2(q->out_fd, 1) < 0 || dup2(q->err_fd, 2) < 0)
+            child_fail(q, STAGE_SETUP, errno);
     }
     /* Every other descriptor of the agent is CLOEXEC, so exec closes them. */
     struct rlimit rl;
-    if (nproc) {
-        rl.rlim_cur = rl.rlim_max = nproc;
+    if (q->nproc) {
+        rl.rlim_cur = rl.rlim_max = q->nproc;
         if (setrlimit(RLIMIT_NPROC, &rl) < 0)
-            child_fail(errfd, STAGE_RLIMIT, errno);
+            child_fail(q, STAGE_RLIMIT, errno);
     }
-    if (nofile) {
-        rl.rlim_cur = rl.rlim_max = nofile;
+    if (q->nofile) {
+        rl.rlim_cur = rl.rlim_max = q->nofile;
         if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
-            child_fail(errfd, STAGE_RLIMIT, errno);
+            child_fail(q, STAGE_RLIMIT, errno);
     }
-    if (getuid() == 0) {
-        if (setgroups(1, &gid) < 0 || setgid(gid) < 0 || setuid(uid) < 0)
-            child_fail(errfd, STAGE_CREDS, errno);
-    } else if (uid != getuid() || gid != getgid()) {
-        child_fail(errfd, STAGE_CREDS, EPERM);
+    uid_t ruid = getuid();
+    if (ruid == 0) {
+        if (syscall(SYS_setgroups, 1, &q->gid) < 0 || syscall(SYS_setgid, q->gid) < 0 ||
+            syscall(SYS_setuid, q->uid) < 0)
+            child_fail(q, STAGE_CREDS, errno);
+    } else if (q->uid != ruid || q->gid != getgid()) {
+        child_fail(q, STAGE_CREDS, EPERM);
     }
     /* After the uid switch, so a directory the user may not enter is refused. */
-    if (cwd[0] && chdir(cwd) < 0)
-        child_fail(errfd, STAGE_CWD, errno);
+    if (q->cwd[0] && chdir(q->cwd) < 0)
+        child_fail(q, STAGE_CWD, errno);
     umask(022);
-    /* execvp searches the PATH of the environment we install, not the agent's. */
-    environ = envp;
-    execvp(argv[0], argv);
-    child_fail(errfd, STAGE_EXEC, errno);
+    child_execvp(q);
+    child_fail(q, STAGE_EXEC, errno);
 }
 
 static int open_pty(int *master, int *slave, uint16_t rows, uint16_t cols)
@@ -657,8 +729,9 @@ static void do_spawn(uint32_t id, struct rd *r)
     char *cwd = get_str(r);
     char **argv = get_strv(r);
     char **envp = get_strv(r);
-    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, errp[2] = {-1, -1};
+    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1};
     int master = -1, slave = -1;
+    char **sh_argv = NULL;
 
     if (r->bad || !argv || !argv[0] || !envp) {
         spawn_failed(id, STAGE_SETUP, EINVAL, "malformed SPAWN");
@@ -681,32 +754,42 @@ static void do_spawn(uint32_t id, struct rd *r)
     } else if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0) {
         e = errno;
     }
-    if (!e && pipe2(errp, O_CLOEXEC) < 0)
-        e = errno;
     if (e) {
         spawn_failed(id, STAGE_SETUP, e, rows && cols ? "cannot open a terminal" : "cannot create pipes");
         goto out;
     }
-    pid_t pid = fork();
+    size_t argc = 0;
+    while (argv[argc])
+        argc++;
+    sh_argv = xrealloc(NULL, (argc + 2) * sizeof *sh_argv);
+    sh_argv[0] = "/bin/sh";
+    sh_argv[1] = argv[0];
+    memcpy(sh_argv + 2, argv + 1, argc * sizeof *sh_argv); /* argv[1..] and its NULL */
+    struct spawn_req q = {
+        .slave = slave, .in_fd = pin[0], .out_fd = pout[1], .err_fd = perr[1],
+        .uid = uid, .gid = gid, .nproc = nproc, .nofile = nofile,
+        .cwd = cwd, .argv = argv, .envp = envp, .sh_argv = sh_argv,
+        .path = "/bin:/usr/bin", /* glibc's execvp default when PATH is unset */
+        .stage = -1, .err = 0,
+    };
+    for (char **v = envp; *v; v++) {
+        if (!strncmp(*v, "PATH=", 5)) {
+            q.path = *v + 5; /* the first one, as getenv finds it */
+            break;
+        }
+    }
+    /* vfork semantics: no copy of the agent's address space (costly under gVisor); we resume
+     * once the child has exec'd or exited, so its report in q is complete when we read it. */
+    pid_t pid = clone(child_main, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &q);
     if (pid < 0) {
         spawn_failed(id, STAGE_SETUP, errno, "cannot fork");
         goto out;
     }
-    if (pid == 0) {
-        close(errp[0]);
-        child_main(errp[1], slave, pin, pout, perr, uid, gid, nproc, nofile, cwd, argv, envp);
-    }
-    close_fd(&errp[1]);
-    struct exec_err ee;
-    ssize_t n;
-    do
-        n = read(errp[0], &ee, sizeof ee); /* EOF means exec succeeded */
-    while (n < 0 && errno == EINTR);
-    if (n == (ssize_t)sizeof ee) {
+    if (q.stage >= 0) {
         int st;
         while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
             ;
-        spawn_failed(id, ee.stage, ee.err, stage_name(ee.stage));
+        spawn_failed(id, q.stage, q.err, stage_name(q.stage));
         goto out;
     }
     struct proc *p = xrealloc(NULL, sizeof *p);
@@ -742,8 +825,8 @@ out:
     close_fd(&pin[0]); close_fd(&pin[1]);
     close_fd(&pout[0]); close_fd(&pout[1]);
     close_fd(&perr[0]); close_fd(&perr[1]);
-    close_fd(&errp[0]); close_fd(&errp[1]);
     close_fd(&master); close_fd(&slave);
+    free(sh_argv);
     free(cwd);
     strv_free(argv);
     strv_free(envp);
