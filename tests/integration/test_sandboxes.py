@@ -201,3 +201,20 @@ def test_node_status_and_cordon(sandboxd_factory: Callable[..., Sandboxd]) -> No
     server.request("POST", "/v1/node/cordon", {"cordoned": False})
     resp = server.request("POST", "/v1/sandboxes", {"cpus": 1})
     assert resp.status == 201
+
+
+def test_node_forgets_all_but_the_100_newest_terminated(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    made = []
+    for _ in range(102):
+        s = server.create()
+        made.append(s["id"])
+        assert server.request("DELETE", f"/v1/sandboxes/{s['id']}").status == 204
+    listed = ids(server)
+    assert len(listed) == 100
+    assert listed == list(reversed(made[2:]))  # newest first; the two oldest are forgotten
+    assert server.request("GET", f"/v1/sandboxes/{made[0]}").status == 404
+    # Their audit events are still answered by id.
+    events = server.request("GET", f"/v1/sandboxes/{made[0]}/events").json()["events"]
+    assert [e["type"] for e in events] == ["sandbox.created", "sandbox.terminated"]
+    assert not (server.state_dir / "sandboxes" / made[0]).exists()

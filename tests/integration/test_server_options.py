@@ -88,3 +88,35 @@ def test_tcp_with_token_and_metrics(sandboxd_factory: Callable[..., Sandboxd], t
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
     assert 'sandboxd_sandboxes{state="running"} 1.0' in metrics
     assert 'sandboxd_creates_total{status="created"} 1.0' in metrics
+
+
+def test_tls_listener(sandboxd_factory: Callable[..., Sandboxd], tmp_path: Path) -> None:
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    token = tmp_path / "token"
+    token.write_text("tls-token")
+    port = free_port()
+    server = sandboxd_factory(
+        args=["--socket", str(tmp_path / "s.sock"), "--listen", f"127.0.0.1:{port}", "--token-file", str(token),
+              "--tls-cert", str(cert), "--tls-key", str(key)],
+        wait=False,
+    )  # fmt: skip
+    server.socket_path = tmp_path / "s.sock"
+    server.token = "tls-token"
+    server.wait_ready()
+    context = ssl.create_default_context(cafile=str(cert))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=30)
+    conn.request("GET", "/v1/capabilities", headers={"Authorization": "Bearer tls-token"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and b'"api_version":"v1"' in resp.read()
+    # Plain HTTP to the TLS port gets no API answer.
+    plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        plain.request("GET", "/v1/capabilities", headers={"Authorization": "Bearer tls-token"})
+        plain.getresponse().read()

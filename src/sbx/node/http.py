@@ -7,7 +7,6 @@ aiohttp's own (unknown route, wrong method) and bugs, into ``{"error": {"code", 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import uuid
@@ -26,6 +25,7 @@ from sbx.api.errors import (
     SandboxError,
     Unauthorized,
 )
+from sbx.net.loopback import host_header_name, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -51,29 +51,6 @@ def error_response(error: SandboxError, close: bool = False) -> web.Response:
     return response
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether a Host header value (with optional port) names this machine's loopback."""
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name[1 : name.find("]")] if "]" in name else name[1:]
-    elif name.count(":") == 1:
-        name = name.split(":", 1)[0]
-    if name in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def host_name(host: str) -> str:
-    """The name part of a Host header value, lowercased, without the port."""
-    name = host.strip().lower()
-    if name.startswith("["):
-        return name[1 : name.find("]")] if "]" in name else name[1:]
-    return name.rsplit(":", 1)[0] if name.count(":") == 1 else name
-
-
 def make_guard(
     allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None
 ) -> Middleware:
@@ -82,7 +59,8 @@ def make_guard(
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host", "")
-        if not host or not (is_loopback_host(host) or host_name(host) in allowed_hosts):
+        name = host_header_name(host)
+        if not host or not (is_loopback(name) or name in allowed_hosts):
             raise ForbiddenOrigin(
                 f"Host {host!r} is not served here: use a loopback name or add it to [server] allowed_hosts"
             )

@@ -7,7 +7,6 @@ Limits and network policy come from the ``--config`` TOML file (docs/config.md).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import re
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import click
 
 from sbx.backends.base import BackendError
+from sbx.net.loopback import is_loopback
 from sbx.node.config import ConfigError, load_config
 from sbx.node.logs import setup_logging
 from sbx.node.server import ServerOptions, StateDirLocked, serve
@@ -31,16 +31,6 @@ def parse_host_port(value: str, flag: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise click.BadParameter(f"{value!r} is not HOST:PORT", param_hint=flag)
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listen address is loopback only (127.0.0.0/8, ::1 or localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(path: Path) -> str:

@@ -24,7 +24,7 @@ from sbx.node.audit import AuditLog
 from sbx.node.config import Capacity, NodeConfig
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
-from sbx.node.statefile import read_json, write_json_atomic
+from sbx.node.statefile import read_json, remove_stale_tmp_files, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class SandboxManager:
     async def start(self) -> None:
         """Take back the sandboxes of a previous run, then start the idle checker."""
         for path in sorted(self.root.glob("*/sandbox.json")):
+            # Temporary files a kill left mid-write; the records themselves are always whole.
+            remove_stale_tmp_files(path.parent)
+            remove_stale_tmp_files(path.parent / "processes")
             data = read_json(path)
             if not isinstance(data, dict):
                 continue

@@ -21,7 +21,6 @@ loopback only and takes no credential.
 from __future__ import annotations
 
 import bisect
-import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +30,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sbx.net.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -171,19 +172,8 @@ def check_loopback(host: str) -> None:
 
     The metrics endpoint takes no credential, so it must not be reachable from other machines.
     """
-    name = host.strip()
-    if name.startswith("[") and name.endswith("]"):
-        name = name[1:-1]
-    if name.lower().rstrip(".") == "localhost":
+    if is_loopback(host):
         return
-    try:
-        address = ipaddress.ip_address(name)
-    except ValueError:
-        address = None
-    if address is not None:
-        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
-        if address.is_loopback or (mapped is not None and mapped.is_loopback):
-            return
     raise ValueError(
         f"metrics address {host!r} is not loopback: the metrics endpoint has no credential, so it listens "
         "only on 127.0.0.1, ::1 or localhost; put a proxy in front of it to expose it further"
