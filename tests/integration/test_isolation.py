@@ -75,3 +75,23 @@ def test_fork_bomb_and_memory_hog_do_not_stop_a_neighbour(sandboxd_factory: Call
     assert worst < 5, worst
     for t in attackers:
         t.join(timeout=60)
+
+
+def test_cpu_quota_is_enforced(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    """Two busy loops in a 1-vCPU sandbox get about one core of host CPU time, not two."""
+    from pathlib import Path
+
+    server = sandboxd_factory()
+    s = server.create(cpus=1)
+    usage = Path("/sys/fs/cgroup/cpuacct/sandboxd") / s["id"] / "cpuacct.usage"
+    if not usage.exists():
+        import pytest
+
+        pytest.skip(f"needs the cgroup v1 cpuacct controller ({usage} is missing)")
+    burn = "end=$(( $(date +%s) + 4 )); while [ $(date +%s) -lt $end ]; do :; done"
+    before_ns, started = int(usage.read_text()), time.monotonic()
+    result = server.run(s["id"], ["sh", "-c", f"({burn}) & ({burn}) & wait"], timeout_secs=30)
+    used_secs = (int(usage.read_text()) - before_ns) / 1e9
+    wall_secs = time.monotonic() - started
+    assert result["exit_code"] == 0
+    assert used_secs / wall_secs < 1.25, (used_secs, wall_secs)

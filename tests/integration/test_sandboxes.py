@@ -218,3 +218,18 @@ def test_node_forgets_all_but_the_100_newest_terminated(sandboxd_factory: Callab
     events = server.request("GET", f"/v1/sandboxes/{made[0]}/events").json()["events"]
     assert [e["type"] for e in events] == ["sandbox.created", "sandbox.terminated"]
     assert not (server.state_dir / "sandboxes" / made[0]).exists()
+
+
+def test_ceiling_never_promises_more_than_the_backend_enforces(
+    sandboxd_factory: Callable[..., Sandboxd],
+) -> None:
+    server = sandboxd_factory(config_text='[network]\nceiling = "open"\nmay_allow = ["*"]\n')
+    caps = server.request("GET", "/v1/capabilities").json()
+    assert caps["network"]["ceiling"] == "none"
+    before = ids(server)
+    for policy in ({"mode": "open"}, {"mode": "allowlist", "allow": ["pypi.org"]}):
+        resp = server.request("POST", "/v1/sandboxes", {"network": policy})
+        assert resp.status == 403 and resp.error[0] == "refused"
+        assert "rule 3" in resp.error[1] and "none" in resp.error[1]
+    assert ids(server) == before
+    assert "network ceiling lowered" in server.log_text()

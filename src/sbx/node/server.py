@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import logging
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from sbx.api.network_policy import MODE_ORDER, mode_rank
+from sbx.backends.base import BackendError
 from sbx.backends.gvisor import GVisorBackend
 from sbx.images.store import ImageStore
 from sbx.node.audit import AuditLog
@@ -59,6 +62,26 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def within_backend(config: NodeConfig, network_modes: frozenset[str]) -> NodeConfig:
+    """The config with its network ceiling lowered to what the backend enforces, so that capabilities and
+    create validation never promise a mode the sandboxes would not get. The default policy must fit."""
+    enforced = [m for m in MODE_ORDER if m in network_modes]
+    loosest = enforced[-1] if enforced else "none"
+    if mode_rank(config.network.ceiling) <= mode_rank(loosest):
+        return config
+    if mode_rank(config.network.default.mode) > mode_rank(loosest):
+        raise BackendError(
+            f"the configured default network mode {config.network.default.mode} is not enforced by this "
+            f"backend (it enforces: {', '.join(enforced)}); set [network] default to one of those"
+        )
+    log.warning(
+        "network ceiling lowered to what the backend enforces",
+        extra={"configured": config.network.ceiling, "effective": loosest},
+    )
+    network = dataclasses.replace(config.network, ceiling=loosest)
+    return dataclasses.replace(config, network=network)
+
+
 async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
@@ -66,6 +89,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         options.state_dir, config.paths.agent_path, pooled_disk_mb=config.defaults.disk_mb
     )
     backend.check()
+    config = within_backend(config, backend.network_modes)
     images = ImageStore(config.paths.images_dir)
     audit = AuditLog(options.state_dir / "audit")
     manager = SandboxManager(
