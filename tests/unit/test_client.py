@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 import sbx.client
-from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, SandboxError, Unavailable
-from sbx.client import AsyncClient, Endpoint, RunResult, resolve_endpoint
-from sbx.client._transport import Params, Response
+from sbx.api.errors import (
+    Conflict,
+    Internal,
+    InvalidRequest,
+    NotFound,
+    SandboxError,
+    Unavailable,
+    Unsupported,
+)
+from sbx.client import AsyncClient, Endpoint, RunResult, Sandbox, resolve_endpoint
+from sbx.client._transport import Params, Response, Upgraded, error_for
 
 Handler = Callable[[str, str, Any, Params | None], tuple[int, Any]]
 
@@ -38,6 +46,19 @@ class HandlerTransport:
             return Response(status, "text/html", body)
         return Response(status, "application/json", b"" if body is None else _dumps(body))
 
+    async def stream(
+        self, method: str, path: str, *, json: Any = None, params: Params | None = None
+    ) -> AsyncIterator[bytes]:
+        status, body = self.handler(method, path, json, params)
+        if not 200 <= status < 300:
+            raise error_for(status, _dumps(body))
+        # One byte at a time: the client must reassemble lines however the body is split.
+        for i in range(len(body)):
+            yield body[i : i + 1]
+
+    async def upgrade(self, path: str, protocol: str, *, params: Params | None = None) -> Upgraded:
+        raise Unsupported("no upgrades in this fake")
+
     async def aclose(self) -> None:
         self.closed = True
 
@@ -49,7 +70,18 @@ def _dumps(body: Any) -> bytes:
 def test_exported_names() -> None:
     assert set(sbx.client.__all__) == {
         "AsyncClient",
+        "Sandboxes",
+        "Sandbox",
+        "Files",
+        "Process",
+        "Images",
+        "Attachment",
+        "Tunnel",
+        "Frame",
         "RunResult",
+        "OutputEvent",
+        "DirEntry",
+        "EventList",
         "Endpoint",
         "resolve_endpoint",
         "DEFAULT_SOCKET",
@@ -119,7 +151,7 @@ async def test_non_2xx_raises_the_matching_error(
 ) -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (status, body)))
     with pytest.raises(error) as caught:
-        await client.get("x")
+        await client.sandboxes.get("x")
     assert caught.value.message == message
 
 
@@ -139,11 +171,14 @@ async def test_calls_build_the_spec_requests() -> None:
 
     transport = HandlerTransport(handler)
     async with AsyncClient(transport=transport) as client:
-        assert await client.list({"team": "a", "env": "prod"}) == [{"id": "sbx_1"}]
-        await client.get("my name/..")
-        await client.delete("sbx_1")
-        result = await client.run("sbx_1", ["cat"], stdin=b"in", timeout_secs=5, cwd="/sandbox/home")
-        await client.create(name="n", cpus=2)
+        listed = await client.sandboxes.list({"team": "a", "env": "prod"})
+        assert [s.info for s in listed] == [{"id": "sbx_1"}]
+        with pytest.raises(Internal, match="without an 'id'"):
+            await client.sandboxes.get("my name/..")
+        await client.sandboxes.delete("sbx_1")
+        result = await listed[0].run(["cat"], stdin=b"in", timeout_secs=5, cwd="/sandbox/home")
+        with pytest.raises(Internal):
+            await client.sandboxes.create(name="n", cpus=2)
         await client.cordon(False)
     assert transport.closed
     assert result == RunResult(exit_code=0, stdout=b"\x00hi", stderr=b"", truncated=False, timed_out=False)
@@ -169,4 +204,67 @@ async def test_calls_build_the_spec_requests() -> None:
 async def test_malformed_run_result_is_internal(body: Any) -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (200, body)))
     with pytest.raises(Internal):
-        await client.run("sbx_1", ["true"])
+        await Sandbox(client, {"id": "sbx_1"}).run(["true"])
+
+
+async def test_process_output_reassembles_split_lines_and_sets_exit_code() -> None:
+    lines = [
+        {"stream": "stdout", "data": base64.b64encode(b"a\n").decode()},
+        {"stream": "stderr", "data": base64.b64encode(b"\x00err").decode()},
+        {"exit_code": 3},
+    ]
+    body = b"".join(_dumps(line) + b"\n" for line in lines)
+
+    def handler(method: str, path: str, json_body: Any, params: Params | None) -> tuple[int, Any]:
+        if path.endswith("/processes"):
+            return 201, {"pid": 7, "argv": ["x"], "state": "running", "exit_code": None}
+        assert path == "/v1/sandboxes/sbx_1/processes/7/output"
+        return 200, body
+
+    client = AsyncClient(transport=HandlerTransport(handler))
+    proc = await Sandbox(client, {"id": "sbx_1"}).start_process(["x"])
+    assert proc.exit_code is None
+    events = [(e.stream, e.data) async for e in proc.output()]
+    assert events == [("stdout", b"a\n"), ("stderr", b"\x00err")]
+    assert proc.exit_code == 3
+    assert await proc.wait() == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b'{"stream":"stdout","data":"YQ=="}\n', Unavailable),  # ends without the exit line
+        (b"not json\n", Internal),
+        (b'{"stream":"video","data":""}\n', Internal),
+    ],
+)
+async def test_process_output_contract_breaks(body: bytes, error: type[SandboxError]) -> None:
+    client = AsyncClient(transport=HandlerTransport(lambda *_: (200, body)))
+    proc = sbx.client.Process(client, "sbx_1", {"pid": 1})
+    with pytest.raises(error):
+        async for _ in proc.output():
+            pass
+
+
+async def test_output_of_a_missing_process_is_not_found() -> None:
+    error = {"error": {"code": "not_found", "message": "no process 9"}}
+    client = AsyncClient(transport=HandlerTransport(lambda *_: (404, error)))
+    with pytest.raises(NotFound, match="no process 9"):
+        async for _ in sbx.client.Process(client, "sbx_1", {"pid": 9}).output():
+            pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"rows": 10}, "tty=True"), ({"cols": 10}, "tty=True")],
+)
+async def test_start_process_refuses_size_without_tty(kwargs: dict[str, int], message: str) -> None:
+    client = AsyncClient(transport=HandlerTransport(lambda *_: (500, None)))
+    with pytest.raises(InvalidRequest, match=message):
+        await Sandbox(client, {"id": "sbx_1"}).start_process(["sh"], **kwargs)
+
+
+async def test_argv_as_one_string_is_refused() -> None:
+    client = AsyncClient(transport=HandlerTransport(lambda *_: (500, None)))
+    with pytest.raises(InvalidRequest, match="list of strings"):
+        await Sandbox(client, {"id": "sbx_1"}).run("ls -l")  # type: ignore[arg-type]

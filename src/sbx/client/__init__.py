@@ -1,12 +1,12 @@
-"""The Python SDK of the sandbox service (async; a sync wrapper and typed models come later).
+"""The Python SDK of the sandbox service: async first, with a blocking twin in ``sbx.client.sync``.
 
     async with AsyncClient() as client:          # SANDBOX_URL / SANDBOX_TOKEN, else /run/sandboxd.sock
-        sandbox = await client.create(image="python:3.12")
-        result = await client.run(sandbox["id"], ["python3", "-c", "print(1)"])
+        sandbox = await client.sandboxes.create(image="python:3.12")
+        result = await sandbox.run(["python3", "-c", "print(1)"])
         print(result.stdout.decode())
-        await client.delete(sandbox["id"])
+        await sandbox.delete()
 
-Errors are the service's own (``sbx.api.errors``), re-exported here.
+Errors are the service's own (``sbx.api.errors``), re-exported here. See docs/sdk.md.
 """
 
 from sbx.api.errors import (
@@ -23,23 +23,40 @@ from sbx.api.errors import (
     Unavailable,
     Unsupported,
 )
-from sbx.client._client import AsyncClient, RunResult
-from sbx.client._transport import DEFAULT_SOCKET, Endpoint, resolve_endpoint
+from sbx.api.frames import Frame
+from sbx.client._client import AsyncClient
+from sbx.client._endpoint import DEFAULT_SOCKET, Endpoint, resolve_endpoint
+from sbx.client._images import Images
+from sbx.client._models import DirEntry, EventList, OutputEvent, RunResult
+from sbx.client._process import Process
+from sbx.client._sandbox import Files, Sandbox, Sandboxes
+from sbx.client._streams import Attachment, Tunnel
 
 __all__ = [
     "DEFAULT_SOCKET",
     "AsyncClient",
+    "Attachment",
     "BadGateway",
     "Conflict",
+    "DirEntry",
     "Endpoint",
+    "EventList",
+    "Files",
     "ForbiddenOrigin",
+    "Frame",
+    "Images",
     "Internal",
     "InvalidRequest",
     "NotFound",
+    "OutputEvent",
     "PayloadTooLarge",
+    "Process",
     "Refused",
     "RunResult",
+    "Sandbox",
     "SandboxError",
+    "Sandboxes",
+    "Tunnel",
     "Unauthorized",
     "Unavailable",
     "Unsupported",

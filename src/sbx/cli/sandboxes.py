@@ -1,0 +1,108 @@
+"""``create``, ``ls``, ``get``, ``rm``: the sandbox resource."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from sbx.cli._common import Options, call, cell, pairs, pass_options, print_fields, print_json, print_table
+from sbx.client import AsyncClient
+
+LIST_COLUMNS = ("id", "name", "state", "image", "cpus", "memory_mb", "disk_mb", "created_at")
+
+
+@click.command()
+@click.option("--name", help="Unique among live sandboxes.")
+@click.option("--image", help="Image reference. Default: the server's default image.")
+@click.option("--cpus", type=click.IntRange(min=1), help="vCPUs. Default: the server's.")
+@click.option("--memory-mb", type=click.IntRange(min=1), help="Memory in MiB. Default: the server's.")
+@click.option("--disk-mb", type=click.IntRange(min=1), help="Disk in MiB. Default: the server's.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Label; repeatable.")
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="Environment variable; repeatable.")
+@click.option(
+    "--idle-timeout",
+    "idle_timeout_secs",
+    type=click.IntRange(min=0),
+    help="Seconds without activity before it is terminated. Default: the server's.",
+)
+@pass_options
+def create(
+    opts: Options,
+    name: str | None,
+    image: str | None,
+    cpus: int | None,
+    memory_mb: int | None,
+    disk_mb: int | None,
+    labels: tuple[str, ...],
+    env: tuple[str, ...],
+    idle_timeout_secs: int | None,
+) -> None:
+    """Create a sandbox and print its id."""
+    given = {
+        "name": name,
+        "image": image,
+        "cpus": cpus,
+        "memory_mb": memory_mb,
+        "disk_mb": disk_mb,
+        "idle_timeout_secs": idle_timeout_secs,
+    }
+    fields: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    if labels:
+        fields["labels"] = pairs(labels, "--label")
+    if env:
+        fields["env"] = pairs(env, "--env")
+    sandbox = call(opts, lambda client: client.sandboxes.create(**fields))
+    if opts.as_json:
+        print_json(sandbox.info)
+    else:
+        click.echo(sandbox.id)
+
+
+@click.command(name="ls")
+@click.option(
+    "--label", "labels", multiple=True, metavar="KEY=VALUE", help="Only with this label; repeatable."
+)
+@click.option("-q", "--quiet", is_flag=True, help="Print ids only.")
+@pass_options
+def list_sandboxes(opts: Options, labels: tuple[str, ...], quiet: bool) -> None:
+    """List sandboxes, newest first (terminated ones until the server forgets them)."""
+    wanted = pairs(labels, "--label")
+    sandboxes = call(opts, lambda client: client.sandboxes.list(labels=wanted))
+    if opts.as_json:
+        print_json({"sandboxes": [s.info for s in sandboxes]})
+    elif quiet:
+        for sandbox in sandboxes:
+            click.echo(sandbox.id)
+    else:
+        print_table(LIST_COLUMNS, [[cell(s.info.get(c)) for c in LIST_COLUMNS] for s in sandboxes])
+
+
+@click.command()
+@click.argument("ref")
+@pass_options
+def get(opts: Options, ref: str) -> None:
+    """Show one sandbox (REF is an id or a name)."""
+    sandbox = call(opts, lambda client: client.sandboxes.get(ref))
+    if opts.as_json:
+        print_json(sandbox.info)
+    else:
+        print_fields(sandbox.info)
+
+
+@click.command()
+@click.argument("refs", metavar="REF...", nargs=-1, required=True)
+@pass_options
+def rm(opts: Options, refs: tuple[str, ...]) -> None:
+    """Terminate sandboxes (REF is an id or a name); terminating one twice is fine.
+
+    Prints each REF as it is removed; stops at the first failure.
+    """
+
+    async def remove(client: AsyncClient) -> None:
+        for ref in refs:
+            await client.sandboxes.delete(ref)
+            if not opts.as_json:
+                click.echo(ref)
+
+    call(opts, remove)

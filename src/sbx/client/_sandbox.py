@@ -1,0 +1,285 @@
+"""``Sandbox``: one sandbox and everything done in it; ``client.sandboxes``: finding and making them.
+
+    sandbox = await client.sandboxes.create(image="python:3.12")    # or Sandbox.create(client, ...)
+    result = await sandbox.run(["python3", "-c", "print(1)"])
+    await sandbox.files.write("/sandbox/home/a.txt", b"hi")
+    await sandbox.delete()
+
+A ``Sandbox`` keeps the server's last answer in ``info``; ``refresh()`` fetches it again. Calls
+address the sandbox by id, so a rename does not break a held object.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+from urllib.parse import quote
+
+from sbx.api import frames
+from sbx.api.errors import Internal, InvalidRequest
+from sbx.client._models import DirEntry, EventList, RunResult
+from sbx.client._process import Process
+from sbx.client._streams import Attachment, Tunnel
+
+if TYPE_CHECKING:
+    from sbx.client._client import AsyncClient
+
+#: The upgrade token of a tunnel.
+TUNNEL_PROTOCOL = "sbx-tunnel/1"
+
+
+def sandbox_path(ref: str) -> str:
+    """``/v1/sandboxes/{ref}`` with ``ref`` quoted, so a name never reaches another route."""
+    return "/v1/sandboxes/" + quote(ref, safe="")
+
+
+class Sandboxes:
+    """``client.sandboxes``: create, list, get and delete sandboxes."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, **fields: Any) -> Sandbox:
+        """``POST /v1/sandboxes`` with the spec's create fields (all optional): ``name``, ``image``,
+        ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``network``, ``labels``,
+        ``idle_timeout_secs``, ...; an unknown field is ``InvalidRequest``."""
+        return Sandbox(self._client, await self._client.request("POST", "/v1/sandboxes", json=fields))
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
+        """``GET /v1/sandboxes``, newest first; only those carrying every label in ``labels``."""
+        params = [("label", f"{key}={value}") for key, value in (labels or {}).items()]
+        body = await self._client.request("GET", "/v1/sandboxes", params=params)
+        found = body.get("sandboxes") if isinstance(body, dict) else None
+        if not isinstance(found, list):
+            raise Internal("the server's sandbox list has no 'sandboxes' array")
+        return [Sandbox(self._client, info) for info in found]
+
+    async def get(self, ref: str) -> Sandbox:
+        """``GET /v1/sandboxes/{ref}``: the sandbox named by id or name."""
+        return Sandbox(self._client, await self._client.request("GET", sandbox_path(ref)))
+
+    async def delete(self, ref: str) -> None:
+        """``DELETE /v1/sandboxes/{ref}``: terminate it (idempotent)."""
+        await self._client.request("DELETE", sandbox_path(ref))
+
+
+class Sandbox:
+    """One sandbox. ``async with`` deletes it on the way out.
+
+    Attributes: ``id``, ``info`` (the Sandbox object as last answered), ``files`` (``Files``);
+    properties ``name``, ``state``, ``image``, ``labels`` read ``info``.
+    """
+
+    def __init__(self, client: AsyncClient, info: Any) -> None:
+        if not isinstance(info, dict) or not isinstance(info.get("id"), str):
+            raise Internal("the server answered a sandbox without an 'id'")
+        self._client = client
+        self.info: dict[str, Any] = info
+        self.id: str = info["id"]
+        self.files = Files(client, self.id)
+
+    @classmethod
+    async def create(cls, client: AsyncClient, **fields: Any) -> Sandbox:
+        """Create a sandbox: the same as ``client.sandboxes.create(**fields)``."""
+        return await client.sandboxes.create(**fields)
+
+    @property
+    def name(self) -> str:
+        """The sandbox's name, ``""`` when it has none."""
+        return str(self.info.get("name") or "")
+
+    @property
+    def state(self) -> str:
+        """``pending``, ``running``, ``terminated`` (``suspended`` where supported), as last read."""
+        return str(self.info.get("state", ""))
+
+    @property
+    def image(self) -> str:
+        """The image reference it runs."""
+        return str(self.info.get("image", ""))
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Its labels (client metadata)."""
+        return dict(self.info.get("labels") or {})
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} state={self.state}>"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.delete()
+
+    @property
+    def _path(self) -> str:
+        return sandbox_path(self.id)
+
+    async def refresh(self) -> Self:
+        """Fetch the sandbox again into ``info``; returns itself."""
+        info = await self._client.request("GET", self._path)
+        if not isinstance(info, dict):
+            raise Internal("the server answered a sandbox that is not an object")
+        self.info = info
+        return self
+
+    async def update(self, **fields: Any) -> Self:
+        """``PATCH``: any of ``network``, ``name``, ``labels``, ``idle_timeout_secs``; omitted fields
+        stay as they are. Returns itself with ``info`` updated."""
+        info = await self._client.request("PATCH", self._path, json=fields)
+        if not isinstance(info, dict):
+            raise Internal("the server answered a sandbox that is not an object")
+        self.info = info
+        return self
+
+    async def delete(self) -> None:
+        """Terminate the sandbox: its processes stop and its disk is discarded (idempotent)."""
+        await self._client.request("DELETE", self._path)
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+        timeout_secs: int | None = None,
+    ) -> RunResult:
+        """Run ``argv`` to completion and return its output (each stream kept up to 8 MiB).
+
+        ``argv`` is executed directly (no shell unless ``argv[0]`` is one); ``env`` is merged over
+        the sandbox's own; ``cwd`` defaults to ``/sandbox/home``; ``stdin`` is fed and closed;
+        ``timeout_secs`` kills the command after that many seconds (the server's default when
+        omitted) and gives ``timed_out=True``, ``exit_code=-1``.
+        """
+        body = _command(argv, env, cwd, stdin)
+        if timeout_secs is not None:
+            body["timeout_secs"] = timeout_secs
+        answer = await self._client.request("POST", self._path + "/run", json=body)
+        if not isinstance(answer, dict):
+            raise Internal("the server answered a run without a result object")
+        return RunResult.from_wire(answer)
+
+    async def start_process(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+        tty: bool = False,
+        rows: int | None = None,
+        cols: int | None = None,
+    ) -> Process:
+        """Start ``argv`` in the background and return its ``Process`` at once.
+
+        ``tty=True`` runs it on a terminal of ``rows`` x ``cols`` (server defaults 24 x 80) with
+        one output stream; ``rows``/``cols`` without ``tty`` is ``InvalidRequest``. ``stdin`` is
+        written first (stdin stays open: ``write_stdin`` more, or ``close_stdin``).
+        """
+        body = _command(argv, env, cwd, stdin)
+        if tty:
+            body["tty"] = True
+        if rows is not None or cols is not None:
+            if not tty:
+                raise InvalidRequest("rows and cols size a terminal: pass tty=True as well")
+            if rows is not None:
+                body["rows"] = rows
+            if cols is not None:
+                body["cols"] = cols
+        answer = await self._client.request("POST", self._path + "/processes", json=body)
+        return Process(self._client, self.id, answer)
+
+    async def processes(self) -> list[Process]:
+        """The sandbox's processes, running and exited."""
+        body = await self._client.request("GET", self._path + "/processes")
+        found = body.get("processes") if isinstance(body, dict) else body
+        if not isinstance(found, list):
+            raise Internal("the server's process list is not a list")
+        return [Process(self._client, self.id, info) for info in found]
+
+    async def get_process(self, pid: int) -> Process:
+        """The process with server handle ``pid``."""
+        info = await self._client.request("GET", f"{self._path}/processes/{int(pid)}")
+        return Process(self._client, self.id, info)
+
+    async def attach(self, pid: int) -> Attachment:
+        """Attach to process ``pid`` (``sbx-stream/1``): its output is replayed from the start.
+
+        Close the ``Attachment`` to detach; the process keeps running.
+        """
+        reader, writer = await self._client.upgrade(
+            f"{self._path}/processes/{int(pid)}/attach", frames.PROTOCOL
+        )
+        return Attachment(reader, writer, int(pid))
+
+    async def tunnel(self, port: int) -> Tunnel:
+        """Open a TCP connection to ``127.0.0.1:port`` inside the sandbox (capability ``tunnel``)."""
+        if not 1 <= port <= 65535:
+            raise InvalidRequest(f"port {port}: give 1 to 65535")
+        reader, writer = await self._client.upgrade(
+            self._path + "/tunnel", TUNNEL_PROTOCOL, params={"port": str(port)}
+        )
+        return Tunnel(reader, writer, port)
+
+    async def events(self) -> EventList:
+        """The sandbox's audit events, oldest first (capability ``audit``)."""
+        body = await self._client.request("GET", self._path + "/events")
+        if not isinstance(body, dict):
+            raise Internal("the server's event list is not an object")
+        return EventList.from_wire(body)
+
+
+class Files:
+    """``sandbox.files``: guest files as the sandbox user. Paths are absolute guest paths."""
+
+    def __init__(self, client: AsyncClient, sandbox_id: str) -> None:
+        self._client = client
+        self._path = sandbox_path(sandbox_id)
+
+    async def read(self, path: str) -> bytes:
+        """The file's bytes; ``NotFound`` if absent."""
+        body = await self._client.request("GET", self._path + "/files", params={"path": path}, raw=True)
+        return bytes(body)
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file decoded as text (``encoding`` default UTF-8)."""
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str) -> None:
+        """Write the whole file (parents created); ``str`` is encoded as UTF-8. At most 64 MiB."""
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        await self._client.request("PUT", self._path + "/files", data=raw, params={"path": path})
+
+    async def list(self, path: str) -> list[DirEntry]:
+        """The entries of a guest directory, by name."""
+        body = await self._client.request("GET", self._path + "/dirs", params={"path": path})
+        entries = body.get("entries") if isinstance(body, dict) else None
+        if not isinstance(entries, list):
+            raise Internal("the server's directory listing has no 'entries' array")
+        return [DirEntry.from_wire(e) for e in entries]
+
+    async def remove(self, path: str) -> None:
+        """Remove a file or an empty directory."""
+        await self._client.request("DELETE", self._path + "/files", params={"path": path})
+
+
+def _command(
+    argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, stdin: bytes | None
+) -> dict[str, Any]:
+    if isinstance(argv, str):
+        # A lone string would become one argument per character.
+        raise InvalidRequest("argv is a list of strings, e.g. ['ls', '-l'], not one string")
+    body: dict[str, Any] = {"argv": list(argv)}
+    if env is not None:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if stdin is not None:
+        body["stdin"] = base64.b64encode(stdin).decode("ascii")
+    return body
