@@ -18,7 +18,9 @@ COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "sbx.cl
 
 def cli(server: Sandboxd, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "SANDBOX_URL": f"unix://{server.socket_path}", "SANDBOX_TOKEN": ""}
-    return subprocess.run([*COMMAND, *args], input=stdin, capture_output=True, env=env, timeout=120)
+    return subprocess.run(
+        [*COMMAND, *args], check=False, input=stdin, capture_output=True, env=env, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
