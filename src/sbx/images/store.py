@@ -3,11 +3,12 @@
 Layout under ``images_dir`` (``/var/lib/sandboxd/images`` by default, mode 0700)::
 
     <slug>-<hash>/              one installed image; the name comes from the reference (see image_dir_name)
-        image.json              reference, digest, bytes, installed_at, config, annotations
+        image.json              reference, digest, bytes, installed_at, config, annotations, layers
         rootfs/                 the image root, shared read-only by every sandbox started from it
     .tmp-<slug>-<hash>-<rand>/  an install in progress (or left by a killed one): never listed
     .trash-<slug>-<hash>-<rand>/ an image being removed or replaced: never listed
     .locks/<slug>-<hash>.lock   flock held while an image is installed or removed
+    blobs/sha256/<hex>          pulled layers, shared by the images that record them (sbx.images.blobs)
 
 An image appears under its final name only through one ``rename`` of a complete directory (rootfs built,
 flushed to disk, image.json written), so a kill or power loss at any moment never leaves a half image listed.
@@ -37,7 +38,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -125,7 +126,8 @@ class InstalledImage:
 
     ``bytes`` is the disk space of its root (``du``: allocated blocks, hard links counted once);
     ``digest`` is ``sha256:<hex>``, either the registry's manifest digest or :func:`tree_digest` of the root;
-    ``installed_at`` is UTC; ``path`` is the image's directory.
+    ``installed_at`` is UTC; ``path`` is the image's directory; ``layers`` are the digests of the blobs
+    (:mod:`sbx.images.blobs`) the root was unpacked from, kept while an installed image records them.
     """
 
     reference: str
@@ -135,6 +137,7 @@ class InstalledImage:
     config: ImageConfig
     annotations: dict[str, str]
     path: Path
+    layers: tuple[str, ...] = ()
 
     @property
     def rootfs(self) -> Path:
@@ -151,6 +154,7 @@ class InstalledImage:
             "installed_at": self.installed_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "config": self.config.to_json(),
             "annotations": dict(self.annotations),
+            "layers": list(self.layers),
         }
 
 
@@ -235,6 +239,7 @@ class ImageStore:
                 config=ImageConfig.from_json(obj.get("config") or {}),
                 annotations={str(k): str(v) for k, v in (obj.get("annotations") or {}).items()},
                 path=directory,
+                layers=tuple(str(d) for d in obj.get("layers") or ()),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise Internal(f"{path} is not a valid image record ({exc}); remove {directory}") from exc
@@ -250,6 +255,7 @@ class ImageStore:
         digest: str | None = None,
         annotations: dict[str, str] | None = None,
         replace: bool = False,
+        layers: Sequence[str] = (),
     ) -> InstalledImage:
         """Build an image root with ``build`` and install it as ``reference``.
 
@@ -262,6 +268,7 @@ class ImageStore:
         new one takes its place in one atomic exchange and the old directory is deleted (sandboxes still
         running from it must have been stopped by the caller). Concurrent installs of one reference wait
         for each other. If ``build`` raises, its exception propagates and nothing is left behind.
+        ``layers`` (blob digests) is recorded in image.json so unused layers can be collected later.
         """
         image_dir = self.images_dir / image_dir_name(reference)
         self._make_images_dir()
@@ -290,6 +297,7 @@ class ImageStore:
                     config=config or ImageConfig(),
                     annotations=dict(annotations or {}),
                     path=image_dir,
+                    layers=tuple(layers),
                 )
                 _write_json_atomic(tmp / _IMAGE_JSON, image.to_json())
                 if image_dir.exists():
