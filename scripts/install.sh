@@ -36,6 +36,7 @@ APT_PACKAGES=(
     gcc libc6-dev           # the guest agent is C, linked statically
     python3 python3-venv python3-dev
     ca-certificates curl    # curl talks to the socket below and in README examples
+    docker-registry apache2-utils openssl  # tests: a loopback registry to pull from, htpasswd, token certs
 )
 
 ARGS="$*"
