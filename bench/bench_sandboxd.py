@@ -123,11 +123,11 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     ours = []
     for _ in range(args.sandboxes):
         started = time.monotonic()
-        created = await client.create()
-        result = await client.run(created["id"], ["true"])
+        created = await client.sandboxes.create()
+        result = await created.run(["true"])
         ours.append(time.monotonic() - started)
         assert result.exit_code == 0
-        await client.delete(created["id"])
+        await created.delete()
     print(summary("runsc run (true)", raw_runs))
     print(summary("create + first run (true)", ours, raw_runs))
 
@@ -141,16 +141,16 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
         raw_execs = [raw.exec("raw-exec") for _ in range(min(args.runs, 100))]
     finally:
         raw.cleanup("raw-exec")
-    sandbox = await client.create()
-    await client.run(sandbox["id"], ["true"])
-    runs = [await timed(lambda: client.run(sandbox["id"], ["true"])) for _ in range(args.runs)]
+    sandbox = await client.sandboxes.create()
+    await sandbox.run(["true"])
+    runs = [await timed(lambda: sandbox.run(["true"])) for _ in range(args.runs)]
     print(summary("runsc exec (true)", raw_execs))
     print(summary("run round trip (true)", runs, raw_execs))
 
     # 3. idle memory per sandbox
     idle_count = 10
     before = mem_available_kib()
-    idle = [await client.create() for _ in range(idle_count)]
+    idle = [await client.sandboxes.create() for _ in range(idle_count)]
     await asyncio.sleep(5)
     after = mem_available_kib()
     usages = []
@@ -165,19 +165,19 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     print(f"{'idle memory per sandbox (MemAvailable)':<42} {(before - after) / 1024 / idle_count:6.1f} MiB each "
           f"over {idle_count}")  # fmt: skip
     for s in idle + [sandbox]:
-        await client.delete(s["id"])
+        await s.delete()
     await asyncio.sleep(3)
 
     # 4. concurrent creates
     async def create_one() -> tuple[float, str]:
         started = time.monotonic()
-        created = await client.create()
-        return time.monotonic() - started, created["id"]
+        created = await client.sandboxes.create()
+        return time.monotonic() - started, created.id
 
     results = await asyncio.gather(*(create_one() for _ in range(args.concurrent)))
     print(summary(f"{args.concurrent} concurrent creates", [r[0] for r in results], p99=True))
     for _, sandbox_id in results:
-        await client.delete(sandbox_id)
+        await client.sandboxes.delete(sandbox_id)
     await client.aclose()
 
 

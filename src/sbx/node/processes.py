@@ -310,6 +310,18 @@ class ProcessTable:
         self._require_running(pid)
         await self.require_agent().write_stdin(pid, data)
 
+    async def close_stdin(self, pid: int) -> None:
+        """Close the process's stdin (a terminal gets ^D)."""
+        self._require_running(pid)
+        await self.require_agent().close_stdin(pid)
+
+    async def resize(self, pid: int, rows: int, cols: int) -> None:
+        """Resize a terminal process's window; InvalidRequest for one without a terminal."""
+        proc = self._require_running(pid)
+        if not proc.record.tty:
+            raise InvalidRequest(f"process {pid} has no terminal to resize")
+        await self.require_agent().resize(pid, rows, cols)
+
     async def signal(self, pid: int, signum: int) -> None:
         """Deliver ``signum`` to the process's group."""
         self._require_running(pid)

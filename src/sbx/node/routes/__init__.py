@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.node.context import NodeContext
-from sbx.node.routes import events, files, node, processes, sandboxes
+from sbx.node.routes import attach, events, files, node, processes, sandboxes
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -14,6 +14,7 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *node.routes(ctx),
         *sandboxes.routes(ctx),
         *processes.routes(ctx),
+        *attach.routes(ctx),
         *files.routes(ctx),
         *events.routes(ctx),
     ]

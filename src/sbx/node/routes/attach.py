@@ -1,0 +1,83 @@
+"""Attach: a process's output replayed from the start and followed, its stdin, signals and resizes, as frames.
+
+Each attach follows the output log on its own (bounded reads at the client's pace, so a slow reader only
+slows itself), and any number may be attached at once. Closing the connection detaches; the process goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiohttp import web
+
+from sbx.api import frames
+from sbx.api.errors import InvalidRequest, SandboxError
+from sbx.node.context import NodeContext
+from sbx.node.manager import Sandbox
+from sbx.node.processes import SIGNALS
+from sbx.node.routes.processes import parse_pid
+from sbx.node.upgrade import RawStream, check_upgrade, finished_response, upgrade
+
+_STREAM_TYPES = {"stdout": frames.STDOUT, "stderr": frames.STDERR}
+
+
+def routes(ctx: NodeContext) -> list[web.RouteDef]:
+    async def attach(request: web.Request) -> web.StreamResponse:
+        sandbox = ctx.manager.resolve(request.match_info["ref"])
+        pid = parse_pid(request)
+        sandbox.processes.get(pid)  # 404 before switching protocols
+        check_upgrade(request, frames.PROTOCOL)
+        stream = await upgrade(request, frames.PROTOCOL)
+        sending = asyncio.create_task(_send_output(sandbox, pid, stream))
+        receiving = asyncio.create_task(_receive_input(sandbox, pid, stream))
+        try:
+            # Done when the output is all sent (the process exited), or the client went away.
+            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if receiving.done() and not sending.done():
+                # The client closed its side: a half-closed client may still read, a gone one may not.
+                with contextlib.suppress(ConnectionError):
+                    await sending
+        finally:
+            for task in (sending, receiving):
+                task.cancel()
+            await asyncio.gather(sending, receiving, return_exceptions=True)
+            await stream.close()
+        return finished_response()
+
+    return [web.get("/v1/sandboxes/{ref}/processes/{pid}/attach", attach)]
+
+
+async def _send_output(sandbox: Sandbox, pid: int, stream: RawStream) -> None:
+    async for event in sandbox.processes.follow(pid):
+        if "data" in event:
+            stream.writer.write(frames.encode_chunks(_STREAM_TYPES[event["stream"]], event["data"]))
+        else:
+            stream.writer.write(frames.exit_frame(int(event["exit_code"])))
+        # Backpressure: wait while the client is slow; the output log keeps the rest.
+        await stream.writer.drain()
+
+
+async def _receive_input(sandbox: Sandbox, pid: int, stream: RawStream) -> None:
+    decoder = frames.FrameDecoder(frames.CLIENT_TYPES)
+    processes = sandbox.processes
+    while data := await stream.reader.read(64 * 1024):
+        sandbox.touch()
+        try:
+            received = decoder.feed(data)
+        except InvalidRequest:
+            return  # a client that breaks the framing is dropped; the process goes on
+        for frame in received:
+            try:
+                if frame.type == frames.STDIN:
+                    await processes.send_stdin(pid, frame.payload)
+                elif frame.type == frames.END_OF_INPUT:
+                    await processes.close_stdin(pid)
+                elif frame.type == frames.SIGNAL:
+                    await processes.signal(pid, SIGNALS[frames.decode_signal(frame.payload)])
+                elif frame.type == frames.RESIZE:
+                    await processes.resize(pid, *frames.decode_resize(frame.payload))
+            except SandboxError:
+                # Input for a process that has exited (or a bad frame) is dropped; output and the exit
+                # frame still reach the client.
+                continue
