@@ -35,7 +35,9 @@ async def test_upgrade_echo_and_half_close() -> None:
     runner, port = await _server()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /echo HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: sbx-test/1\r\n\r\n")
+        writer.write(
+            b"GET /echo HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: sbx-test/1\r\n\r\n"
+        )
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 101 ")
         assert b"Upgrade: sbx-test/1" in head
