@@ -383,3 +383,12 @@ def test_compressions(scene: Scene, compression: str) -> None:
 def test_hard_link_in_the_same_layer(scene: Scene) -> None:
     scene.apply([E("a", data=b"x"), E("b", "hardlink", link="a"), E("b", "hardlink", link="a")])
     assert os.stat(scene.root / "a").st_ino == os.stat(scene.root / "b").st_ino
+
+
+def test_multi_member_gzip(scene: Scene) -> None:
+    plain = scene.layer([E("a", data=os.urandom(200_000)), E("b", data=b"2")], "none").read_bytes()
+    split = scene.tmp / "multi.tar.gz"
+    split.write_bytes(gzip.compress(plain[:70_001]) + gzip.compress(plain[70_001:]))
+    apply_layer(scene.root, split)
+    assert (scene.root / "a").stat().st_size == 200_000
+    assert (scene.root / "b").read_bytes() == b"2"
