@@ -30,7 +30,8 @@ from oci_registry import (
 from sbx.api.errors import InvalidRequest, NotFound, Refused, Unavailable
 from sbx.images.blobs import BlobStore, collect_unused_blobs
 from sbx.images.pull import blob_store, pull_image
-from sbx.images.registry import host_platform
+from sbx.images.reference import parse_reference
+from sbx.images.registry import RegistryClient, host_platform
 from sbx.images.store import ImageStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -364,6 +365,8 @@ async def test_moved_tag_replaces_and_missing_image_is_not_found(
     await push(reg.url, "moving", "latest", v2)
     second = await pull_image(store, f"{reg.host}/moving")
     assert (first.digest, second.digest) == (v1.digest, v2.digest)
+    async with RegistryClient() as client:
+        assert await client.manifest_digest(parse_reference(f"{reg.host}/moving")) == v2.digest
     assert (second.rootfs / "v").read_bytes() == b"2"
     pinned = await pull_image(store, f"{reg.host}/moving@{v1.digest}")
     assert (pinned.rootfs / "v").read_bytes() == b"1"
