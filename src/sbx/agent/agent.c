@@ -269,6 +269,7 @@ struct proc {
     struct stream out[2];
     int in_fd;
     int in_close; /* close stdin once the queue is written (a terminal gets ^D instead) */
+    int tty_hold; /* the terminal master after its output ended, kept open until the exit */
     struct buf in;
     uint64_t in_received, in_written, in_acked;
 };
@@ -501,6 +502,7 @@ static void proc_free(struct proc *p)
         free(p->out[s].ring.p);
     }
     close_fd(&p->in_fd);
+    close_fd(&p->tty_hold);
     buf_free(&p->in);
     free(p);
 }
@@ -798,6 +800,7 @@ static void do_spawn(uint32_t id, struct rd *r)
     p->pid = pid;
     p->running = 1;
     p->subscribed = 1;
+    p->tty_hold = -1;
     if (master >= 0) {
         p->tty = 1;
         p->out[0].fd = master;
@@ -1491,7 +1494,13 @@ static void read_stream(struct proc *p, int s)
             continue;
         if (n < 0 && errno == EAGAIN && !p->draining)
             return;
-        /* EOF, EIO (a terminal whose last holder exited), or nothing left after exit. */
+        /* EOF, EIO (a terminal whose last holder exited), or nothing left after exit. Closing
+         * the last master of a terminal hangs it up, which sends SIGHUP to a process that closed
+         * its terminal and is about to exit: hold the master until the process has exited. */
+        if (p->tty && p->running && p->tty_hold < 0) {
+            p->tty_hold = st->fd;
+            st->fd = -1;
+        }
         close_fd(&st->fd);
     }
 }
@@ -1805,6 +1814,8 @@ int main(int argc, char **argv)
                 write_stdin(p);
             if (!p->running && p->in_fd >= 0)
                 stdin_discard(p);
+            if (!p->running)
+                close_fd(&p->tty_hold);
             i++;
         }
         if (connected()) {
