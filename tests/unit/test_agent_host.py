@@ -266,6 +266,40 @@ async def test_stdin_round_trip_with_close(client: AgentClient) -> None:
     assert rec.text().split()[0] == hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.parametrize("listed", [True, False])  # pipelined behind SPAWN, or after SPAWNED
+@pytest.mark.parametrize(
+    ("argv", "tty", "size"),
+    [
+        (["cat"], None, 0),
+        (["cat"], None, 5),
+        (["sha256sum"], None, 3 * 1024 * 1024 + 17),
+        (["cat"], (24, 80), 0),
+    ],
+)
+async def test_spawn_with_stdin_and_close(
+    client: AgentClient, listed: bool, argv: list[str], tty: tuple[int, int] | None, size: int
+) -> None:
+    if listed:
+        await client.list_processes()
+    data = os.urandom(size // 2).hex().encode()[:size] if argv == ["cat"] else os.urandom(size)
+    rec = Recorder()
+    await client.spawn(1, argv, ENV, "/", NOBODY, NOBODY, tty=tty, sink=rec, stdin=data, close_stdin=True)
+    assert await rec.wait() == 0  # ended by the close (a terminal's ^D), not left waiting for input
+    if argv == ["sha256sum"]:
+        assert rec.text().split()[0] == hashlib.sha256(data).hexdigest()
+    elif tty is None:
+        assert rec.out["stdout"] == data
+
+
+async def test_refused_spawn_with_pipelined_close_leaves_nothing_behind(client: AgentClient) -> None:
+    await client.list_processes()
+    with pytest.raises(CommandNotFound):
+        await client.spawn(1, ["no-such-program-xyz"], ENV, "/", 0, 0, stdin=b"x", close_stdin=True)
+    assert await client.list_processes() == []
+    rec = await run(client, 1, ["sh", "-c", "echo ok"])
+    assert rec.text() == "ok\n"
+
+
 async def test_signal_reaches_the_whole_process_group(client: AgentClient) -> None:
     rec = Recorder()
     await client.spawn(1, ["sh", "-c", "sleep 1000 & echo $!; wait"], ENV, "/", 0, 0, sink=rec)

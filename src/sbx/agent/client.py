@@ -141,6 +141,9 @@ class AgentClient:
         self._requests: dict[int, _Request] = {}
         self._procs: dict[int, _Proc] = {}
         self._next_id = 1
+        # Every handle the agent holds is in _procs once list_processes() ran on this connection;
+        # only then may spawn pipeline stdin frames (see spawn).
+        self._handles_known = False
         self._closed_error: AgentError | None = None
         self.closed = asyncio.Event()
         """Set when the channel is gone (agent exited, sandbox stopped, or a newer client took over)."""
@@ -219,6 +222,7 @@ class AgentClient:
         """Every process the agent retains, running or exited and not yet forgotten."""
         reply = await self._call(p.ListProcesses())
         assert isinstance(reply, p.Processes)
+        self._handles_known = True
         out = []
         for info in reply.processes:
             st = self._procs.get(info.handle)
@@ -248,12 +252,21 @@ class AgentClient:
         tty: tuple[int, int] | None = None,
         rlimits: Rlimits = Rlimits(),
         sink: ProcessSink | None = None,
+        *,
+        stdin: bytes = b"",
+        close_stdin: bool = False,
     ) -> int:
         """Start ``argv`` (PATH-searched in ``env``) and return the guest pid.
 
         ``tty`` is (rows, cols) for a terminal; output then arrives as "stdout" only. With ``sink``
         output is delivered from the first byte; otherwise it is held (at most the agent's window)
-        until :meth:`set_process_sink`. Raises CommandNotFound or SpawnFailed.
+        until :meth:`set_process_sink`. ``stdin`` is written to the process's input and
+        ``close_stdin`` then ends it (a terminal gets ^D), as write_stdin and close_stdin after the
+        spawn would, but without waiting for the spawn first: the frames follow SPAWN on the
+        channel, so the whole start is one round trip. That needs every handle the agent holds to
+        be known (after :meth:`list_processes` on this connection, as sandboxd does on attach),
+        since stdin pipelined behind a SPAWN refused for a duplicate handle would reach the other
+        process; before that they are sent after SPAWNED. Raises CommandNotFound or SpawnFailed.
         """
         if not argv:
             raise ValueError("argv must name a program")
@@ -262,20 +275,43 @@ class AgentClient:
         rows, cols = tty if tty else (0, 0)
         if tty and not (0 < rows < 65536 and 0 < cols < 65536):
             raise ValueError("terminal rows and cols must be between 1 and 65535")
-        st = self._procs[handle] = _Proc(subscribed=True)
-        if sink is not None:
-            self._start_sink(handle, st, sink)
         msg = p.Spawn(
             handle=handle, uid=uid, gid=gid, rows=rows, cols=cols,
             rlimit_nproc=rlimits.nproc, rlimit_nofile=rlimits.nofile,
             cwd=cwd, argv=tuple(argv), env=tuple(f"{k}={v}" for k, v in env.items()),
         )  # fmt: skip
+        st = self._procs[handle] = _Proc(subscribed=True)
+        if sink is not None:
+            self._start_sink(handle, st, sink)
+        # A new process's window is empty, so up to a window of stdin needs no acknowledgement.
+        ahead = stdin[: self.stdin_window] if self._handles_known else b""
+        close_ahead = close_stdin and self._handles_known and len(ahead) == len(stdin)
+        fid = close_fid = 0
         try:
-            reply = await self._call(msg)
+            fid, req = self._register(streamed=False)
+            frames = [p.encode(msg, fid)]
+            for off in range(0, len(ahead), p.CHUNK):
+                frames.append(p.encode(p.Stdin(handle, off, ahead[off : off + p.CHUNK])))
+            if close_ahead:
+                close_fid, close_req = self._register(streamed=False)
+                frames.append(p.encode(p.StdinClose(handle), close_fid))
+            st.stdin_sent = len(ahead)
+            await self._send_bytes(b"".join(frames))
+            reply = self._check_reply(msg, await self._await(fid, req))
+            if close_ahead:
+                self._check_reply(p.StdinClose(handle), await self._await(close_fid, close_req))
         except BaseException:
+            # After a refused SPAWN the agent answers the pipelined STDIN_CLOSE with ENOENT and
+            # acknowledges the stdin: with the request and the handle gone, both are ignored.
+            self._requests.pop(fid, None)
+            self._requests.pop(close_fid, None)
             self._drop_proc(handle)
             raise
         assert isinstance(reply, p.Spawned)
+        if len(ahead) < len(stdin):
+            await self.write_stdin(handle, stdin[len(ahead) :])
+        if close_stdin and not close_ahead:
+            await self.close_stdin(handle)
         return reply.pid
 
     async def set_process_sink(
@@ -437,8 +473,11 @@ class AgentClient:
         return fid, req
 
     async def _send(self, msg: p.Message, frame_id: int = 0) -> None:
+        await self._send_bytes(p.encode(msg, frame_id))
+
+    async def _send_bytes(self, frames: bytes) -> None:
         self._check_open()
-        self._writer.write(p.encode(msg, frame_id))
+        self._writer.write(frames)
         try:
             await self._writer.drain()
         except (ConnectionError, OSError) as e:
@@ -466,7 +505,11 @@ class AgentClient:
         except BaseException:
             self._requests.pop(fid, None)
             raise
-        reply = await self._await(fid, req)
+        return self._check_reply(msg, await self._await(fid, req), file_path)
+
+    @staticmethod
+    def _check_reply(msg: p.Message, reply: p.Message, file_path: str | None = None) -> p.Message:
+        """``reply`` to ``msg`` unless it is a refusal, which is raised as the matching error."""
         if isinstance(reply, p.Error):
             if file_path is not None:
                 raise AgentFileError(reply.errno, f"{file_path}: {reply.message}")
