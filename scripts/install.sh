@@ -2,7 +2,8 @@
 # Install everything sandboxd needs on Debian 12 and (re)start it on /run/sandboxd.sock.
 #
 #   sudo bash scripts/install.sh             install, then start or restart sandboxd
-#   sudo bash scripts/install.sh --no-start  install only (scripts/test.sh uses this)
+#   sudo bash scripts/install.sh --no-start  install only
+#   sudo bash scripts/install.sh --no-start --test-deps  also what the tests need (scripts/test.sh)
 #
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
 # Steps: apt packages (apt-get update only when one is missing), the virtualenv .venv with this checkout
@@ -36,17 +37,22 @@ APT_PACKAGES=(
     gcc libc6-dev           # the guest agent is C, linked statically
     python3 python3-venv python3-dev
     ca-certificates curl    # curl talks to the socket below and in README examples
-    docker-registry apache2-utils openssl  # tests: a loopback registry to pull from, htpasswd, token certs
+)
+# Only with --test-deps (scripts/test.sh): never on a node that only serves sandboxes.
+TEST_APT_PACKAGES=(
+    docker-registry apache2-utils openssl  # a loopback registry to pull from, htpasswd, token certs
 )
 
 ARGS="$*"
 START=1
+TEST_DEPS=0
 usage() {
     sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-start) START=0 ;;
+        --test-deps) APT_PACKAGES+=("${TEST_APT_PACKAGES[@]}"); TEST_DEPS=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
     esac
@@ -88,6 +94,11 @@ else
     apt-get "${apt_opts[@]}" install -y --no-install-recommends "${missing[@]}" ||
         die "apt-get install failed for: ${missing[*]}" \
             "on Debian 12 these are all in main; fix the apt error above and run this again"
+fi
+if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ] && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
+    # Debian's package enables a registry on every interface; tests start their own on loopback.
+    systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    note "disabled the docker-registry service the package enabled (tests run their own)"
 fi
 [ -x "$SYSTEM_PYTHON" ] || die "$SYSTEM_PYTHON is missing although python3 is installed" \
     "reinstall it: apt-get install --reinstall python3"

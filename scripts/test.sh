@@ -3,7 +3,7 @@
 #
 #   sudo bash scripts/test.sh [extra pytest arguments, e.g. -k name or -x]
 #
-# Runs scripts/install.sh --no-start first (idempotent; sandboxd is not started: integration tests start
+# Runs scripts/install.sh --no-start --test-deps first (idempotent; sandboxd is not started: integration tests start
 # their own servers). Every step runs even when an earlier one fails, then a summary is printed. Logs and
 # failure evidence (server logs, state files of failed integration tests, junit XML) go to test-artifacts/.
 # Exit status: pytest's (the first failing run's) when a test run fails, else 1 when ruff or mypy failed,
@@ -26,9 +26,9 @@ declare -a SUMMARY=()
 record() { SUMMARY+=("$(printf '%-12s %-6s %5ss  %s' "$1" "$2" "$3" "$4")"); }
 banner() { printf '\n==== %s ====\n' "$*"; }
 
-banner "install (scripts/install.sh --no-start)"
+banner "install (scripts/install.sh --no-start --test-deps)"
 t=$SECONDS
-if ! bash "$REPO/scripts/install.sh" --no-start; then
+if ! bash "$REPO/scripts/install.sh" --no-start --test-deps; then
     echo "test.sh: installation failed (see above); no tests were run" >&2
     exit 1
 fi
