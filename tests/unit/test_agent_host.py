@@ -177,6 +177,14 @@ async def test_env_is_exactly_the_given_one_and_cwd_applies(client: AgentClient)
     assert {ln.split("=")[0] for ln in lines[2:]} <= {"FOO", "PATH", "PWD", "SHLVL", "_", "OLDPWD"}
 
 
+async def test_child_gets_umask_022_and_default_signals(client: AgentClient) -> None:
+    # The agent ignores SIGPIPE and blocks SIGCHLD for itself; neither may leak into the child.
+    rec = await run(client, 1, ["sh", "-c", "umask; grep -E '^Sig(Blk|Ign)' /proc/self/status"])
+    lines = rec.text().split()
+    assert lines[0] == "0022"
+    assert int(lines[2], 16) == 0 and not int(lines[4], 16) & (1 << (signal.SIGPIPE - 1))
+
+
 @pytest.mark.parametrize(
     ("argv", "cls", "err"),
     [

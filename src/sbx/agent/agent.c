@@ -297,6 +297,9 @@ static int fd_mode; /* --fd: one stream, no listening socket */
 static int hello_done;
 static struct buf rbuf, obuf;
 static unsigned long tmp_counter;
+/* The agent's real ids, read once: it only ever changes its effective ids (as_user). */
+static uid_t agent_uid;
+static gid_t agent_gid;
 
 /* ---- outgoing frames -------------------------------------------------------------------- */
 
@@ -443,7 +446,7 @@ static int saved_ngroups = -1;
 /* Switch the effective ids so the kernel checks permissions as the sandbox user would see them. */
 static int as_user(uid_t uid, gid_t gid)
 {
-    if (getuid() != 0)
+    if (agent_uid != 0)
         return uid == geteuid() ? 0 : EPERM;
     if (saved_ngroups < 0)
         saved_ngroups = getgroups(NGROUPS_MAX, saved_groups);
@@ -459,7 +462,7 @@ static int as_user(uid_t uid, gid_t gid)
 
 static void as_root(void)
 {
-    if (getuid() != 0)
+    if (agent_uid != 0)
         return;
     /* uid first: without it we may not change the gid or groups back. */
     if (seteuid(0) < 0 || setegid(0) < 0 ||
@@ -519,9 +522,10 @@ static int exit_code_of(int status)
 /* Reap every child, ours or reparented orphans: as PID 1 nobody else will. */
 static void reap(void)
 {
+    /* SIGCHLD is a standard signal, pending at most once: one read empties the signalfd. */
     struct signalfd_siginfo si;
-    while (read(sig_fd, &si, sizeof si) > 0)
-        ;
+    ssize_t n = read(sig_fd, &si, sizeof si);
+    (void)n; /* waitpid below finds every exit whatever it returned */
     for (;;) {
         int status;
         pid_t pid = waitpid(-1, &status, WNOHANG);
@@ -657,18 +661,17 @@ static int child_main(void *arg)
         if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
             child_fail(q, STAGE_RLIMIT, errno);
     }
-    uid_t ruid = getuid();
-    if (ruid == 0) {
+    if (agent_uid == 0) {
         if (syscall(SYS_setgroups, 1, &q->gid) < 0 || syscall(SYS_setgid, q->gid) < 0 ||
             syscall(SYS_setuid, q->uid) < 0)
             child_fail(q, STAGE_CREDS, errno);
-    } else if (q->uid != ruid || q->gid != getgid()) {
+    } else if (q->uid != agent_uid || q->gid != agent_gid) {
         child_fail(q, STAGE_CREDS, EPERM);
     }
     /* After the uid switch, so a directory the user may not enter is refused. */
     if (q->cwd[0] && chdir(q->cwd) < 0)
         child_fail(q, STAGE_CWD, errno);
-    umask(022);
+    /* The umask (022) is inherited: main sets it and the agent never changes it. */
     child_execvp(q);
     child_fail(q, STAGE_EXEC, errno);
 }
@@ -750,7 +753,7 @@ static void do_spawn(uint32_t id, struct rd *r)
     int e = 0;
     if (rows && cols) {
         e = open_pty(&master, &slave, rows, cols);
-        if (!e && getuid() == 0 && fchown(slave, uid, (gid_t)-1) < 0) {
+        if (!e && agent_uid == 0 && fchown(slave, uid, (gid_t)-1) < 0) {
             /* Only cosmetic (mesg, write): the child holds the terminal open already. */
         }
     } else if (pipe2(pin, O_CLOEXEC) < 0 || pipe2(pout, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0) {
@@ -813,11 +816,13 @@ static void do_spawn(uint32_t id, struct rd *r)
         p->out[1].fd = perr[0];
         pin[1] = pout[0] = perr[0] = -1;
     }
+    /* Fresh pipes and terminals have no other status flags, so skip F_GETFL; a terminal's
+     * in_fd shares the master's open file description and so its flag. */
     for (int s = 0; s < 2; s++)
         if (p->out[s].fd >= 0)
-            set_nonblock(p->out[s].fd);
-    if (p->in_fd >= 0)
-        set_nonblock(p->in_fd);
+            fcntl(p->out[s].fd, F_SETFL, O_NONBLOCK);
+    if (p->in_fd >= 0 && !p->tty)
+        fcntl(p->in_fd, F_SETFL, O_NONBLOCK);
     p->next = procs;
     procs = p;
     nprocs++;
@@ -1740,7 +1745,9 @@ int main(int argc, char **argv)
     }
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1); /* outside a sandbox, still reap our orphans */
-    umask(022);
+    umask(022); /* also the children's: they inherit it */
+    agent_uid = getuid();
+    agent_gid = getgid();
     /* Children get 0..2 by dup2; if one of those is our own free slot, dup2 onto itself would
      * keep CLOEXEC, so make sure 0..2 are taken. */
     for (int fd = 0; fd < 3; fd++) {
