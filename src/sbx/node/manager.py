@@ -281,7 +281,7 @@ class SandboxManager:
             agent = await AgentClient.connect(
                 self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
             )
-            sandbox.processes.agent = agent  # a fresh sandbox has no processes to resume
+            await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
             self._sandboxes.pop(record.id, None)

@@ -187,8 +187,13 @@ class ProcessTable:
         cwd: str | None,
         tty: tuple[int, int] | None = None,
         capture: bool = False,
+        stdin: bytes = b"",
+        close_stdin: bool = False,
     ) -> _Process:
-        """Spawn ``argv`` in the sandbox; a missing command is InvalidRequest and leaves no record."""
+        """Spawn ``argv`` in the sandbox; a missing command is InvalidRequest and leaves no record.
+
+        ``stdin`` is sent right behind the spawn (and ``close_stdin`` ends the input), saving round trips.
+        """
         agent = self.require_agent()
         pid = self._next_pid
         self._next_pid += 1
@@ -201,8 +206,9 @@ class ProcessTable:
         write_json_atomic(meta_path, asdict(record), durable=False)
         try:
             await agent.spawn(
-                pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc)
-            )
+                pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc),
+                stdin=stdin, close_stdin=close_stdin,
+            )  # fmt: skip
         except CommandNotFound as exc:
             self._discard(proc)
             raise InvalidRequest(f"command not found: {argv[0]} ({exc})") from None
@@ -267,12 +273,11 @@ class ProcessTable:
         timeout_secs: float | None,
     ) -> RunResult:
         """Run to completion; output capped per stream; on timeout the process group is killed."""
-        proc = await self.start(argv, env, request_env_names, cwd, capture=True)
+        proc = await self.start(
+            argv, env, request_env_names, cwd, capture=True, stdin=stdin or b"", close_stdin=True
+        )
         pid = proc.record.pid
         agent = self.require_agent()
-        if stdin:
-            await agent.write_stdin(pid, stdin)
-        await agent.close_stdin(pid)
         timed_out = False
         try:
             await asyncio.wait_for(proc.exited.wait(), timeout_secs)

@@ -59,9 +59,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         tty = (req.rows, req.cols) if req.tty else None
         if tty is not None:
             env.setdefault("TERM", "xterm-256color")
-        proc = await sandbox.processes.start(list(req.argv), env, sorted(req.env), req.cwd, tty=tty)
-        if req.stdin:
-            await sandbox.processes.send_stdin(proc.record.pid, req.stdin)
+        proc = await sandbox.processes.start(
+            list(req.argv), env, sorted(req.env), req.cwd, tty=tty, stdin=req.stdin
+        )
         return json_response(proc.record.to_wire(), status=201)
 
     async def list_processes(request: web.Request) -> web.Response:
