@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from sbx.agent.client import AgentFileError
+from sbx.agent.client import AgentClient, AgentFileError
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError
 from sbx.api.validation import validate_guest_path
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.context import NodeContext
 from sbx.node.http import FILE_BODY_CAP, json_response, query_one, stream_body
+from sbx.node.manager import Sandbox
 
 
 def file_error(exc: AgentFileError, path: str) -> SandboxError:
@@ -42,13 +43,16 @@ def file_error(exc: AgentFileError, path: str) -> SandboxError:
 
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
-    manager = ctx.manager
     audit = ctx.audit
 
-    async def read(request: web.Request) -> web.StreamResponse:
-        sandbox = manager.resolve_running(request.match_info["ref"])
+    def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
+        """The running sandbox, the checked guest path, and the agent that will act on it."""
+        sandbox = ctx.manager.resolve_running(request.match_info["ref"])
         path = validate_guest_path(query_one(request, "path"))
-        agent = sandbox.processes.require_agent()
+        return sandbox, path, sandbox.processes.require_agent()
+
+    async def read(request: web.Request) -> web.StreamResponse:
+        sandbox, path, agent = target(request)
         try:
             reader = await agent.open_read(path, SANDBOX_UID, SANDBOX_GID)
         except AgentFileError as exc:
@@ -68,11 +72,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return response
 
     async def write(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
-        path = validate_guest_path(query_one(request, "path"))
+        sandbox, path, agent = target(request)
         if path == "/":
             raise InvalidRequest("cannot write to /: name a file")
-        agent = sandbox.processes.require_agent()
         counted = _Counted(stream_body(request, FILE_BODY_CAP))
         try:
             await agent.write_file(path, counted, SANDBOX_UID, SANDBOX_GID)
@@ -82,11 +84,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return web.Response(status=204)
 
     async def remove(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
-        path = validate_guest_path(query_one(request, "path"))
+        sandbox, path, agent = target(request)
         if path == "/":
             raise InvalidRequest("cannot remove /")
-        agent = sandbox.processes.require_agent()
         try:
             size = (await agent.stat(path, SANDBOX_UID, SANDBOX_GID)).size
             await agent.remove(path, SANDBOX_UID, SANDBOX_GID)
@@ -96,9 +96,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return web.Response(status=204)
 
     async def list_dir(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
-        path = validate_guest_path(query_one(request, "path"))
-        agent = sandbox.processes.require_agent()
+        _, path, agent = target(request)
         try:
             entries = await agent.list_dir(path, SANDBOX_UID, SANDBOX_GID)
         except AgentFileError as exc:
