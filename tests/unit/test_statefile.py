@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sbx.node.statefile import read_json, remove_stale_tmp_files, write_json_atomic
+from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_corrupt_file_names_the_path(tmp_path: Path) -> None:
 _WRITER = """
 import sys
 from pathlib import Path
-from sbx.node.statefile import write_json_atomic
+from sbx.statefile import write_json_atomic
 path = Path(sys.argv[1])
 i = 0
 while True:

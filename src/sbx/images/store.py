@@ -39,13 +39,14 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, SandboxError
+from sbx.statefile import fsync_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -299,12 +300,12 @@ class ImageStore:
                     path=image_dir,
                     layers=tuple(layers),
                 )
-                _write_json_atomic(tmp / _IMAGE_JSON, image.to_json())
+                write_json_atomic(tmp / _IMAGE_JSON, image.to_json())
                 if image_dir.exists():
                     _exchange(tmp, image_dir)  # tmp now holds the old image
                 else:
                     os.rename(tmp, image_dir)
-                _fsync_dir(self.images_dir)
+                fsync_dir(self.images_dir)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         log.info("installed image %s (%s, %d bytes) in %s", reference, image.digest, image.bytes, image_dir)
@@ -328,7 +329,7 @@ class ImageStore:
                 raise NotFound(f"image {reference!r} is not installed")
             trash = Path(tempfile.mkdtemp(prefix=f"{_TRASH_PREFIX}{image_dir.name}-", dir=self.images_dir))
             os.rename(image_dir, trash / "image")
-            _fsync_dir(self.images_dir)
+            fsync_dir(self.images_dir)
             shutil.rmtree(trash, ignore_errors=True)
         log.info("removed image %s (%d bytes)", reference, freed)
         return freed
@@ -539,32 +540,6 @@ def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
 
 
 # --- durable file-system operations --------------------------------------------------------------------------
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` to ``path`` through a temporary file, fsync and rename, so readers see all or nothing."""
-    data = json.dumps(obj, indent=2, sort_keys=True).encode("utf-8") + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _libc: ctypes.CDLL | None = None

@@ -24,7 +24,7 @@ from sbx.node.audit import AuditLog
 from sbx.node.config import Capacity, NodeConfig
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
-from sbx.node.statefile import read_json, remove_stale_tmp_files, write_json_atomic
+from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
 
 log = logging.getLogger(__name__)
 

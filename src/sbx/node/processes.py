@@ -22,7 +22,7 @@ from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.audit import AuditLog, process_started_fields
 from sbx.node.output_log import OutputLog
 from sbx.node.records import utc_now
-from sbx.node.statefile import read_json, write_json_atomic
+from sbx.statefile import read_json, write_json_atomic
 
 #: Run output kept per stream in the run result (spec: 8 MiB, then truncated).
 RUN_OUTPUT_CAP_BYTES = 8 * 1024 * 1024

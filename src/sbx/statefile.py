@@ -1,4 +1,4 @@
-"""Crash-safe JSON state files for the node's state directory.
+"""Crash-safe JSON state files (the node's state directory, the image store).
 
 A state file is replaced, never edited: the new contents go to a temporary file in the same
 directory, which is flushed to disk and then renamed over the old one. ``rename`` is atomic on
@@ -37,7 +37,7 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
     """
     path = Path(path)
     # Serialise first: a bad object must not leave even a temporary file behind.
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
     directory = path.parent
     fd, tmp_name = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
     try:
@@ -58,7 +58,7 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
             pass
         raise
     if durable:
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def read_json(path: Path) -> Any | None:
@@ -81,7 +81,7 @@ def read_json(path: Path) -> Any | None:
         ) from exc
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
