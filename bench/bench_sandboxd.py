@@ -156,7 +156,7 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     usages = []
     for s in idle + [sandbox]:
         usage_file = (
-            Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / s["id"] / "memory.usage_in_bytes"
+            Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / s.id / "memory.usage_in_bytes"
         )
         if usage_file.exists():
             usages.append(int(usage_file.read_text()) / 2**20)
