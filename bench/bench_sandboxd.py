@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, missing_requirements
+from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, UnixHTTPConnection, missing_requirements
 
 from sbx.backends.gvisor import CGROUP_PARENT
 from sbx.client import AsyncClient
@@ -103,6 +103,25 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.monotonic() - started
 
 
+def http_runs(server: Sandboxd, sandbox_id: str, count: int) -> list[float]:
+    """Run round trips over one keep-alive HTTP/1.1 connection: the server's share without SDK overhead."""
+    conn = UnixHTTPConnection(server.socket_path)
+    body = json.dumps({"argv": ["true"]}).encode()
+    headers = {"Content-Type": "application/json"}
+    durations = []
+    try:
+        for _ in range(count):
+            started = time.monotonic()
+            conn.request("POST", f"/v1/sandboxes/{sandbox_id}/run", body=body, headers=headers)
+            response = conn.getresponse()
+            assert response.status == 200, response.read()
+            response.read()
+            durations.append(time.monotonic() - started)
+    finally:
+        conn.close()
+    return durations
+
+
 def mem_available_kib() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -144,8 +163,10 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     sandbox = await client.sandboxes.create()
     await sandbox.run(["true"])
     runs = [await timed(lambda: sandbox.run(["true"])) for _ in range(args.runs)]
+    raw_http = await asyncio.to_thread(http_runs, server, sandbox.id, args.runs)
     print(summary("runsc exec (true)", raw_execs))
-    print(summary("run round trip (true)", runs, raw_execs))
+    print(summary("run round trip (true), SDK", runs, raw_execs))
+    print(summary("run round trip (true), HTTP keep-alive", raw_http, raw_execs))
 
     # 3. idle memory per sandbox
     idle_count = 10
@@ -155,9 +176,7 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     after = mem_available_kib()
     usages = []
     for s in idle + [sandbox]:
-        usage_file = (
-            Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / s.id / "memory.usage_in_bytes"
-        )
+        usage_file = Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / s.id / "memory.usage_in_bytes"
         if usage_file.exists():
             usages.append(int(usage_file.read_text()) / 2**20)
     print(f"{'idle memory per sandbox (cgroup usage)':<42} mean {statistics.mean(usages):6.1f} MiB   "
