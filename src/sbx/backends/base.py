@@ -33,9 +33,25 @@ class BootSpec:
 
 @dataclass(frozen=True)
 class BackendUsage:
-    """Host-side usage of one sandbox: resident memory of its VMM processes in bytes."""
+    """Host-side counters of one sandbox, measured without asking the guest. Byte and time counts are totals
+    since the sandbox booted; a total may go back when one of the sandbox's host processes exits (readers that
+    need monotonic totals keep them).
 
-    memory_bytes: int
+    ``cpu_ns``: CPU time of all its host processes, nanoseconds. ``memory_bytes``: resident memory of its VMM
+    processes, guest memory included. ``memory_limit_bytes``: the limit enforced on it, 0 when none is known.
+    ``net_rx_bytes``/``net_tx_bytes``: received/sent by the sandbox, 0 without a network interface.
+    ``disk_read_bytes``/``disk_write_bytes``: read from/written to storage. ``processes``: processes in the
+    guest, 0 when the backend cannot see into it.
+    """
+
+    cpu_ns: int = 0
+    memory_bytes: int = 0
+    memory_limit_bytes: int = 0
+    net_rx_bytes: int = 0
+    net_tx_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    processes: int = 0
 
 
 class BackendError(Exception):
@@ -74,5 +90,6 @@ class Backend(Protocol):
     async def destroy(self, sandbox_id: str) -> None:
         """Stop the sandbox and discard its disk; idempotent (a missing sandbox is not an error)."""
 
-    async def usage(self, sandbox_id: str) -> BackendUsage:
-        """Host-side resource usage of a running sandbox."""
+    async def usage(self, sandbox_id: str) -> BackendUsage | None:
+        """Host-side counters of a running sandbox, None when it is not running. Cheap (file reads, no
+        subprocess): the metrics sampler calls it for every running sandbox every few seconds."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sbx.backends.base import BackendError, BackendUsage, BootSpec
+from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, run_tool
 
 #: The in-sandbox paths of the agent and its control directory.
@@ -231,14 +232,13 @@ class GVisorBackend:
             except OSError:
                 pass
 
-    async def usage(self, sandbox_id: str) -> BackendUsage:
-        """Resident memory of the sandbox's cgroup (sentry, gofer and guest memory), in bytes."""
-        for path in (
-            Path("/sys/fs/cgroup/memory") / CGROUP_PARENT.strip("/") / sandbox_id / "memory.usage_in_bytes",
-            Path("/sys/fs/cgroup") / CGROUP_PARENT.strip("/") / sandbox_id / "memory.current",
-        ):
-            try:
-                return BackendUsage(memory_bytes=int(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        return BackendUsage(memory_bytes=0)
+    def host_interface(self, sandbox_id: str) -> str | None:
+        """The host end of the sandbox's network interface; None while sandboxes get none (mode ``none``)."""
+        return None
+
+    async def usage(self, sandbox_id: str) -> BackendUsage | None:
+        """The counters of the sandbox's cgroup, processes and interface (see host_counters.py)."""
+        # In a worker thread: a few dozen small file reads, kept off the event loop on a busy node.
+        return await asyncio.to_thread(
+            read_usage, f"{CGROUP_PARENT}/{sandbox_id}", self.host_interface(sandbox_id)
+        )
