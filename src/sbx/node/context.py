@@ -11,6 +11,7 @@ from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig
 from sbx.node.manager import SandboxManager
+from sbx.node.sampler import MetricsSampler
 
 
 @dataclass
@@ -25,6 +26,8 @@ class NodeContext:
     version: str = __version__
     #: Called after every create with its status (``created`` or an error code) and duration in seconds.
     on_create: Callable[[str, float], None] = field(default=lambda status, secs: None)
+    #: Per-sandbox metrics; None on a node that keeps none.
+    sampler: MetricsSampler | None = None
 
     def capabilities(self) -> dict[str, Any]:
         """The spec's Capabilities body; only what this node really does is true."""
@@ -39,7 +42,7 @@ class NodeContext:
                 "memory_snapshot": False,
                 "disk_snapshot": False,
                 "tunnel": False,
-                "metrics": False,
+                "metrics": self.sampler is not None,
                 "audit": self.config.audit.enabled,
                 "images": False,
             },

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,8 @@ class SandboxManager:
         self.cordoned = False
         self._sandboxes: dict[str, Sandbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Called with a sandbox's id when the node forgets it (what is kept of it elsewhere goes too).
+        self.on_forget: list[Callable[[str], None]] = []
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     # -- start and stop ---------------------------------------------------------------------------------
@@ -378,6 +380,8 @@ class SandboxManager:
         for sandbox in terminated[KEEP_TERMINATED:]:
             del self._sandboxes[sandbox.record.id]
             shutil.rmtree(sandbox.directory, ignore_errors=True)
+            for hook in self.on_forget:
+                hook(sandbox.record.id)
 
     def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
         """When the agent's channel closes on its own: reconnect if the sandbox still runs, else terminate it."""

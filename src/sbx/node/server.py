@@ -26,6 +26,7 @@ from sbx.node.http import error_middleware, make_guard
 from sbx.node.manager import SandboxManager
 from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
 from sbx.node.routes import all_routes
+from sbx.node.sampler import MetricsSampler, running_targets
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,15 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         capacity=resolve_capacity(config.capacity, options.state_dir), node_id=options.node_id,
     )  # fmt: skip
     metrics = NodeMetrics(lambda: _snapshot(manager))
+    sampler = MetricsSampler(lambda: running_targets(manager), backend.usage)
+    manager.on_forget.append(sampler.forget)
     ctx = NodeContext(
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
-        on_create=metrics.observe_create,
+        on_create=metrics.observe_create, sampler=sampler,
     )  # fmt: skip
     await backend.start()
     await manager.start()
+    await sampler.start()
 
     app = web.Application(
         middlewares=[error_middleware, make_guard(
@@ -142,6 +146,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     await runner.cleanup()
     if metrics_runner is not None:
         await metrics_runner.cleanup()
+    await sampler.close()
     await manager.close()
     await backend.close()
     if options.socket_path is not None:

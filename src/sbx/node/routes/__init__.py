@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.node.context import NodeContext
-from sbx.node.routes import attach, events, files, node, processes, sandboxes
+from sbx.node.routes import attach, events, files, node, processes, sandbox_metrics, sandboxes
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -17,4 +17,5 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *attach.routes(ctx),
         *files.routes(ctx),
         *events.routes(ctx),
+        *sandbox_metrics.routes(ctx),
     ]

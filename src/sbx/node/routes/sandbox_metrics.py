@@ -1,0 +1,24 @@
+"""Per-sandbox metrics: the last hour of host-side samples (see sampler.py)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from sbx.api.errors import Unsupported
+from sbx.node.context import NodeContext
+from sbx.node.http import json_response
+
+
+def routes(ctx: NodeContext) -> list[web.RouteDef]:
+    async def metrics(request: web.Request) -> web.Response:
+        sampler = ctx.sampler
+        if sampler is None:
+            raise Unsupported("this node keeps no per-sandbox metrics (capability metrics)")
+        # Reading metrics is not activity: it must not keep a sandbox from idling out.
+        sandbox = ctx.manager.resolve(request.match_info["ref"], touch=False)
+        samples = sampler.samples(sandbox.record.id)
+        return json_response(
+            {"interval_secs": sampler.interval_secs, "samples": [s.to_wire() for s in samples]}
+        )
+
+    return [web.get("/v1/sandboxes/{ref}/metrics", metrics)]

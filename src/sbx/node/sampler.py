@@ -1,0 +1,258 @@
+"""Per-sandbox metrics (capability ``metrics``): one task samples the host-side counters of every running
+sandbox every ``interval_secs`` (5) and keeps the last hour of each in memory.
+
+Kept with the sandbox only: a terminated sandbox's samples stay readable until the node forgets it
+(``forget``), and nothing survives a restart (a sandbox taken back starts a new hour). The counters come from
+the backend (``Backend.usage``); the sampler turns them into the spec's sample: a CPU share of the given vCPUs
+since the previous sample, and byte totals since the sandbox started that never go back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from array import array
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+from sbx.backends.base import BackendUsage
+from sbx.node.manager import SandboxManager
+from sbx.node.records import SandboxState
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two samples of a sandbox (spec: 5).
+INTERVAL_SECS = 5
+#: Samples kept per sandbox: one hour at the interval.
+SAMPLES_KEPT = 3600 // INTERVAL_SECS
+
+#: Reads the counters of one sandbox; None when it is not running.
+UsageSource = Callable[[str], Awaitable[BackendUsage | None]]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample as the spec's metrics endpoint reports it. ``time`` is Unix time in seconds; byte counts
+    are totals since the sandbox started (or since this server took it back)."""
+
+    time: float
+    cpu_percent: float
+    memory_bytes: int
+    memory_limit_bytes: int
+    net_rx_bytes: int
+    net_tx_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    processes: int
+
+    def to_wire(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body["time"] = (
+            datetime.fromtimestamp(self.time, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        )
+        body["cpu_percent"] = round(self.cpu_percent, 1)
+        return body
+
+
+_NAMES = tuple(f.name for f in fields(Sample))
+_FIELDS = len(_NAMES)
+_INT_FIELDS = tuple(i for i, f in enumerate(fields(Sample)) if f.type == "int")
+
+
+class SampleRing:
+    """The newest ``capacity`` samples in one flat array of doubles, 72 bytes a sample (an hour: 52 KB).
+
+    Doubles hold every integer below 2**53 exactly: byte totals up to 8 PiB.
+    """
+
+    def __init__(self, capacity: int = SAMPLES_KEPT) -> None:
+        if capacity < 1:
+            raise ValueError("a sample ring holds at least one sample")
+        self.capacity = capacity
+        self._values = array("d", bytes(8 * _FIELDS * capacity))
+        self._next = 0  # slot the next sample goes to
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def append(self, sample: Sample) -> None:
+        start = self._next * _FIELDS
+        self._values[start : start + _FIELDS] = array("d", [getattr(sample, name) for name in _NAMES])
+        self._next = (self._next + 1) % self.capacity
+        self._count = min(self._count + 1, self.capacity)
+
+    def samples(self) -> list[Sample]:
+        """Oldest first."""
+        first = (self._next - self._count) % self.capacity
+        out = []
+        for k in range(self._count):
+            start = ((first + k) % self.capacity) * _FIELDS
+            row: list[Any] = list(self._values[start : start + _FIELDS])
+            for i in _INT_FIELDS:
+                row[i] = int(row[i])
+            out.append(Sample(*row))
+        return out
+
+
+class CounterTotal:
+    """A total that never goes back, fed with readings of a counter that may restart from 0.
+
+    A reading below the previous one means the counter restarted (a process of the sandbox exited and took its
+    share with it, an interface was recreated): what it counts since then is added, nothing is subtracted.
+    The first reading is the starting total.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._last: int | None = None
+
+    def update(self, reading: int) -> int:
+        if self._last is None:
+            self.total = reading
+        else:
+            self.total += reading - self._last if reading >= self._last else reading
+        self._last = reading
+        return self.total
+
+
+def cpu_share(cpu_ns: int, elapsed_secs: float, cpus: int) -> float:
+    """Percent of ``cpus`` vCPUs that ``cpu_ns`` of CPU time used over ``elapsed_secs``, within 0 to 100."""
+    if elapsed_secs <= 0 or cpus <= 0:
+        return 0.0
+    return max(0.0, min(100.0, cpu_ns / (elapsed_secs * 1e9 * cpus) * 100))
+
+
+@dataclass(frozen=True)
+class SampleTarget:
+    """A running sandbox to sample: its id, its vCPUs and the memory it was given in bytes (the limit
+    reported when the backend knows none)."""
+
+    sandbox_id: str
+    cpus: int
+    memory_bytes: int
+
+
+class SandboxSeries:
+    """One sandbox's ring and the previous readings its next sample is computed from."""
+
+    def __init__(self, capacity: int = SAMPLES_KEPT) -> None:
+        self.ring = SampleRing(capacity)
+        self._cpu = CounterTotal()
+        self._last_cpu_ns: int | None = None
+        self._last_at = 0.0
+        self._totals = {
+            k: CounterTotal() for k in ("net_rx_bytes", "net_tx_bytes", "disk_read_bytes", "disk_write_bytes")
+        }
+
+    def observe(self, target: SampleTarget, usage: BackendUsage, monotonic: float, wall: float) -> Sample:
+        """Add the sample made of ``usage`` read at ``monotonic``/``wall`` seconds; the first one's CPU is 0."""
+        cpu_total = self._cpu.update(usage.cpu_ns)
+        percent = 0.0
+        if self._last_cpu_ns is not None:
+            percent = cpu_share(cpu_total - self._last_cpu_ns, monotonic - self._last_at, target.cpus)
+        self._last_cpu_ns, self._last_at = cpu_total, monotonic
+        totals = {k: total.update(getattr(usage, k)) for k, total in self._totals.items()}
+        sample = Sample(
+            time=wall,
+            cpu_percent=percent,
+            memory_bytes=usage.memory_bytes,
+            memory_limit_bytes=usage.memory_limit_bytes or target.memory_bytes,
+            processes=usage.processes,
+            **totals,
+        )
+        self.ring.append(sample)
+        return sample
+
+
+class MetricsSampler:
+    """Samples ``targets()`` (the running sandboxes) every ``interval_secs`` through ``usage``.
+
+    ``clock`` (monotonic seconds) and ``wall`` (Unix seconds) are replaceable for tests.
+    """
+
+    def __init__(
+        self,
+        targets: Callable[[], Iterable[SampleTarget]],
+        usage: UsageSource,
+        interval_secs: int = INTERVAL_SECS,
+        capacity: int = SAMPLES_KEPT,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.interval_secs = interval_secs
+        self.capacity = capacity
+        self._targets = targets
+        self._usage = usage
+        self._clock = clock
+        self._wall = wall
+        self._series: dict[str, SandboxSeries] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: How long the last round took, in seconds (every running sandbox read once).
+        self.last_round_secs = 0.0
+
+    def samples(self, sandbox_id: str) -> list[Sample]:
+        """The sandbox's samples, oldest first; [] for one never sampled or forgotten."""
+        series = self._series.get(sandbox_id)
+        return series.ring.samples() if series is not None else []
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop a sandbox's samples (the node forgot the sandbox)."""
+        self._series.pop(sandbox_id, None)
+
+    async def sample_once(self) -> None:
+        """One round: read and record every target once."""
+        started = self._clock()
+        for target in list(self._targets()):
+            series = self._series.get(target.sandbox_id)
+            if series is None:
+                series = self._series[target.sandbox_id] = SandboxSeries(self.capacity)
+            try:
+                usage = await self._usage(target.sandbox_id)
+            except OSError as exc:
+                log.warning(
+                    "sandbox counters unreadable", extra={"sandbox": target.sandbox_id, "error": str(exc)}
+                )
+                continue
+            # Forgotten while its counters were read: the sample goes nowhere rather than bring the series back.
+            if usage is None or self._series.get(target.sandbox_id) is not series:
+                continue
+            series.observe(target, usage, self._clock(), self._wall())
+        self.last_round_secs = self._clock() - started
+
+    async def start(self) -> None:
+        """Start sampling (the first round at once)."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        # Rounds on a fixed grid so samples stay interval_secs apart; a round that overruns skips ticks.
+        next_at = self._clock()
+        while True:
+            try:
+                await self.sample_once()
+            except Exception:
+                log.exception("metrics sampling round failed")
+            now = self._clock()
+            next_at += self.interval_secs * (int((now - next_at) // self.interval_secs) + 1)
+            await asyncio.sleep(max(0.0, next_at - now))
+
+
+def running_targets(manager: SandboxManager) -> list[SampleTarget]:
+    """The manager's running sandboxes (pending and terminated ones are not sampled)."""
+    return [
+        SampleTarget(s.record.id, s.record.cpus, s.record.memory_mb * 1024 * 1024)
+        for s in manager.live()
+        if s.record.state is SandboxState.RUNNING
+    ]
