@@ -1,0 +1,198 @@
+"""The metrics sampler's arithmetic and bookkeeping, fed by a fake counter source (no sandboxes here)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sbx.backends.base import BackendUsage
+from sbx.node.sampler import (
+    CounterTotal,
+    MetricsSampler,
+    Sample,
+    SampleRing,
+    SampleTarget,
+    SandboxSeries,
+    cpu_share,
+)
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("cpu_ns", "elapsed_secs", "cpus", "percent"),
+    [
+        (5_000_000_000, 5.0, 1, 100.0),  # one vCPU busy the whole interval
+        (2_500_000_000, 5.0, 1, 50.0),
+        (5_000_000_000, 5.0, 2, 50.0),  # one of two vCPUs busy
+        (10_000_000_000, 5.0, 2, 100.0),
+        (0, 5.0, 4, 0.0),
+        (6_000_000_000, 5.0, 1, 100.0),  # quota bursts and sampling jitter never show above 100
+        (-1, 5.0, 1, 0.0),  # nor below 0
+        (1_000_000, 0.0, 1, 0.0),  # no time passed: nothing to divide by
+        (1_000_000, 5.0, 0, 0.0),
+    ],
+)
+def test_cpu_share(cpu_ns: int, elapsed_secs: float, cpus: int, percent: float) -> None:
+    assert cpu_share(cpu_ns, elapsed_secs, cpus) == pytest.approx(percent)
+
+
+@pytest.mark.parametrize(
+    ("readings", "totals"),
+    [
+        ([0, 10, 25], [0, 10, 25]),
+        ([100, 150], [100, 150]),  # the first reading is the starting total
+        ([100, 150, 30], [100, 150, 180]),  # restart: 30 counted since, nothing taken back
+        ([100, 150, 0, 20], [100, 150, 150, 170]),
+        ([50, 50, 50], [50, 50, 50]),
+    ],
+)
+def test_counter_total_never_goes_back(readings: list[int], totals: list[int]) -> None:
+    counter = CounterTotal()
+    assert [counter.update(r) for r in readings] == totals
+
+
+def _sample(i: int) -> Sample:
+    return Sample(
+        time=1_700_000_000.0 + 5 * i,
+        cpu_percent=i / 10,
+        memory_bytes=i * 1000,
+        memory_limit_bytes=GIB,
+        net_rx_bytes=i,
+        net_tx_bytes=2 * i,
+        disk_read_bytes=3 * i,
+        disk_write_bytes=2**52 + i,  # large totals survive the ring's doubles exactly
+        processes=i % 7,
+    )
+
+
+@pytest.mark.parametrize(("capacity", "appended"), [(1, 3), (3, 2), (3, 3), (3, 7), (720, 1000)])
+def test_ring_keeps_the_newest_oldest_first(capacity: int, appended: int) -> None:
+    ring = SampleRing(capacity)
+    for i in range(appended):
+        ring.append(_sample(i))
+    kept = [_sample(i) for i in range(max(0, appended - capacity), appended)]
+    assert len(ring) == len(kept)
+    assert ring.samples() == kept
+    assert all(isinstance(s.memory_bytes, int) for s in ring.samples())
+
+
+def test_ring_of_an_hour_is_compact() -> None:
+    ring = SampleRing()
+    assert ring.capacity == 720
+    assert ring._values.itemsize * len(ring._values) == 720 * 72
+
+
+def test_series_cpu_from_two_readings_and_first_is_zero() -> None:
+    target = SampleTarget("sbx_a", cpus=2, memory_bytes=GIB)
+    series = SandboxSeries()
+    first = series.observe(target, BackendUsage(cpu_ns=7_000_000_000), monotonic=100.0, wall=1.0)
+    assert first.cpu_percent == 0
+    second = series.observe(target, BackendUsage(cpu_ns=12_000_000_000), monotonic=105.0, wall=6.0)
+    assert second.cpu_percent == pytest.approx(50.0)  # 5 s of CPU over 5 s of 2 vCPUs
+    # A CPU counter that restarts (cgroup recreated) counts what it shows since, never a negative share.
+    third = series.observe(target, BackendUsage(cpu_ns=1_000_000_000), monotonic=110.0, wall=11.0)
+    assert third.cpu_percent == pytest.approx(10.0)
+
+
+def test_series_totals_and_limit_fallback() -> None:
+    target = SampleTarget("sbx_a", cpus=1, memory_bytes=256 * 1024 * 1024)
+    series = SandboxSeries()
+    series.observe(target, BackendUsage(disk_write_bytes=1000, net_rx_bytes=5), 0.0, 0.0)
+    # The gofer exits and takes its I/O counts with it: the total stays, later writes add on.
+    s = series.observe(
+        target, BackendUsage(disk_write_bytes=300, net_rx_bytes=9, memory_limit_bytes=GIB), 5.0, 5.0
+    )
+    assert (s.disk_write_bytes, s.net_rx_bytes) == (1300, 9)
+    assert s.memory_limit_bytes == GIB  # the enforced limit when the backend knows it
+    s = series.observe(target, BackendUsage(), 10.0, 10.0)
+    assert s.memory_limit_bytes == 256 * 1024 * 1024  # else what the sandbox was given
+
+
+class FakeCounters:
+    """A counter source: per sandbox a list of readings handed out in turn; None when not running."""
+
+    def __init__(self, readings: dict[str, list[BackendUsage | None]]) -> None:
+        self.readings = readings
+        self.calls: list[str] = []
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, sandbox_id: str) -> BackendUsage | None:
+        self.calls.append(sandbox_id)
+        if self.gate is not None:
+            await self.gate.wait()
+        queue = self.readings.get(sandbox_id) or [None]
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_sampler_rounds_over_running_targets() -> None:
+    targets = [SampleTarget("sbx_a", 1, GIB), SampleTarget("sbx_b", 1, GIB)]
+    counters = FakeCounters(
+        {
+            "sbx_a": [
+                BackendUsage(cpu_ns=0),
+                BackendUsage(cpu_ns=2_500_000_000),
+                BackendUsage(cpu_ns=2_500_000_000),
+            ],
+            "sbx_b": [BackendUsage(cpu_ns=0), None],  # stopped between rounds
+        }
+    )
+    clock = Clock()
+    sampler = MetricsSampler(lambda: list(targets), counters, clock=clock, wall=clock)
+    await sampler.sample_once()
+    clock.now += 5
+    await sampler.sample_once()
+    assert [s.cpu_percent for s in sampler.samples("sbx_a")] == [0.0, pytest.approx(50.0)]
+    assert len(sampler.samples("sbx_b")) == 1
+    # Terminated: no longer a target, no longer read, its samples kept until forgotten.
+    targets.pop()
+    targets.pop()
+    counters.calls.clear()
+    clock.now += 5
+    await sampler.sample_once()
+    assert counters.calls == []
+    assert len(sampler.samples("sbx_a")) == 2
+    sampler.forget("sbx_a")
+    assert sampler.samples("sbx_a") == []
+    assert sampler.samples("sbx_unknown") == []
+
+
+async def test_a_sandbox_forgotten_mid_read_does_not_come_back() -> None:
+    counters = FakeCounters({"sbx_a": [BackendUsage(cpu_ns=1)]})
+    counters.gate = asyncio.Event()
+    sampler = MetricsSampler(lambda: [SampleTarget("sbx_a", 1, GIB)], counters)
+    round_ = asyncio.ensure_future(sampler.sample_once())
+    await asyncio.sleep(0)
+    sampler.forget("sbx_a")
+    counters.gate.set()
+    await round_
+    assert sampler.samples("sbx_a") == []
+    assert "sbx_a" not in sampler._series
+
+
+async def test_sampler_task_samples_on_its_interval() -> None:
+    counters = FakeCounters({"sbx_a": [BackendUsage()]})
+    sampler = MetricsSampler(lambda: [SampleTarget("sbx_a", 1, GIB)], counters, interval_secs=1)
+    await sampler.start()
+    await asyncio.sleep(1.5)  # a round at once, one a second later
+    await sampler.close()
+    assert len(sampler.samples("sbx_a")) == 2
+
+
+def test_sample_wire_form() -> None:
+    wire = _sample(3).to_wire()
+    assert list(wire) == [
+        "time", "cpu_percent", "memory_bytes", "memory_limit_bytes", "net_rx_bytes", "net_tx_bytes",
+        "disk_read_bytes", "disk_write_bytes", "processes",
+    ]  # fmt: skip
+    assert wire["time"] == "2023-11-14T22:13:35.000Z"
+    assert wire["cpu_percent"] == 0.3
