@@ -11,7 +11,34 @@ from sbx.agent import protocol as p
 
 # (message, frame id, exact bytes): the layout docs/agent-protocol.md promises and agent.c parses.
 ENCODINGS: list[tuple[p.Message, int, bytes]] = [
-    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x01"),
+    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x02"),
+    (p.Hello(version=1), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x01"),
+    # HELLO_OK of version 1 ends at read_window; version 2 adds tcp_window.
+    (
+        p.HelloOk(1, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20),
+        1,
+        b"\x81\x00\x00\x00\x01\x00\x00\x00\x18"
+        + struct.pack(">6I", 1, 1, 1 << 20, 1 << 20, 1 << 20, 1 << 20),
+    ),
+    (
+        p.HelloOk(2, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 1 << 18),
+        1,
+        b"\x81\x00\x00\x00\x01\x00\x00\x00\x1c"
+        + struct.pack(">7I", 2, 1, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 18),
+    ),
+    (p.TcpOpen(8080), 5, b"\x20\x00\x00\x00\x05\x00\x00\x00\x02\x1f\x90"),
+    (p.TcpSend(b"GET"), 5, b"\x21\x00\x00\x00\x05\x00\x00\x00\x03GET"),
+    (p.TcpAck(65536), 5, b"\x22\x00\x00\x00\x05\x00\x00\x00\x08" + struct.pack(">Q", 65536)),
+    (p.TcpShutWr(), 5, b"\x23\x00\x00\x00\x05\x00\x00\x00\x00"),
+    (p.TcpClose(), 5, b"\x24\x00\x00\x00\x05\x00\x00\x00\x00"),
+    (p.TcpData(b"200"), 5, b"\x8f\x00\x00\x00\x05\x00\x00\x00\x03200"),
+    (p.TcpSendAck(3), 5, b"\x90\x00\x00\x00\x05\x00\x00\x00\x08" + struct.pack(">Q", 3)),
+    (p.TcpEof(), 5, b"\x91\x00\x00\x00\x05\x00\x00\x00\x00"),
+    (
+        p.TcpClosed(104, "reset"),
+        5,
+        b"\x92\x00\x00\x00\x05\x00\x00\x00\x0d\x00\x00\x00\x68\x00\x00\x00\x05reset",
+    ),
     (p.ListProcesses(), 7, b"\x02\x00\x00\x00\x07\x00\x00\x00\x00"),
     (
         p.Spawn(5, 1000, 1001, 24, 80, 0, 256, "/tmp", ("ls", "-l"), ("A=b",)),
@@ -67,6 +94,11 @@ ROUND_TRIPS: list[p.Message] = [
     p.ListDir(0, 0, "/"),
     p.Stat(65534, 65534, "/s"),
     p.HelloOk(1, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20),
+    p.HelloOk(2, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 1 << 18),
+    p.TcpOpen(65535),
+    p.TcpSend(b""),
+    p.TcpData(b"\0" * 10),
+    p.TcpClosed(0, ""),
     p.Ok(),
     p.Processes((p.ProcessInfo(1, 2, 0, 1, 143, 10, 20, 30, 25),)),
     p.Processes(()),
@@ -94,7 +126,7 @@ def test_every_message_type_is_distinct_and_directional() -> None:
     assert len(types) == len(set(types))
     host_to_agent = [t for t in types if t < 0x80]
     agent_to_host = [t for t in types if t >= 0x80]
-    assert len(host_to_agent) == 19 and len(agent_to_host) == 14
+    assert len(host_to_agent) == 24 and len(agent_to_host) == 18
 
 
 def test_frames_split_anywhere_reassemble() -> None:
@@ -121,6 +153,9 @@ BAD_PAYLOADS: list[tuple[str, int, bytes, str]] = [
         "truncated",
     ),
     ("empty where fields are due", p.Exited.TYPE, b"", "truncated"),
+    ("half a tcp_window", p.HelloOk.TYPE, b"\0" * 24 + b"\0\0", "truncated"),
+    ("more than HELLO_OK has", p.HelloOk.TYPE, b"\0" * 32, "unexpected bytes"),
+    ("port wider than u16", p.TcpOpen.TYPE, b"\0\0\x1f\x90", "unexpected bytes"),
 ]
 
 
@@ -143,6 +178,8 @@ def test_encoding_refuses_what_the_agent_would_reject() -> None:
         p.encode(p.Data(b"x" * (p.MAX_PAYLOAD + 1)))
     with pytest.raises(p.AgentProtocolError, match="does not fit"):
         p.encode(p.Signal(-1, 9))
+    with pytest.raises(p.AgentProtocolError, match="does not fit"):
+        p.encode(p.TcpOpen(65536))
 
 
 @pytest.mark.parametrize(

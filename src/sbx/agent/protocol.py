@@ -34,13 +34,16 @@ from typing import Any, ClassVar
 from sbx.api.errors import Internal
 
 MAGIC = b"SBXA"
-VERSION = 1
+VERSION = 2
+"""The protocol version this host speaks: 2 is version 1 plus TCP tunnels."""
+MIN_VERSION = 1
+"""The oldest agent protocol the client still talks to (an agent started before an upgrade)."""
 HEADER = struct.Struct(">BII")
 HEADER_LEN = HEADER.size  # 9
 MAX_PAYLOAD = 1 << 20
 """Largest payload either side accepts (bytes); a larger frame ends the connection."""
 CHUNK = 64 * 1024
-"""Largest data chunk the host puts in one STDIN or WRITE_DATA frame (bytes)."""
+"""Largest data chunk the host puts in one STDIN, WRITE_DATA or TCP_SEND frame (bytes)."""
 
 STDOUT = 0
 STDERR = 1
@@ -192,6 +195,20 @@ class _Fixed(_Codec):
 
     def get(self, r: _Reader) -> Any:
         return r.take(self.n)
+
+
+class _Optional(_Codec):
+    """A trailing field present only in newer protocol versions: None when absent."""
+
+    def __init__(self, inner: _Codec) -> None:
+        self.inner = inner
+
+    def put(self, value: Any, out: bytearray) -> None:
+        if value is not None:
+            self.inner.put(value, out)
+
+    def get(self, r: _Reader) -> Any:
+        return self.inner.get(r) if r.pos < len(r.data) else None
 
 
 class _List(_Codec):
@@ -436,6 +453,47 @@ class Cancel(Message):
     TYPE = 0x18
 
 
+@dataclass(frozen=True)
+class TcpOpen(Message):
+    """Connect to 127.0.0.1:port in the guest (reply: Ok or Error); this frame's id names the tunnel."""
+
+    TYPE = 0x20
+    FIELDS = (("port", U16),)
+    port: int
+
+
+@dataclass(frozen=True)
+class TcpSend(Message):
+    """Bytes for the guest socket, in order; acknowledged by TcpSendAck once written, no reply."""
+
+    TYPE = 0x21
+    FIELDS = (("data", REST),)
+    data: bytes
+
+
+@dataclass(frozen=True)
+class TcpAck(Message):
+    """The host consumed the guest's bytes [0, offset) of this tunnel; no reply."""
+
+    TYPE = 0x22
+    FIELDS = (("offset", U64),)
+    offset: int
+
+
+@dataclass(frozen=True)
+class TcpShutWr(Message):
+    """The host's end of data: shutdown(SHUT_WR) in the guest after the queued bytes; no reply."""
+
+    TYPE = 0x23
+
+
+@dataclass(frozen=True)
+class TcpClose(Message):
+    """Close the tunnel's guest socket and forget it; no reply."""
+
+    TYPE = 0x24
+
+
 # ---- messages, agent -> host -----------------------------------------------------------------
 
 
@@ -447,6 +505,7 @@ class HelloOk(Message):
     FIELDS = (
         ("version", U32), ("pid", U32), ("max_payload", U32),
         ("output_window", U32), ("stdin_window", U32), ("read_window", U32),
+        ("tcp_window", _Optional(U32)),
     )  # fmt: skip
     version: int
     pid: int
@@ -454,6 +513,8 @@ class HelloOk(Message):
     output_window: int
     stdin_window: int
     read_window: int
+    tcp_window: int | None = None
+    """Version 2 on: unacknowledged bytes per tunnel and direction. Absent (None) in version 1."""
 
 
 @dataclass(frozen=True)
@@ -619,13 +680,49 @@ class StatOk(Message):
         return FILE_TYPES[self.kind] if self.kind < len(FILE_TYPES) else "other"
 
 
+@dataclass(frozen=True)
+class TcpData(Message):
+    """The next bytes the guest socket delivered (offsets implied, in order)."""
+
+    TYPE = 0x8F
+    FIELDS = (("data", REST),)
+    data: bytes
+
+
+@dataclass(frozen=True)
+class TcpSendAck(Message):
+    """Bytes [0, offset) of the host's TcpSend data were written to the guest socket."""
+
+    TYPE = 0x90
+    FIELDS = (("offset", U64),)
+    offset: int
+
+
+@dataclass(frozen=True)
+class TcpEof(Message):
+    """The guest shut its side for writing: end of its data (after every TcpData)."""
+
+    TYPE = 0x91
+
+
+@dataclass(frozen=True)
+class TcpClosed(Message):
+    """The agent closed the tunnel: errno 0 once both directions ended, else why it failed."""
+
+    TYPE = 0x92
+    FIELDS = (("errno", U32), ("message", STR))
+    errno: int
+    message: str
+
+
 MESSAGES: dict[int, type[Message]] = {
     m.TYPE: m
     for m in (
         Hello, ListProcesses, Spawn, Resume, Ack, Stdin, StdinClose, Signal, Resize, Forget,
         ReadFile, ReadAck, WriteFile, WriteData, WriteEnd, Remove, ListDir, Stat, Cancel,
+        TcpOpen, TcpSend, TcpAck, TcpShutWr, TcpClose,
         HelloOk, Ok, Error, Processes, Spawned, SpawnFailedMsg, Output, Exited, StdinAck,
-        ReadOpen, Data, End, DirEntries, StatOk,
+        ReadOpen, Data, End, DirEntries, StatOk, TcpData, TcpSendAck, TcpEof, TcpClosed,
     )
 }  # fmt: skip
 
