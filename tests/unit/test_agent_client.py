@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import pytest
 
 from sbx.agent import protocol as p
-from sbx.agent.client import AgentClient, CommandNotFound
+from sbx.agent.client import AgentClient, AgentRequestError, AgentTcpStream, CommandNotFound
 
 ENV = {"PATH": "/bin"}
 QUIET_SECS = 0.1  # how long the fake agent listens for frames that should not come
+TCP_WINDOW = 4 * p.CHUNK
 
 
 @dataclass
@@ -61,7 +62,7 @@ async def pair() -> AsyncIterator[tuple[AgentClient, FakeAgent]]:
     connecting = asyncio.create_task(AgentClient.from_streams(reader, writer))
     [(hello, hid)] = await fake.recv()
     assert isinstance(hello, p.Hello)
-    fake.send(p.HelloOk(p.VERSION, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20), hid)
+    fake.send(p.HelloOk(p.VERSION, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, TCP_WINDOW), hid)
     client = await connecting
     yield client, fake
     await client.close()
@@ -146,3 +147,104 @@ async def test_a_refused_pipelined_spawn_raises_and_leaves_the_client_usable(
     assert isinstance(msg, p.Spawn)
     fake.send(p.Spawned(43), fid)
     assert await spawning == 43
+
+
+# ---- TCP tunnels ----------------------------------------------------------------------------
+
+
+async def _open(client: AgentClient, fake: FakeAgent, port: int = 8080) -> tuple[AgentTcpStream, int]:
+    opening = asyncio.create_task(client.open_tcp(port))
+    [(msg, fid)] = await fake.recv()
+    assert msg == p.TcpOpen(port) and fid != 0
+    fake.send(p.Ok(), fid)
+    return await opening, fid
+
+
+async def read_rest(stream: AgentTcpStream) -> bytes:
+    out = bytearray()
+    while data := await stream.read():
+        out += data
+    return bytes(out)
+
+
+async def test_an_agent_of_version_1_is_still_served_without_tunnels() -> None:
+    a, b = socket.socketpair()
+    fake = FakeAgent(*await asyncio.open_connection(sock=b), p.FrameReader())
+    reader, writer = await asyncio.open_connection(sock=a)
+    connecting = asyncio.create_task(AgentClient.from_streams(reader, writer))
+    [(hello, hid)] = await fake.recv()
+    assert hello == p.Hello(version=2)
+    fake.send(p.Error(errno.EPROTONOSUPPORT, "protocol version 2 is not supported; this agent speaks 1"), hid)
+    [(hello, hid)] = await fake.recv()  # an agent started before the upgrade: fall back
+    assert hello == p.Hello(version=1)
+    fake.send(p.HelloOk(1, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20), hid)
+    client = await connecting
+    assert client.version == 1
+    with pytest.raises(AgentRequestError, match="recreate the sandbox") as info:
+        await client.open_tcp(80)
+    assert info.value.errno == errno.ENOSYS
+    assert await fake.recv_all() == []  # refused here, without asking the agent
+    await client.close()
+    fake.writer.close()
+
+
+async def test_tunnel_writes_wait_for_the_window(pair: tuple[AgentClient, FakeAgent]) -> None:
+    client, fake = pair
+    stream, fid = await _open(client, fake)
+    data = bytes(range(256)) * (p.CHUNK * 10 // 256)
+    writing = asyncio.create_task(stream.write(data))
+    first = await fake.recv_all()
+    assert [(type(m).__name__, i) for m, i in first] == [("TcpSend", fid)] * 4  # a window, then wait
+    fake.send(p.TcpSendAck(2 * p.CHUNK), fid)
+    second = await fake.recv_all()
+    assert _types(second) == ["TcpSend"] * 2
+    assert not writing.done()
+    fake.send(p.TcpSendAck(10 * p.CHUNK), fid)
+    third = await fake.recv_all()
+    await asyncio.wait_for(writing, 5)
+    assert b"".join(m.data for m, _ in first + second + third if isinstance(m, p.TcpSend)) == data
+    await stream.write_eof()
+    await stream.close()
+    assert await fake.recv_all() == [(p.TcpShutWr(), fid), (p.TcpClose(), fid)]
+
+
+async def test_tunnel_reads_acknowledge_only_what_was_consumed(pair: tuple[AgentClient, FakeAgent]) -> None:
+    client, fake = pair
+    stream, fid = await _open(client, fake)
+    for i in range(4):  # a full window the caller has not read yet
+        fake.send(p.TcpData(bytes([i]) * p.CHUNK), fid)
+    fake.send(p.TcpEof(), fid)
+    assert await fake.recv_all() == []  # nothing is acknowledged before it is read
+    assert await stream.read() == b"\0" * p.CHUNK
+    assert await fake.recv_all() == [(p.TcpAck(p.CHUNK), fid)]  # a quarter window consumed
+    assert len(await read_rest(stream)) == 3 * p.CHUNK
+    assert await stream.read() == b""
+
+
+async def test_tunnel_closed_by_the_agent_delivers_data_then_the_error(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    stream, fid = await _open(client, fake)
+    fake.send(p.TcpData(b"last words"), fid)
+    fake.send(p.TcpClosed(errno.ECONNRESET, "Connection reset by peer"), fid)
+    assert await stream.read() == b"last words"
+    for op in (stream.read(), stream.write(b"x")):
+        with pytest.raises(AgentRequestError) as info:
+            await op
+        assert info.value.errno == errno.ECONNRESET
+    await stream.close()
+    assert await fake.recv_all() == []  # the agent freed it already: no TCP_CLOSE needed
+
+
+async def test_tunnel_open_times_out_and_tells_the_agent(pair: tuple[AgentClient, FakeAgent]) -> None:
+    client, fake = pair
+    with pytest.raises(AgentRequestError) as info:
+        await client.open_tcp(8080, timeout_secs=0.2)
+    assert info.value.errno == errno.ETIMEDOUT
+    [(opened, fid), (closed, cfid)] = await fake.recv_all()
+    assert (opened, closed, cfid) == (p.TcpOpen(8080), p.TcpClose(), fid)
+    fake.send(p.Ok(), fid)  # a late answer is ignored, and the client goes on
+    stream, fid2 = await _open(client, fake)
+    assert fid2 != fid
+    await stream.close()

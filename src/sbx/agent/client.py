@@ -14,18 +14,22 @@ Typical use::
 
 After sandboxd restarts: ``connect`` again, ``list_processes()``, then ``set_process_sink`` for each
 handle with the byte counts the host had recorded; the agent resends from there.
+
+TCP connections to guest loopback (protocol version 2) are :class:`AgentTcpStream` objects from
+:meth:`AgentClient.open_tcp`; unlike processes they end with the channel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno as errno_mod
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Self
 
 from sbx.agent import protocol as p
 from sbx.agent.protocol import (
@@ -47,6 +51,7 @@ __all__ = [
     "AgentProcess",
     "AgentProtocolError",
     "AgentRequestError",
+    "AgentTcpStream",
     "AgentUnavailable",
     "CommandNotFound",
     "DirEntry",
@@ -140,6 +145,7 @@ class AgentClient:
         self._frames = p.FrameReader()
         self._requests: dict[int, _Request] = {}
         self._procs: dict[int, _Proc] = {}
+        self._tunnels: dict[int, AgentTcpStream] = {}  # by the id of their TCP_OPEN
         self._next_id = 1
         # Every handle the agent holds is in _procs once list_processes() ran on this connection;
         # only then may spawn pipeline stdin frames (see spawn).
@@ -148,10 +154,13 @@ class AgentClient:
         self.closed = asyncio.Event()
         """Set when the channel is gone (agent exited, sandbox stopped, or a newer client took over)."""
         self.agent_pid = 0
+        self.version = 0
+        """The protocol version agreed with the agent (1 for an agent without TCP tunnels)."""
         self.max_payload = p.MAX_PAYLOAD
         self.output_window = 0
         self.stdin_window = 64 * 1024
         self.read_window = 64 * 1024
+        self.tcp_window = 0
         self._task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -161,7 +170,7 @@ class AgentClient:
         """Connect and handshake, retrying every 2 ms while the socket is not there yet.
 
         Raises AgentUnavailable after ``timeout_secs`` (seconds), AgentProtocolError if the agent
-        speaks another protocol version.
+        speaks no protocol version this client knows.
         """
         deadline = time.monotonic() + timeout_secs
         last: Exception | None = None
@@ -194,11 +203,12 @@ class AgentClient:
         client = cls(reader, writer)
         client._task = asyncio.create_task(client._read_loop(), name="agent-client-reader")
         try:
-            reply = await client._call(p.Hello())
+            reply = await client._hello()
         except BaseException:
             await client.close()
             raise
-        assert isinstance(reply, p.HelloOk)
+        client.version = reply.version
+        client.tcp_window = reply.tcp_window or 0
         client.agent_pid = reply.pid
         client.max_payload = reply.max_payload
         client.output_window = reply.output_window
@@ -206,8 +216,30 @@ class AgentClient:
         client.read_window = reply.read_window
         return client
 
+    async def _hello(self) -> p.HelloOk:
+        """Agree on the newest version both sides speak: an agent started before an upgrade of the
+        host is older than its client, and refuses the newer version with EPROTONOSUPPORT."""
+        version = p.VERSION
+        while True:
+            try:
+                reply = await self._call(p.Hello(version=version))
+            except AgentRequestError as e:
+                if e.errno != errno_mod.EPROTONOSUPPORT:
+                    raise
+                if version > p.MIN_VERSION:
+                    version -= 1
+                    continue
+                raise AgentProtocolError(
+                    f"the sandbox agent speaks no protocol this host knows: {e.message}"
+                ) from None
+            if not isinstance(reply, p.HelloOk) or reply.version != version:
+                raise AgentProtocolError(f"the sandbox agent answered HELLO version {version} with {reply}")
+            if version >= 2 and not reply.tcp_window:
+                raise AgentProtocolError("the sandbox agent announced no TCP window in protocol version 2")
+            return reply
+
     async def close(self) -> None:
-        """Close the channel; processes in the sandbox keep running."""
+        """Close the channel; processes in the sandbox keep running, TCP tunnels are closed."""
         self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
@@ -457,6 +489,52 @@ class AgentClient:
         assert isinstance(reply, p.StatOk)
         return FileStat(reply.type, reply.size, reply.mode, reply.uid, reply.gid, reply.mtime)
 
+    # ---- TCP tunnels ---------------------------------------------------------------------
+
+    async def open_tcp(self, port: int, timeout_secs: float = 10.0) -> AgentTcpStream:
+        """Connect to 127.0.0.1:``port`` inside the sandbox (guest loopback only).
+
+        Raises AgentRequestError with the guest's errno if the connection fails (ECONNREFUSED when
+        nothing listens, ETIMEDOUT after ``timeout_secs`` seconds, ENOSYS from an agent of protocol
+        version 1). Any number of tunnels may be open alongside processes and file operations;
+        all of them end when the channel does.
+        """
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} must be from 1 to 65535")
+        if self.version < 2:
+            self._check_open()
+            raise AgentRequestError(
+                errno_mod.ENOSYS,
+                f"the agent in this sandbox speaks protocol version {self.version}, which has no TCP "
+                "tunnels; recreate the sandbox to give it the current agent",
+            )
+        fid, req = self._register(streamed=False)
+        stream = self._tunnels[fid] = AgentTcpStream(self, fid, port, self.tcp_window)
+        try:
+            await self._send(p.TcpOpen(port), fid)
+            try:
+                reply = await asyncio.wait_for(req.future, timeout_secs)
+            except TimeoutError:
+                raise AgentRequestError(
+                    errno_mod.ETIMEDOUT, f"no connection within {timeout_secs:g}s (is the server accepting?)"
+                ) from None
+        except BaseException:
+            # The agent may still be connecting: tell it to give up; a late answer is ignored.
+            self._tunnels.pop(fid, None)
+            self._send_nowait(p.TcpClose(), fid)
+            raise
+        finally:
+            self._requests.pop(fid, None)
+        if isinstance(reply, p.Error):
+            self._tunnels.pop(fid, None)
+            why = reply.message
+            if reply.errno == errno_mod.ECONNREFUSED:
+                why = "nothing is listening on that port (connection refused)"
+            raise AgentRequestError(reply.errno, why)
+        if not isinstance(reply, p.Ok):
+            raise AgentProtocolError(f"unexpected reply {type(reply).__name__} to TCP_OPEN")
+        return stream
+
     # ---- internals -----------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -468,7 +546,7 @@ class AgentClient:
         while True:
             fid = self._next_id
             self._next_id = self._next_id % 0xFFFFFFFF + 1  # ids 1..2^32-1; 0 is "no reply"
-            if fid not in self._requests:
+            if fid not in self._requests and fid not in self._tunnels:
                 break
         req = self._requests[fid] = _Request(streamed)
         return fid, req
@@ -484,6 +562,11 @@ class AgentClient:
         except (ConnectionError, OSError) as e:
             self._lost(AgentConnectionLost(f"writing to the sandbox agent failed: {e}"))
             self._check_open()
+
+    def _send_nowait(self, msg: p.Message, frame_id: int) -> None:
+        """Queue a small frame without waiting for the transport (acks, closes); no-op once closed."""
+        if self._closed_error is None and not self._writer.is_closing():
+            self._writer.write(p.encode(msg, frame_id))
 
     async def _await(self, fid: int, req: _Request) -> p.Message:
         try:
@@ -576,6 +659,10 @@ class AgentClient:
             self._procs.setdefault(msg.handle, _Proc(subscribed=True)).events.put_nowait(
                 (_EXIT, msg.exit_code, b"")
             )
+        elif isinstance(msg, (p.TcpData, p.TcpSendAck, p.TcpEof, p.TcpClosed)):
+            tunnel = self._tunnels.get(frame.id)
+            if tunnel is not None:  # else closed here already: frames in flight are dropped
+                tunnel._on_frame(msg)
         elif isinstance(msg, p.StdinAck):
             st = self._procs.get(msg.handle)
             if st is not None and msg.offset > st.stdin_acked:
@@ -621,6 +708,9 @@ class AgentClient:
             st.stdin_changed.set()
             if st.worker is not None:
                 st.events.put_nowait(None)  # deliver what arrived, then stop
+        tunnels, self._tunnels = self._tunnels, {}
+        for tunnel in tunnels.values():  # the agent closes them too: tunnels are not resumable
+            tunnel._end(error)
 
 
 class FileReader:
@@ -669,3 +759,131 @@ class FileReader:
         if not c.closed.is_set():
             with contextlib.suppress(AgentError):
                 await c._send(p.Cancel(), self._fid)
+
+
+def _fresh(e: AgentError) -> AgentError:
+    """A new exception like ``e``, to raise again without growing its traceback."""
+    if isinstance(e, AgentRequestError):
+        return type(e)(e.errno, e.message)
+    return type(e)(e.message)
+
+
+class AgentTcpStream:
+    """A TCP connection to 127.0.0.1:``port`` inside the sandbox, from :meth:`AgentClient.open_tcp`.
+
+    Both directions are flow-controlled by the agent's window (``AgentClient.tcp_window`` bytes):
+    :meth:`write` waits while that much is unacknowledged, and the agent stops reading the guest
+    socket while the host holds that much unread, so neither side buffers more than a window.
+    """
+
+    def __init__(self, client: AgentClient, fid: int, port: int, window: int) -> None:
+        self._client = client
+        self._fid = fid
+        self.port = port
+        self._window = window
+        self._inbox: asyncio.Queue[bytes | AgentError | None] = asyncio.Queue()  # None: end of data
+        self._read_end: AgentError | None = None
+        self._read_eof = False
+        self._consumed = 0  # guest bytes handed to the caller
+        self._acked = 0  # ... and acknowledged to the agent
+        self._sent = 0  # host bytes sent to the agent
+        self._send_acked = 0  # ... and written into the guest socket
+        self._changed = asyncio.Event()  # acknowledgement or end: wakes a waiting writer
+        self._write_lock = asyncio.Lock()
+        self._eof_sent = False
+        self._ended: AgentError | None = None  # why the tunnel cannot carry more bytes
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def read(self) -> bytes:
+        """The next bytes from the guest (at most 64 KiB), b"" at its end of data.
+
+        Raises AgentRequestError (the guest's errno, e.g. ECONNRESET) if the connection failed, or
+        AgentConnectionLost if the agent channel went away; bytes that arrived before come first.
+        """
+        if self._read_eof:
+            return b""
+        if self._read_end is not None:
+            raise _fresh(self._read_end)
+        item = await self._inbox.get()
+        if isinstance(item, bytes):
+            self._consumed += len(item)
+            # Acknowledge a quarter window at a time; the agent reads on while less than a window
+            # is unacknowledged, so this never stalls it.
+            if self._consumed - self._acked >= max(1, self._window // 4) and self._ended is None:
+                self._client._send_nowait(p.TcpAck(self._consumed), self._fid)
+                self._acked = self._consumed
+            return item
+        if item is None:
+            self._read_eof = True
+            return b""
+        self._read_end = item
+        raise _fresh(item)
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` to the guest, waiting while a window of bytes is unacknowledged.
+
+        Raises AgentRequestError (EPIPE after :meth:`write_eof` or :meth:`close`, or the guest's
+        errno) once the tunnel cannot carry it, AgentConnectionLost if the channel went away.
+        """
+        c = self._client
+        async with self._write_lock:
+            if self._eof_sent:
+                raise AgentRequestError(errno_mod.EPIPE, "write after write_eof on the tunnel")
+            view = memoryview(data)
+            step = min(p.CHUNK, self._window)  # a chunk must fit the window, or it would wait forever
+            while view:
+                chunk = bytes(view[:step])
+                view = view[step:]
+                while self._ended is None and self._sent - self._send_acked + len(chunk) > self._window:
+                    self._changed.clear()
+                    await self._changed.wait()
+                if self._ended is not None:
+                    raise _fresh(self._ended)
+                await c._send(p.TcpSend(chunk), self._fid)
+                self._sent += len(chunk)
+
+    async def write_eof(self) -> None:
+        """End the host's data: the guest reads end of file after the bytes written before."""
+        async with self._write_lock:
+            if self._eof_sent:
+                return
+            if self._ended is not None:
+                raise _fresh(self._ended)
+            self._eof_sent = True
+            await self._client._send(p.TcpShutWr(), self._fid)
+
+    async def close(self) -> None:
+        """Close the guest connection (both directions) and free it; idempotent."""
+        c = self._client
+        if c._tunnels.get(self._fid) is self:
+            del c._tunnels[self._fid]
+            c._send_nowait(p.TcpClose(), self._fid)
+        self._end(AgentRequestError(errno_mod.EPIPE, "the tunnel was closed by this host"), eof=True)
+
+    def _end(self, error: AgentError, eof: bool = False) -> None:
+        """No more bytes either way: wake the writer, and the reader after what arrived."""
+        if self._ended is None:
+            self._ended = error
+            self._inbox.put_nowait(None if eof else error)
+        self._changed.set()
+
+    def _on_frame(self, msg: p.Message) -> None:
+        if isinstance(msg, p.TcpData):
+            self._inbox.put_nowait(msg.data)
+        elif isinstance(msg, p.TcpSendAck):
+            if msg.offset > self._send_acked:
+                self._send_acked = msg.offset
+                self._changed.set()
+        elif isinstance(msg, p.TcpEof):
+            self._inbox.put_nowait(None)
+        elif isinstance(msg, p.TcpClosed):
+            self._client._tunnels.pop(self._fid, None)
+            if msg.errno:
+                self._end(AgentRequestError(msg.errno, f"connection to 127.0.0.1:{self.port}: {msg.message}"))
+            else:  # both directions had ended; the agent freed the socket
+                self._end(AgentRequestError(errno_mod.EPIPE, "the guest connection is closed"), eof=True)
