@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from sbx.agent import protocol as p
 from sbx.agent.build import ensure_agent
 from sbx.agent.client import (
     AgentClient,
     AgentConnectionLost,
     AgentFileError,
     AgentRequestError,
+    AgentTcpStream,
     AgentUnavailable,
     CommandNotFound,
     SpawnFailed,
@@ -62,7 +67,7 @@ def test_build_is_idempotent(agent_bin: Path) -> None:
     assert ensure_agent(agent_bin) == agent_bin
     assert agent_bin.stat().st_mtime_ns == before
     out = subprocess.run([str(agent_bin), "--version"], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "sbx-agent protocol 1"
+    assert out.stdout.strip() == "sbx-agent protocol 2"
 
 
 @dataclass
@@ -583,9 +588,6 @@ async def test_resize_of_a_pipe_process_is_refused(client: AgentClient) -> None:
 
 
 async def test_garbage_and_oversized_frames_do_not_kill_the_agent(agent: Agent) -> None:
-    import socket
-    import struct
-
     await (await AgentClient.connect(agent.sock, 5)).close()  # the socket exists from here on
     for junk in (b"\x7f" + b"\0" * 8, b"\x01\0\0\0\1\0\0\0\0", struct.pack(">BII", 3, 1, 1 << 30)):
         s = socket.socket(socket.AF_UNIX)
@@ -606,3 +608,389 @@ async def test_garbage_and_oversized_frames_do_not_kill_the_agent(agent: Agent) 
 async def test_idle_agent_is_small(agent: Agent, client: AgentClient) -> None:
     await run(client, 1, ["true"])
     assert agent.rss_kib() < 4 * 1024
+
+
+# ---- TCP tunnels ----------------------------------------------------------------------------
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def tcp_server(handler: Handler, host: str = "127.0.0.1") -> AsyncIterator[int]:
+    """A server on ``host`` (the agent's "guest loopback": it runs on the host here); yields its port."""
+    server = await asyncio.start_server(handler, host, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fd_count(agent: Agent) -> int:
+    return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+
+
+async def read_all(stream: AgentTcpStream) -> bytes:
+    out = bytearray()
+    while data := await stream.read():
+        out += data
+    return bytes(out)
+
+
+def blocks(total: int, seed: bytes) -> Iterator[bytes]:
+    """``total`` bytes in blocks of odd sizes; a counter in each makes reordered blocks visible."""
+    base = hashlib.shake_256(seed).digest(1 << 20)
+    sent, i = 0, 0
+    while sent < total:
+        block = (i.to_bytes(8, "big") + base)[: min(total - sent, (1 << 20) - 7)]
+        sent += len(block)
+        i += 1
+        yield block
+
+
+async def test_tunnel_echo_reaches_guest_loopback(client: AgentClient) -> None:
+    peers: list[str] = []
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        peers.append(w.get_extra_info("peername")[0])
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    async with tcp_server(echo) as port:
+        stream = await client.open_tcp(port)
+        assert stream.port == port
+        await stream.write(b"hello")
+        assert await stream.read() == b"hello"
+        await stream.write_eof()
+        assert await stream.read() == b""  # the server closed after our end of data
+        await stream.close()
+        await stream.close()  # idempotent
+    assert peers == ["127.0.0.1"]
+
+
+async def test_tunnel_carries_100_mib_each_way(client: AgentClient, agent: Agent) -> None:
+    size = 100 * 1024 * 1024
+    to_guest = hashlib.sha256()
+    for b in blocks(size, b"up"):
+        to_guest.update(b)
+    from_guest = hashlib.sha256()
+    for b in blocks(size, b"down"):
+        from_guest.update(b)
+    got_by_guest: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+
+    async def server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def send() -> None:
+            for b in blocks(size, b"down"):
+                w.write(b)
+                await w.drain()
+            w.write_eof()
+
+        sending = asyncio.create_task(send())
+        h, n = hashlib.sha256(), 0
+        while data := await r.read(1 << 20):
+            h.update(data)
+            n += len(data)
+        got_by_guest.set_result((n, h.hexdigest()))
+        await sending
+        w.close()
+
+    async with tcp_server(server) as port:
+        stream = await client.open_tcp(port)
+
+        async def upload() -> None:
+            for b in blocks(size, b"up"):
+                await stream.write(b)
+            await stream.write_eof()
+
+        async def download() -> tuple[int, str]:
+            h, n = hashlib.sha256(), 0
+            while data := await stream.read():
+                h.update(data)
+                n += len(data)
+            return n, h.hexdigest()
+
+        t = time.monotonic()
+        _, got_by_host = await asyncio.wait_for(asyncio.gather(upload(), download()), 120)
+        secs = time.monotonic() - t
+        assert got_by_host == (size, from_guest.hexdigest())
+        assert await asyncio.wait_for(got_by_guest, 10) == (size, to_guest.hexdigest())
+        await stream.close()
+    print(f"tunnel: 100 MiB each way at once in {secs:.2f}s ({2 * size / secs / 1e6:.0f} MB/s total)")
+    assert agent.rss_kib() < 8 * 1024
+
+
+async def test_tunnel_half_close_from_the_host(client: AgentClient, agent: Agent) -> None:
+    async def counter(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        data = await r.read()  # until the host's end of data
+        w.write(f"got {len(data)} bytes".encode())  # still writable after our end of input
+        await w.drain()
+        w.close()
+
+    async with tcp_server(counter) as port:
+        before = fd_count(agent)
+        stream = await client.open_tcp(port)
+        await stream.write(b"x" * 100_000)
+        await stream.write_eof()
+        await stream.write_eof()  # idempotent
+        assert await read_all(stream) == b"got 100000 bytes"
+        with pytest.raises(AgentRequestError) as info:
+            await stream.write(b"more")
+        assert info.value.errno == errno.EPIPE
+        # Both directions ended, so the agent freed the socket without waiting for close().
+        deadline = time.monotonic() + 5
+        while fd_count(agent) > before:
+            assert time.monotonic() < deadline, "the agent kept a finished tunnel's socket"
+            await asyncio.sleep(0.01)
+        await stream.close()
+
+
+async def test_tunnel_half_close_from_the_guest(client: AgentClient) -> None:
+    received: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def greeter(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"hello")
+        w.write_eof()  # shutdown(SHUT_WR): the guest says no more, but still listens
+        received.set_result(await r.read())
+        w.close()
+
+    async with tcp_server(greeter) as port:
+        stream = await client.open_tcp(port)
+        assert await read_all(stream) == b"hello"
+        assert await stream.read() == b""  # end of data stays the end
+        await stream.write(b"after the guest's eof")
+        await stream.write_eof()
+        assert await asyncio.wait_for(received, 5) == b"after the guest's eof"
+        await stream.close()
+
+
+async def test_guest_reset_is_an_error_after_the_data_before_it(client: AgentClient) -> None:
+    async def resetter(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"partial")
+        await w.drain()
+        await r.readexactly(4)  # the host is there: what we sent is on its way
+        sock = w.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.transport.abort()  # close with RST
+
+    async with tcp_server(resetter) as port:
+        stream = await client.open_tcp(port)
+        await stream.write(b"ping")
+        assert await stream.read() == b"partial"
+        with pytest.raises(AgentRequestError) as info:
+            await stream.read()
+        assert info.value.errno == errno.ECONNRESET
+        with pytest.raises(AgentRequestError):
+            await stream.write(b"more")
+        await stream.close()
+
+
+async def test_refused_ports_and_loopback_only(client: AgentClient) -> None:
+    async def idle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.close()
+
+    with pytest.raises(AgentRequestError) as info:
+        await client.open_tcp(free_port())
+    assert info.value.errno == errno.ECONNREFUSED and "nothing is listening" in info.value.message
+    # A server on another loopback address is out of reach: the agent connects to 127.0.0.1 only.
+    async with tcp_server(idle, host="127.0.0.2") as port:
+        with pytest.raises(AgentRequestError) as info:
+            await client.open_tcp(port)
+        assert info.value.errno == errno.ECONNREFUSED
+    for bad in (0, 65536, -1):
+        with pytest.raises(ValueError):
+            await client.open_tcp(bad)
+    # The channel is still usable after refusals.
+    assert (await run(client, 1, ["true"])).exit.result() == 0
+
+
+async def test_many_tunnels_alongside_processes_and_files(client: AgentClient, agent: Agent) -> None:
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    async def one(port: int, i: int) -> None:
+        data = hashlib.shake_256(str(i).encode()).digest(300_000 + i)
+        async with await client.open_tcp(port) as stream:
+            writing = asyncio.create_task(stream.write(data))
+            got = bytearray()
+            while len(got) < len(data):
+                got += await stream.read()
+            await writing
+            assert bytes(got) == data
+            await stream.write_eof()
+            assert await stream.read() == b""
+
+    file_data = os.urandom(2 * 1024 * 1024)
+    async with tcp_server(echo) as port:
+        before = fd_count(agent)
+        rec, _, _ = await asyncio.gather(
+            run(client, 1, ["sh", "-c", "head -c 3000000 /dev/zero | wc -c"]),
+            asyncio.gather(*(one(port, i) for i in range(64))),
+            client.write_file(str(agent.dir / "f"), chunks(file_data), 0, 0),
+        )
+        assert rec.text().strip() == "3000000"
+        assert b"".join([c async for c in client.read_file(str(agent.dir / "f"), 0, 0)]) == file_data
+        assert fd_count(agent) <= before
+
+
+async def test_slow_host_reader_keeps_agent_memory_bounded(client: AgentClient, agent: Agent) -> None:
+    size = 64 * 1024 * 1024
+    written = [0]
+
+    async def firehose(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for b in blocks(size, b"hose"):
+            w.write(b)
+            await w.drain()
+            written[0] += len(b)
+        w.close()
+
+    async with tcp_server(firehose) as port:
+        stream = await client.open_tcp(port)
+        await asyncio.sleep(1.0)  # the host does not read: the agent must stop reading the socket
+        stalled = written[0]
+        await asyncio.sleep(0.5)
+        assert written[0] == stalled < size // 4, "the guest's writer was never held back"
+        rss = agent.rss_kib()
+        print(f"host not reading: guest writer held at {stalled / 2**20:.1f} MiB, agent RSS {rss} KiB")
+        assert rss < 8 * 1024, f"agent RSS reached {rss} KiB"
+        h = hashlib.sha256()
+        n = 0
+        while data := await stream.read():
+            h.update(data)
+            n += len(data)
+            if n < 8 * 1024 * 1024:
+                await asyncio.sleep(0.001)  # slow at first, then as fast as it goes
+        expected = hashlib.sha256()
+        for b in blocks(size, b"hose"):
+            expected.update(b)
+        assert (n, h.digest()) == (size, expected.digest())
+        assert agent.rss_kib() < 8 * 1024
+        await stream.close()
+
+
+async def test_slow_guest_reader_holds_back_the_host_writer(client: AgentClient, agent: Agent) -> None:
+    size = 32 * 1024 * 1024
+    go = asyncio.Event()
+    got: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+
+    async def sleepy(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await go.wait()
+        h, n = hashlib.sha256(), 0
+        while data := await r.read(1 << 20):
+            h.update(data)
+            n += len(data)
+        got.set_result((n, h.digest()))
+        w.close()
+
+    async with tcp_server(sleepy) as port:
+        stream = await client.open_tcp(port)
+
+        async def upload() -> None:
+            for b in blocks(size, b"up"):
+                await stream.write(b)
+            await stream.write_eof()
+
+        uploading = asyncio.create_task(upload())
+        await asyncio.sleep(1.5)
+        assert not uploading.done(), "the host wrote 32 MiB into a guest that reads nothing"
+        assert agent.rss_kib() < 8 * 1024, f"agent RSS reached {agent.rss_kib()} KiB"
+        go.set()
+        await asyncio.wait_for(uploading, 60)
+        expected = hashlib.sha256()
+        for b in blocks(size, b"up"):
+            expected.update(b)
+        assert await asyncio.wait_for(got, 30) == (size, expected.digest())
+        await stream.close()
+
+
+@pytest.mark.parametrize("how", ["host closes", "newer host takes over"])
+async def test_losing_the_channel_closes_every_tunnel(agent: Agent, how: str) -> None:
+    ended: list[bytes] = []
+
+    async def holder(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"hi")
+        await w.drain()
+        ended.append(await r.read())  # b"" once the agent closed its end
+        w.close()
+
+    first = await AgentClient.connect(agent.sock, 5)
+    await first.spawn(1, ["sleep", "1000"], ENV, "/", 0, 0)
+    async with tcp_server(holder) as port:
+        before = fd_count(agent)
+        streams = [await first.open_tcp(port) for _ in range(3)]
+        for s in streams:
+            await s.write(b"data")
+            assert await s.read() == b"hi"
+        assert fd_count(agent) == before + 3
+        if how == "host closes":
+            await first.close()
+            second = await AgentClient.connect(agent.sock, 5)
+        else:
+            second = await AgentClient.connect(agent.sock, 5)
+            await asyncio.wait_for(first.closed.wait(), 5)
+        deadline = time.monotonic() + 5
+        while len(ended) < 3:
+            assert time.monotonic() < deadline, "a tunnel outlived its channel"
+            await asyncio.sleep(0.01)
+        assert ended == [b"data"] * 3
+        assert fd_count(agent) == before
+        for s in streams:
+            with pytest.raises(AgentConnectionLost):
+                await s.read()
+            with pytest.raises(AgentConnectionLost):
+                await s.write(b"x")
+            await s.close()
+        # Processes are resumable, unlike tunnels.
+        [info] = await second.list_processes()
+        assert info.handle == 1 and info.exit_code is None
+        await second.signal(1, signal.SIGKILL)
+        await second.close()
+        await first.close()
+
+
+def _raw_call(sock: Path, *frames: tuple[p.Message, int]) -> list[p.Message]:
+    """Send frames on a fresh connection, return one decoded reply per frame."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        s.settimeout(5)
+        s.sendall(b"".join(p.encode(m, fid) for m, fid in frames))
+        reader, out = p.FrameReader(), list[p.Message]()
+        while len(out) < len(frames):
+            data = s.recv(65536)
+            assert data, "the agent closed the connection"
+            out += [p.decode(f.type, f.payload) for f in reader.feed(data)]
+        return out
+
+
+@pytest.mark.parametrize(
+    ("version", "reply"),
+    [
+        # A version 1 host gets the version 1 layout and an agent without tunnels.
+        (1, [p.HelloOk(1, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20), p.Error(errno.ENOSYS, "")]),
+        (
+            2,
+            [
+                p.HelloOk(2, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 256 * 1024),
+                p.Error(errno.EINVAL, ""),
+            ],
+        ),
+        (3, [p.Error(errno.EPROTONOSUPPORT, ""), p.Error(errno.EPROTO, "")]),
+    ],
+)
+async def test_hello_versions(agent: Agent, version: int, reply: list[p.Message]) -> None:
+    await (await AgentClient.connect(agent.sock, 5)).close()  # the socket exists from here on
+    got = await asyncio.to_thread(_raw_call, agent.sock, (p.Hello(version=version), 1), (p.TcpOpen(0), 2))
+    normalised = [
+        dataclasses.replace(m, pid=0) if isinstance(m, p.HelloOk) else p.Error(m.errno, "")  # type: ignore[attr-defined]
+        for m in got
+    ]
+    assert normalised == reply

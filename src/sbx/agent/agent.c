@@ -17,6 +17,8 @@
  *  - The host may be killed and reconnect at any moment, so process output stays buffered until the
  *    host acknowledges it (up to a window per stream) and is resent from the offsets the host names.
  *  - It is single-threaded, so switching the effective uid around a file operation is safe.
+ *  - TCP tunnels only ever reach 127.0.0.1 inside the sandbox and, unlike processes, end with the
+ *    host connection: nothing of them is retained for a reconnect.
  *  - Diagnostics go to stderr and never include arguments, environment values or file contents.
  */
 #define _GNU_SOURCE
@@ -25,6 +27,8 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -49,7 +53,8 @@
 /* ---- protocol constants (docs/agent-protocol.md) ---------------------------------------- */
 
 #define PROTO_MAGIC "SBXA"
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u               /* 2 adds TCP tunnels; a version 1 host is still served */
+#define PROTO_MIN_VERSION 1u
 #define HDR_LEN 9u                     /* type u8, id u32, length u32 */
 #define MAX_PAYLOAD (1u << 20)         /* larger frames are a protocol error: the stream is dropped */
 #define CHUNK (64u * 1024u)            /* largest data chunk the agent sends */
@@ -59,7 +64,10 @@
 #define OUT_HIGH_WATER (256u * 1024u)  /* stop producing/reading requests above this */
 #define OUT_HARD_MAX (16u << 20)       /* a host that never reads its replies is disconnected */
 #define STDIN_HARD_MAX (STDIN_WINDOW + MAX_PAYLOAD)
+#define TCP_WINDOW (256u * 1024u)      /* unacked bytes per tunnel and direction */
+#define TCP_HARD_MAX (TCP_WINDOW + MAX_PAYLOAD)
 #define MAX_PROCS 4096u
+#define MAX_TUNNELS 1024u
 #define DIR_BATCH 256
 
 enum {
@@ -83,6 +91,11 @@ enum {
     T_LIST_DIR = 0x16,
     T_STAT = 0x17,
     T_CANCEL = 0x18,
+    T_TCP_OPEN = 0x20,
+    T_TCP_SEND = 0x21,
+    T_TCP_ACK = 0x22,
+    T_TCP_SHUT_WR = 0x23,
+    T_TCP_CLOSE = 0x24,
     /* agent -> host */
     T_HELLO_OK = 0x81,
     T_OK = 0x82,
@@ -98,6 +111,10 @@ enum {
     T_END = 0x8C,
     T_DIR_ENTRIES = 0x8D,
     T_STAT_OK = 0x8E,
+    T_TCP_DATA = 0x8F,
+    T_TCP_SEND_ACK = 0x90,
+    T_TCP_EOF = 0x91,
+    T_TCP_CLOSED = 0x92,
 };
 
 enum { STAGE_SETUP = 0, STAGE_EXEC = 1, STAGE_CWD = 2, STAGE_CREDS = 3, STAGE_RLIMIT = 4, STAGE_TTY = 5 };
@@ -289,9 +306,29 @@ struct fop {
     char *path, *tmp;
 };
 
+/* A TCP connection to 127.0.0.1:port in the guest, carried for the host (protocol version 2). Bytes
+ * from the guest go straight into the channel buffer, so the agent holds none of them: the window
+ * (sent - acked) is what bounds the host's buffer, and while it is full the socket is not read and
+ * TCP's own flow control stops the guest's writer. Bytes for the guest wait in `out`. */
+struct tun {
+    struct tun *next;
+    uint32_t id;      /* the TCP_OPEN's frame id; every frame of this tunnel carries it */
+    int fd;
+    int connecting;   /* nonblocking connect in progress: OK or ERROR not sent yet */
+    int rd_eof;       /* the guest's end of data was read and TCP_EOF sent */
+    int shut_req;     /* the host sent TCP_SHUT_WR: shut the write side once `out` is written */
+    int wr_shut;      /* shutdown(SHUT_WR) done */
+    struct buf out;   /* host bytes not yet written to the socket */
+    uint64_t sent, acked;             /* guest -> host: bytes sent in TCP_DATA, acknowledged */
+    uint64_t written, written_acked;  /* host -> guest: bytes written, last TCP_SEND_ACK */
+};
+
 static struct proc *procs;
 static unsigned nprocs;
 static struct fop *fops;
+static struct tun *tuns;
+static unsigned ntuns;
+static uint32_t conn_version; /* the protocol version agreed in HELLO on this connection */
 static int listen_fd = -1, conn_fd = -1, sig_fd = -1;
 static int fd_mode; /* --fd: one stream, no listening socket */
 static int hello_done;
@@ -342,6 +379,9 @@ static void frame_end(size_t pos)
 }
 
 static int connected(void) { return conn_fd >= 0 && hello_done; }
+
+/* Whether large output may be produced now (the channel's queue is below its high-water mark). */
+static int room(void) { return obuf.len < OUT_HIGH_WATER; }
 
 static void send_ok(uint32_t id) { frame_end(frame_begin(T_OK, id)); }
 
@@ -1333,6 +1373,245 @@ static void do_cancel(uint32_t id)
         fop_free(o);
 }
 
+/* ---- TCP tunnels (protocol version 2) -------------------------------------------------------- */
+
+static struct tun *tun_find(uint32_t id)
+{
+    for (struct tun *t = tuns; t; t = t->next)
+        if (t->id == id)
+            return t;
+    return NULL;
+}
+
+static void tun_free(struct tun *t)
+{
+    for (struct tun **pp = &tuns; *pp; pp = &(*pp)->next) {
+        if (*pp == t) {
+            *pp = t->next;
+            ntuns--;
+            break;
+        }
+    }
+    close_fd(&t->fd);
+    buf_free(&t->out);
+    free(t);
+}
+
+/* The agent ends the tunnel: err 0 after both directions finished, else why it failed. */
+static void tun_close(struct tun *t, int err, const char *msg)
+{
+    size_t f = frame_begin(T_TCP_CLOSED, t->id);
+    put_u32((uint32_t)err);
+    put_str(err ? (msg ? msg : strerror(err)) : "");
+    frame_end(f);
+    tun_free(t);
+}
+
+/* Both directions ended: nothing is left to carry, so free the socket now rather than wait for the
+ * host's TCP_CLOSE. Returns 1 if `t` was freed. */
+static int tun_done(struct tun *t)
+{
+    if (!t->rd_eof || !t->wr_shut)
+        return 0;
+    tun_close(t, 0, NULL);
+    return 1;
+}
+
+static int tun_may_read(const struct tun *t)
+{
+    return !t->connecting && !t->rd_eof && t->sent - t->acked < TCP_WINDOW && room();
+}
+
+/* One chunk from the guest, read straight into a TCP_DATA frame. Returns 1 if `t` was freed. */
+static int tun_read(struct tun *t)
+{
+    if (!tun_may_read(t))
+        return 0;
+    size_t want = TCP_WINDOW - (size_t)(t->sent - t->acked);
+    if (want > CHUNK)
+        want = CHUNK;
+    size_t f = frame_begin(T_TCP_DATA, t->id);
+    buf_reserve(&obuf, want);
+    ssize_t n;
+    do
+        n = read(t->fd, obuf.p + obuf.head + obuf.len, want);
+    while (n < 0 && errno == EINTR);
+    if (n > 0) {
+        obuf.len += (size_t)n;
+        frame_end(f);
+        t->sent += (uint64_t)n;
+        return 0;
+    }
+    obuf.len = f; /* discard the unfinished header */
+    if (n < 0 && errno == EAGAIN)
+        return 0;
+    if (n < 0) {
+        tun_close(t, errno, NULL);
+        return 1;
+    }
+    t->rd_eof = 1;
+    frame_end(frame_begin(T_TCP_EOF, t->id));
+    return tun_done(t);
+}
+
+/* Write what the host sent, then the half-close it asked for. Returns 1 if `t` was freed. */
+static int tun_write(struct tun *t)
+{
+    if (t->connecting)
+        return 0;
+    while (t->out.len) {
+        ssize_t n = write(t->fd, t->out.p + t->out.head, t->out.len);
+        if (n > 0) {
+            buf_consume(&t->out, (size_t)n);
+            t->written += (uint64_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            break;
+        tun_close(t, n < 0 ? errno : EIO, NULL); /* EPIPE, ECONNRESET: the guest side is gone */
+        return 1;
+    }
+    buf_trim(&t->out);
+    if (t->shut_req && !t->out.len && !t->wr_shut) {
+        if (shutdown(t->fd, SHUT_WR) < 0 && errno != ENOTCONN) {
+            tun_close(t, errno, NULL);
+            return 1;
+        }
+        t->wr_shut = 1;
+    }
+    return tun_done(t);
+}
+
+/* poll() reported `ev` for the tunnel's socket. */
+static void tun_event(struct tun *t, short ev)
+{
+    if (t->connecting) {
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (getsockopt(t->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+            err = errno;
+        if (err) {
+            send_error(t->id, err, NULL);
+            tun_free(t);
+            return;
+        }
+        t->connecting = 0;
+        send_ok(t->id);
+        tun_write(t); /* anything the host sent behind its TCP_OPEN */
+        return;
+    }
+    if ((ev & (POLLIN | POLLHUP | POLLERR)) && tun_may_read(t) && tun_read(t))
+        return;
+    if (ev & (POLLOUT | POLLHUP | POLLERR))
+        tun_write(t);
+}
+
+static short tun_poll_events(const struct tun *t)
+{
+    if (t->connecting)
+        return POLLOUT;
+    short ev = tun_may_read(t) ? POLLIN : 0;
+    if (t->out.len)
+        ev |= POLLOUT;
+    return ev;
+}
+
+static void do_tcp_open(uint32_t id, struct rd *r)
+{
+    uint32_t port = get_u16(r);
+    if (r->bad || r->n || port == 0)
+        return send_error(id, EINVAL, "malformed TCP_OPEN (port must be 1-65535)");
+    if (tun_find(id))
+        return send_error(id, EEXIST, "request id already in use");
+    if (ntuns >= MAX_TUNNELS)
+        return send_error(id, EMFILE, "too many TCP tunnels open; close some");
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return send_error(id, errno, NULL);
+    /* Tunnels reach guest loopback only: the address is fixed here, never taken from the host. */
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr = {.s_addr = htonl(INADDR_LOOPBACK)}};
+    int one = 1;
+    /* The agent re-chunks the stream; Nagle on top would add delay to small interactive writes. */
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int connecting = 0;
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (errno != EINPROGRESS && errno != EINTR) {
+            int e = errno;
+            close(fd);
+            return send_error(id, e, NULL);
+        }
+        connecting = 1;
+    }
+    struct tun *t = xrealloc(NULL, sizeof *t);
+    memset(t, 0, sizeof *t);
+    t->id = id;
+    t->fd = fd;
+    t->connecting = connecting;
+    t->next = tuns;
+    tuns = t;
+    ntuns++;
+    if (!connecting)
+        send_ok(id);
+}
+
+static void do_tcp_send(uint32_t id, struct rd *r)
+{
+    struct tun *t = tun_find(id);
+    if (!t)
+        return; /* the agent closed it; the host learns that from TCP_CLOSED */
+    if (t->shut_req)
+        return tun_close(t, EPIPE, "data after TCP_SHUT_WR");
+    if (t->out.len + r->n > TCP_HARD_MAX)
+        return tun_close(t, ENOBUFS, "the host sent more than the window");
+    buf_append(&t->out, r->p, r->n);
+}
+
+static void do_tcp_ack(uint32_t id, struct rd *r)
+{
+    uint64_t off = get_u64(r);
+    struct tun *t = tun_find(id);
+    if (r->bad || !t)
+        return;
+    if (off > t->sent)
+        off = t->sent;
+    if (off > t->acked)
+        t->acked = off;
+}
+
+static void do_tcp_shut_wr(uint32_t id)
+{
+    struct tun *t = tun_find(id);
+    if (t)
+        t->shut_req = 1; /* done by tun_write once the queued bytes are written */
+}
+
+static void do_tcp_close(uint32_t id)
+{
+    struct tun *t = tun_find(id);
+    if (t)
+        tun_free(t);
+}
+
+/* Write what TCP_SEND / TCP_SHUT_WR queued, and acknowledge what was written. */
+static void pump_tunnels(void)
+{
+    struct tun *next;
+    for (struct tun *t = tuns; t; t = next) {
+        next = t->next;
+        if ((t->out.len || (t->shut_req && !t->wr_shut)) && tun_write(t))
+            continue;
+        if (t->written != t->written_acked) {
+            size_t f = frame_begin(T_TCP_SEND_ACK, t->id);
+            put_u64(t->written);
+            frame_end(f);
+            t->written_acked = t->written;
+        }
+    }
+}
+
 /* ---- dispatch ------------------------------------------------------------------------------- */
 
 static void do_hello(uint32_t id, struct rd *r)
@@ -1341,20 +1620,23 @@ static void do_hello(uint32_t id, struct rd *r)
     uint32_t version = get_u32(r);
     if (r->bad || memcmp(magic, PROTO_MAGIC, 4) != 0)
         return send_error(id, EPROTO, "not an sbx-agent HELLO");
-    if (version != PROTO_VERSION) {
+    if (version < PROTO_MIN_VERSION || version > PROTO_VERSION) {
         char msg[96];
-        snprintf(msg, sizeof msg, "protocol version %u is not supported; this agent speaks %u", version,
-                 PROTO_VERSION);
+        snprintf(msg, sizeof msg, "protocol version %u is not supported; this agent speaks %u to %u", version,
+                 PROTO_MIN_VERSION, PROTO_VERSION);
         return send_error(id, EPROTONOSUPPORT, msg);
     }
     hello_done = 1;
+    conn_version = version; /* the host's: it may be older than this agent */
     size_t f = frame_begin(T_HELLO_OK, id);
-    put_u32(PROTO_VERSION);
+    put_u32(version);
     put_u32((uint32_t)getpid());
     put_u32(MAX_PAYLOAD);
     put_u32(OUT_WINDOW);
     put_u32(STDIN_WINDOW);
     put_u32(READ_WINDOW);
+    if (version >= 2)
+        put_u32(TCP_WINDOW);
     frame_end(f);
 }
 
@@ -1363,6 +1645,8 @@ static void dispatch(uint8_t type, uint32_t id, const uint8_t *payload, uint32_t
     struct rd r = {payload, len, 0};
     if (!hello_done && type != T_HELLO)
         return send_error(id, EPROTO, "send HELLO first");
+    if (type >= T_TCP_OPEN && type <= T_TCP_CLOSE && conn_version < 2)
+        return send_error(id, ENOSYS, "unknown message type"); /* as a version 1 agent answers */
     switch (type) {
     case T_HELLO: return do_hello(id, &r);
     case T_LIST: return do_list(id);
@@ -1383,13 +1667,19 @@ static void dispatch(uint8_t type, uint32_t id, const uint8_t *payload, uint32_t
     case T_LIST_DIR: return do_list_dir(id, &r);
     case T_STAT: return do_stat(id, &r);
     case T_CANCEL: return do_cancel(id);
+    case T_TCP_OPEN: return do_tcp_open(id, &r);
+    case T_TCP_SEND: return do_tcp_send(id, &r);
+    case T_TCP_ACK: return do_tcp_ack(id, &r);
+    case T_TCP_SHUT_WR: return do_tcp_shut_wr(id);
+    case T_TCP_CLOSE: return do_tcp_close(id);
     default: return send_error(id, ENOSYS, "unknown message type");
     }
 }
 
 /* ---- connection lifecycle ------------------------------------------------------------------- */
 
-/* Everything tied to one host connection goes; processes and their unacked output stay. */
+/* Everything tied to one host connection goes, TCP tunnels included (their sockets are closed);
+ * processes and their unacked output stay. */
 static void conn_drop(const char *why)
 {
     if (conn_fd < 0)
@@ -1401,6 +1691,8 @@ static void conn_drop(const char *why)
     buf_free(&obuf);
     while (fops)
         fop_free(fops);
+    while (tuns)
+        tun_free(tuns);
     for (struct proc *p = procs; p; p = p->next) {
         p->subscribed = 0;
         p->exit_sent = 0;
@@ -1534,8 +1826,6 @@ static void write_stdin(struct proc *p)
         close_fd(&p->in_fd);
     }
 }
-
-static int room(void) { return obuf.len < OUT_HIGH_WATER; }
 
 static void pump_procs(void)
 {
@@ -1775,7 +2065,7 @@ int main(int argc, char **argv)
     struct pollfd *pfd = NULL;
     size_t pfd_cap = 0;
     for (;;) {
-        size_t need = 3 + 3 * (size_t)nprocs;
+        size_t need = 3 + 3 * (size_t)nprocs + ntuns;
         if (need > pfd_cap) {
             pfd_cap = need * 2;
             pfd = xrealloc(pfd, pfd_cap * sizeof *pfd);
@@ -1793,12 +2083,26 @@ int main(int argc, char **argv)
             int in_want = p->in.len || p->in_close;
             pfd[n++] = (struct pollfd){.fd = in_want ? p->in_fd : -1, .events = POLLOUT};
         }
+        size_t tun_base = n;
+        for (struct tun *t = tuns; t; t = t->next) {
+            short ev = tun_poll_events(t);
+            pfd[n++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
+        }
         if (poll(pfd, n, files_ready() ? 0 : -1) < 0) {
             if (errno == EINTR)
                 continue;
             logmsg("poll: %s", strerror(errno));
             sleep(1);
             continue;
+        }
+        /* Tunnels first, while their list is still the one pfd was built from (requests below may
+         * open and close tunnels). */
+        struct tun *tnext;
+        size_t ti = tun_base;
+        for (struct tun *t = tuns; t && ti < n; t = tnext, ti++) {
+            tnext = t->next;
+            if (pfd[ti].revents)
+                tun_event(t, pfd[ti].revents);
         }
         if (pfd[0].revents)
             reap();
@@ -1826,6 +2130,7 @@ int main(int argc, char **argv)
             i++;
         }
         if (connected()) {
+            pump_tunnels();
             pump_procs();
             pump_files();
         }
