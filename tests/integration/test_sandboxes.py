@@ -19,8 +19,9 @@ def test_capabilities_report_only_what_the_node_does(sandboxd: Sandboxd) -> None
     assert caps["api_version"] == "v1"
     assert caps["backend"] == "gvisor"
     assert caps["capabilities"]["audit"] is True
-    for name in ("network_policy_update", "suspend", "memory_snapshot", "disk_snapshot", "tunnel", "images"):
+    for name in ("network_policy_update", "suspend", "memory_snapshot", "disk_snapshot", "tunnel"):
         assert caps["capabilities"][name] is False
+    assert caps["capabilities"]["images"] is True
     assert {"max_cpus", "max_memory_mb", "max_disk_mb", "max_idle_timeout_secs"} <= set(caps["limits"])
     assert caps["network"]["default"]["mode"] == "none"
     assert caps["network"]["ceiling"] == "none"
@@ -112,7 +113,7 @@ REFUSED_CREATES: list[tuple[str, dict[str, Any], int, str, str]] = [
         "invalid_request",
         "rule 6",
     ),
-    ("image-missing", {"image": "no-such-image"}, 400, "invalid_request", "not installed"),
+    ("image-invalid", {"image": "No-Such-Image"}, 400, "invalid_request", "lowercase"),
     ("idle-over-limit", {"idle_timeout_secs": 10**9}, 400, "invalid_request", "idle_timeout_secs"),
     ("volumes", {"volumes": [{"name": "v", "path": "/data"}]}, 501, "unsupported", "volumes"),
     ("fork", {"snapshot_id": "snap_x"}, 501, "unsupported", "snapshot"),

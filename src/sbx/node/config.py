@@ -37,12 +37,15 @@ __all__ = [
     "CapacityConfig",
     "ConfigError",
     "DefaultsConfig",
+    "ImagesConfig",
     "LimitsConfig",
     "NetworkConfig",
     "NodeConfig",
     "PathsConfig",
+    "PoolConfig",
     "ServerConfig",
     "config_from_mapping",
+    "image_pattern_matches",
     "load_config",
     "measure_capacity",
     "resolve_capacity",
@@ -142,6 +145,33 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class ImagesConfig:
+    """``[images]``: which images may be pulled and run, and how to reach registries.
+
+    ``allowed`` holds reference patterns (see :func:`image_pattern_matches`); ``("**",)``, the default,
+    allows every reference and ``()`` only the default image. ``credentials_file`` is a Docker
+    ``config.json``-style file of registry logins (None: anonymous). ``insecure_registries`` are
+    ``host[:port]`` reached over plain HTTP besides loopback ones.
+    """
+
+    allowed: tuple[str, ...] = ("**",)
+    credentials_file: Path | None = None
+    insecure_registries: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One ``[[pools]]`` entry: keep ``size`` sandboxes of ``image`` booted ahead of creates.
+
+    ``image`` is normalised as a reference (``python:3.12`` is ``docker.io/library/python:3.12``) except
+    for the default image's own name; 0 keeps no pool.
+    """
+
+    image: str
+    size: int
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """The whole node configuration; ``source`` is the file it came from (None: built-in defaults)."""
 
@@ -152,10 +182,14 @@ class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    pools: tuple[PoolConfig, ...] = ()
     source: Path | None = None
 
 
-_SECTIONS: Final = ("limits", "defaults", "network", "capacity", "server", "paths", "audit")
+_SECTIONS: Final = ("limits", "defaults", "network", "capacity", "server", "paths", "audit", "images")
+#: Top-level arrays of tables (``[[pools]]``), checked apart from the sections.
+_ARRAYS: Final = ("pools",)
 
 _T = TypeVar("_T")
 
@@ -189,7 +223,7 @@ def config_from_mapping(raw: Mapping[str, Any], source: Path | None = None) -> N
 
 
 def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
-    _no_unknown(raw, _SECTIONS, "")
+    _no_unknown(raw, _SECTIONS + _ARRAYS, "")
     sections = {name: _section(raw, name) for name in _SECTIONS}
 
     lim = sections["limits"]
@@ -261,7 +295,129 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     _no_unknown(aud, _fields(AuditConfig), "audit.")
     audit = AuditConfig(enabled=_bool(aud, "audit.enabled", True))
 
-    return NodeConfig(limits, defaults, network, capacity, server, paths, audit, source)
+    images = _images(sections["images"])
+    pools = _pools(raw.get("pools", []), images, defaults.image)
+
+    return NodeConfig(
+        limits=limits, defaults=defaults, network=network, capacity=capacity, server=server, paths=paths,
+        audit=audit, images=images, pools=pools, source=source,
+    )  # fmt: skip
+
+
+def _images(sec: Mapping[str, Any]) -> ImagesConfig:
+    _no_unknown(sec, _fields(ImagesConfig), "images.")
+    allowed = _str_list(sec, "images.allowed", _image_pattern) if "allowed" in sec else ImagesConfig.allowed
+    raw_file = sec.get("credentials_file", "")
+    if not isinstance(raw_file, str):
+        raise ConfigError(f"images.credentials_file: expected a path string, got {_kind(raw_file)}")
+    if raw_file and not raw_file.startswith("/"):
+        raise ConfigError(f"images.credentials_file = {raw_file!r} is relative; give an absolute path")
+    insecure = _str_list(sec, "images.insecure_registries", _registry_entry)
+    return ImagesConfig(allowed, Path(raw_file) if raw_file else None, insecure)
+
+
+def _registry_entry(value: str, key: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?", value):
+        raise ConfigError(
+            f"{key}: {value!r} is not a registry host[:port]; give e.g. 'registry.internal:5000'"
+        )
+    return value.lower()
+
+
+def _pools(raw: Any, images: ImagesConfig, default_image: str) -> tuple[PoolConfig, ...]:
+    if not isinstance(raw, list) or not all(isinstance(p, Mapping) for p in raw):
+        raise ConfigError('pools: expected an array of tables [[pools]] with image = "..." and size = N')
+    pools: list[PoolConfig] = []
+    for i, entry in enumerate(raw):
+        key = f"pools[{i}]"
+        _no_unknown(entry, ("image", "size"), f"{key}.")
+        if "image" not in entry:
+            raise ConfigError(
+                f'{key}.image is missing; name the image to keep sandboxes of, e.g. image = "default"'
+            )
+        image = _nonempty_str(entry, f"{key}.image", "")
+        if image != default_image:
+            image = _normalise(image, f"{key}.image")
+            if not any(image_pattern_matches(p, image) for p in images.allowed):
+                raise ConfigError(
+                    f"{key}.image {image!r} is not allowed by images.allowed; allow it or drop the pool"
+                )
+        if "size" not in entry:
+            raise ConfigError(f"{key}.size is missing; give how many sandboxes to keep booted")
+        size = _int(entry, f"{key}.size", 0)
+        if any(p.image == image for p in pools):
+            raise ConfigError(f"{key}: image {image!r} has two pools; keep one entry per image")
+        pools.append(PoolConfig(image, size))
+    return tuple(pools)
+
+
+def _normalise(reference: str, key: str) -> str:
+    # Imported here: sbx.images depends on nothing in sbx.node, but keep config importable on its own.
+    from sbx.images.reference import normalize_reference
+
+    try:
+        return normalize_reference(reference)
+    except InvalidRequest as exc:
+        raise ConfigError(f"{key}: {exc.message}") from None
+
+
+# --- image reference patterns ----------------------------------------------------------------------------------
+
+
+def _split_pattern(pattern: str) -> tuple[str, str | None]:
+    """(name glob, tag glob or None) of a pattern, with Docker Hub short names expanded."""
+    name, tag = pattern, None
+    last_colon = name.rfind(":")
+    if last_colon > name.rfind("/"):
+        name, tag = name[:last_colon], name[last_colon + 1 :]
+    first, slash, _ = name.partition("/")
+    if "*" not in first and not (slash and ("." in first or ":" in first or first == "localhost")):
+        name = f"docker.io/{name}" if slash else f"docker.io/library/{name}"
+    return name.lower(), tag
+
+
+def _glob(text: str, *, slash: bool) -> str:
+    """A regular expression for a glob: ``**`` any characters, ``*`` any but ``/`` (any at all if ``slash``)."""
+    out = []
+    for i, part in enumerate(text.split("**")):
+        if i:
+            out.append(".*")
+        out.append((".*" if slash else "[^/]*").join(re.escape(p) for p in part.split("*")))
+    return "".join(out)
+
+
+def _image_pattern(value: str, key: str) -> str:
+    if not value or any(c.isspace() for c in value) or "@" in value:
+        raise ConfigError(
+            f"{key}: {value!r} is not an image pattern; give e.g. 'docker.io/library/*', 'python:3.*' or "
+            "'registry.internal:5000/**' (no spaces, no @digest)"
+        )
+    _, tag = _split_pattern(value)
+    if tag is not None and (not tag or "/" in tag):
+        raise ConfigError(f"{key}: {value!r} has an empty or malformed tag pattern after ':'")
+    return value
+
+
+def image_pattern_matches(pattern: str, reference: str) -> bool:
+    """Whether the normalised ``reference`` (``registry/repository[:tag][@digest]``) matches ``pattern``.
+
+    A pattern is ``name[:tag]``. In the name, ``*`` matches within one path component and ``**`` across
+    components; a name whose first component is neither a registry (with ``.`` or ``:``, or ``localhost``)
+    nor a wildcard is a Docker Hub name and expanded as references are (``python`` is
+    ``docker.io/library/python``). Without ``:tag`` every tag and digest of the name matches; with one, the
+    reference's tag must match it (``*`` matches any characters there). ``**`` alone matches everything.
+    """
+    name_glob, tag_glob = _split_pattern(pattern)
+    ref = reference.split("@", 1)[0]
+    ref_name, ref_tag = ref, None
+    last_colon = ref.rfind(":")
+    if last_colon > ref.rfind("/"):
+        ref_name, ref_tag = ref[:last_colon], ref[last_colon + 1 :]
+    if not re.fullmatch(_glob(name_glob, slash=False), ref_name.lower()):
+        return False
+    if tag_glob is None:
+        return True
+    return ref_tag is not None and re.fullmatch(_glob(tag_glob, slash=True), ref_tag) is not None
 
 
 def _network(sec: Mapping[str, Any]) -> NetworkConfig:

@@ -10,7 +10,9 @@ from sbx import __version__
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig
+from sbx.node.images import ImageService
 from sbx.node.manager import SandboxManager
+from sbx.node.pools import Pools
 from sbx.node.sampler import MetricsSampler
 
 
@@ -26,8 +28,14 @@ class NodeContext:
     version: str = __version__
     #: Called after every create with its status (``created`` or an error code) and duration in seconds.
     on_create: Callable[[str, float], None] = field(default=lambda status, secs: None)
+    #: The warm pools; None on a node built without them (tests).
+    pools: Pools | None = None
     #: Per-sandbox metrics; None on a node that keeps none.
     sampler: MetricsSampler | None = None
+
+    @property
+    def images(self) -> ImageService:
+        return self.manager.image_service
 
     def capabilities(self) -> dict[str, Any]:
         """The spec's Capabilities body; only what this node really does is true."""
@@ -44,7 +52,7 @@ class NodeContext:
                 "tunnel": False,
                 "metrics": self.sampler is not None,
                 "audit": self.config.audit.enabled,
-                "images": False,
+                "images": True,
             },
             "limits": {
                 "max_cpus": limits.max_cpus,
@@ -71,7 +79,7 @@ class NodeContext:
             "capacity": asdict(manager.capacity),
             "free": asdict(manager.free()),
             "running": manager.count_by_state()["running"],
-            "pooled": {},
+            "pooled": self.pools.ready() if self.pools is not None else {},
             "images": sorted(i.reference for i in manager.images.list()),
             "labels": {},
             "cordoned": manager.cordoned,

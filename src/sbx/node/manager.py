@@ -1,30 +1,39 @@
 """The sandbox lifecycle on one node: create, look up, change, terminate, idle out, and take back on restart.
 
-State on disk, under ``<state>/sandboxes/<id>/``: ``sandbox.json`` (the record, replaced atomically) and
+State on disk, under ``<state>/sandboxes/<id>/``: ``sandbox.json`` (the record, replaced atomically),
+``image-config.json`` (how processes run: the image's Env and WorkingDir, fixed at create) and
 ``processes/`` (see processes.py). The backend keeps its own files under ``<state>/<backend name>/``.
+Warm pools (pools.py) boot sandboxes through :meth:`SandboxManager.boot` and hand them over with
+:meth:`SandboxManager.adopt`; until then the manager does not know them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sbx.agent.client import AgentClient, AgentError
-from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, Refused, Unavailable, Unsupported
+from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
 from sbx.api.models import CreateRequest, PatchRequest
 from sbx.api.network_policy import MODE_ORDER
 from sbx.backends.base import Backend, BackendError, BootSpec
-from sbx.images.store import ImageStore
+from sbx.images.store import ImageConfig, ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
 from sbx.node.config import Capacity, NodeConfig
+from sbx.node.images import ImageService
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
+
+if TYPE_CHECKING:
+    from sbx.node.pools import PooledSandbox
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +54,44 @@ class Sandbox:
         self.last_activity = time.monotonic()
         self.processes = ProcessTable(record.id, directory / "processes", audit, on_change=self.touch)
         self.lock = asyncio.Lock()
+        #: Environment from the image, below the sandbox's own env (see routes/processes.py).
+        self.image_env: dict[str, str] = {}
+        #: Default cwd of processes: the image's WorkingDir when it names a directory, else None (home).
+        self.working_dir: str | None = None
+
+    def set_image_config(self, config: ImageConfig, rootfs: Path | None) -> None:
+        """Take Env and WorkingDir from the image config (User, Entrypoint and Cmd are not used)."""
+        self.image_env = dict(config.env)
+        self.working_dir = None
+        wd = (config.working_dir or "").strip("/")
+        if config.working_dir and config.working_dir.startswith("/") and rootfs is not None:
+            try:
+                # lstat, not is_dir: a symlink in an image must never lead the host's check outside it.
+                is_dir = stat.S_ISDIR(os.lstat(rootfs / wd).st_mode) if wd else True
+            except OSError:
+                is_dir = False
+            if is_dir:
+                self.working_dir = "/" + wd
+            else:
+                log.info("image WorkingDir is not a directory; processes start in the home",
+                         extra={"sandbox": self.record.id, "working_dir": config.working_dir})  # fmt: skip
+
+    def save_image_config(self) -> None:
+        write_json_atomic(
+            self.directory / "image-config.json",
+            {"env": self.image_env, "working_dir": self.working_dir},
+            durable=False,
+        )
+
+    def load_image_config(self) -> bool:
+        """Read image-config.json; False when there is none (a sandbox created before it existed)."""
+        data = read_json(self.directory / "image-config.json")
+        if not isinstance(data, dict):
+            return False
+        self.image_env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+        wd = data.get("working_dir")
+        self.working_dir = wd if isinstance(wd, str) else None
+        return True
 
     def touch(self) -> None:
         """Note activity: a request naming the sandbox, or a process starting or exiting."""
@@ -67,15 +114,22 @@ class SandboxManager:
         audit: AuditLog,
         capacity: Capacity,
         node_id: str | None = None,
+        image_service: ImageService | None = None,
     ) -> None:
         self.config = config
         self.root = state_dir / "sandboxes"
         self.backend = backend
         self.images = images
+        self.image_service = image_service or ImageService(config, images)
+        self.image_service.users = self.image_users
         self.audit = audit
         self.capacity = capacity
         self.node_id = node_id
         self.cordoned = False
+        #: Resources held outside the manager's sandboxes (the warm pools'); set by the server.
+        self.reserved: Callable[[], Capacity] = lambda: Capacity(0, 0, 0)
+        #: ``take(image, request)``: a pooled sandbox that fits the request, or None; set by the server.
+        self.take_pooled: Callable[[str, CreateRequest], PooledSandbox | None] = lambda image, req: None
         self._sandboxes: dict[str, Sandbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: Called with a sandbox's id when the node forgets it (what is kept of it elsewhere goes too).
@@ -98,6 +152,8 @@ class SandboxManager:
             self._sandboxes[record.id] = sandbox
             if record.state is SandboxState.TERMINATED:
                 continue
+            if not sandbox.load_image_config():
+                self._image_config_from_store(sandbox)
             try:
                 await self._take_back(sandbox)
             except (AgentError, BackendError, OSError) as exc:
@@ -107,6 +163,14 @@ class SandboxManager:
                 await self._terminate(sandbox, "lost")
         self._forget_old_terminated()
         self._spawn(self._idle_loop())
+
+    def _image_config_from_store(self, sandbox: Sandbox) -> None:
+        try:
+            image = self.images.get(sandbox.record.image)
+        except SandboxError:  # a damaged image record: run with the base environment
+            image = None
+        if image is not None:
+            sandbox.set_image_config(image.config, image.rootfs)
 
     async def _take_back(self, sandbox: Sandbox) -> None:
         record = sandbox.record
@@ -175,13 +239,18 @@ class SandboxManager:
         return (s for s in self._sandboxes.values() if s.record.live)
 
     def used(self) -> Capacity:
-        """Resources given to every non-terminated sandbox."""
+        """Resources given to every non-terminated sandbox, pooled ones included."""
         live = list(self.live())
+        reserved = self.reserved()
         return Capacity(
-            cpus=sum(s.record.cpus for s in live),
-            memory_mb=sum(s.record.memory_mb for s in live),
-            disk_mb=sum(s.record.disk_mb for s in live),
+            cpus=sum(s.record.cpus for s in live) + reserved.cpus,
+            memory_mb=sum(s.record.memory_mb for s in live) + reserved.memory_mb,
+            disk_mb=sum(s.record.disk_mb for s in live) + reserved.disk_mb,
         )
+
+    def image_users(self, reference: str) -> int:
+        """Live sandboxes (starting or running) whose root is the image ``reference``."""
+        return sum(1 for s in self.live() if s.record.image == reference)
 
     def free(self) -> Capacity:
         """Capacity less what live sandboxes were given, never negative."""
@@ -204,7 +273,8 @@ class SandboxManager:
     # -- create -----------------------------------------------------------------------------------------
 
     def _check_create(self, req: CreateRequest) -> None:
-        """Every refusal that must leave nothing behind, in the order a user would fix them."""
+        """Every refusal that must leave nothing behind, in the order a user would fix them (capacity is
+        checked apart, in :meth:`_check_capacity`, because a pooled sandbox brings its own)."""
         if self.cordoned:
             raise Unavailable("this node is cordoned and takes no new sandboxes; uncordon it with "
                               "POST /v1/node/cordon {\"cordoned\": false}")  # fmt: skip
@@ -225,11 +295,8 @@ class SandboxManager:
             raise Conflict(
                 f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one"
             )
-        if self.images.get(req.image) is None:
-            raise InvalidRequest(
-                f"image {req.image!r} is not installed on this node; installed: "
-                + ", ".join(sorted(i.reference for i in self.images.list()))
-            )
+
+    def _check_capacity(self, req: CreateRequest) -> None:
         free = self.free()
         short = [
             f"{what} (asked {asked}, free {have})"
@@ -244,14 +311,19 @@ class SandboxManager:
             raise Unavailable("not enough free capacity on this node: " + ", ".join(short))
 
     async def create(self, req: CreateRequest) -> SandboxRecord:
-        """Boot a sandbox for a validated request; on failure nothing is left behind."""
+        """Boot a sandbox for a validated request (or take a pooled one that fits); on failure nothing is
+        left behind. An image not installed yet is installed first, and the create waits for it."""
         self._check_create(req)
-        image = self.images.get(req.image)
-        assert image is not None
+        image = await self.image_service.ensure(req.image)
+        self._check_create(req)  # again: the install may have taken a while
+        pooled = self.take_pooled(image.reference, req)
+        if pooled is not None:
+            return self.adopt(pooled, req)
+        self._check_capacity(req)
         record = SandboxRecord(
             id=new_sandbox_id(self.node_id),
             state=SandboxState.PENDING,
-            image=req.image,
+            image=image.reference,
             cpus=req.cpus,
             memory_mb=req.memory_mb,
             disk_mb=req.disk_mb,
@@ -265,24 +337,14 @@ class SandboxManager:
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
         sandbox = Sandbox(record, directory, self.audit)
+        sandbox.set_image_config(image.config, image.rootfs)
         # Registered before the first await, so a concurrent create sees the name and the capacity taken.
         self._sandboxes[record.id] = sandbox
         try:
             # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
             sandbox.save(durable=False)
-            await self.backend.boot(
-                BootSpec(
-                    sandbox_id=record.id,
-                    image_root=image.rootfs,
-                    cpus=record.cpus,
-                    memory_mb=record.memory_mb,
-                    disk_mb=record.disk_mb,
-                    network=record.network,
-                )
-            )
-            agent = await AgentClient.connect(
-                self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
-            )
+            sandbox.save_image_config()
+            agent = await self.boot(record, image)
             await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
@@ -295,11 +357,63 @@ class SandboxManager:
         record.state = SandboxState.RUNNING
         sandbox.touch()
         sandbox.save()
+        self._audit_created(record)
+        return record
+
+    def _audit_created(self, record: SandboxRecord, **extra: object) -> None:
         self.audit.record(
             "sandbox.created", record.id,
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
-            env_names=sorted(record.env), snapshot=None, volumes=[],
+            env_names=sorted(record.env), snapshot=None, volumes=[], **extra,
         )  # fmt: skip
+
+    async def boot(self, record: SandboxRecord, image: InstalledImage) -> AgentClient:
+        """Boot ``record``'s sandbox from ``image`` and connect to its agent; on failure (or cancellation)
+        the backend's part is destroyed again, and backend errors become Internal."""
+        try:
+            await self.backend.boot(
+                BootSpec(
+                    sandbox_id=record.id,
+                    image_root=image.rootfs,
+                    cpus=record.cpus,
+                    memory_mb=record.memory_mb,
+                    disk_mb=record.disk_mb,
+                    network=record.network,
+                )
+            )
+            return await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+        except BaseException as exc:
+            await asyncio.shield(self.backend.destroy(record.id))
+            if isinstance(exc, (BackendError, AgentError, OSError)):
+                raise Internal(f"the sandbox could not be started: {exc}") from exc
+            raise
+
+    def adopt(self, pooled: PooledSandbox, req: CreateRequest) -> SandboxRecord:
+        """Make a pooled sandbox the requester's: name, labels, env, network and idle timeout from ``req``.
+
+        Nothing inside the sandbox changes (env is given per process; nothing has run in it), so this only
+        writes the record and the create answers in milliseconds. Audit ``sandbox.created`` reason ``pool``.
+        """
+        record = pooled.record
+        record.name = req.name
+        record.labels = dict(req.labels)
+        record.env = dict(req.env)
+        record.network = req.network
+        record.idle_timeout_secs = req.idle_timeout_secs
+        record.created_at = utc_now()
+        record.state = SandboxState.RUNNING
+        directory = self.root / record.id
+        directory.mkdir(mode=0o700)
+        sandbox = Sandbox(record, directory, self.audit)
+        sandbox.set_image_config(pooled.image.config, pooled.image.rootfs)
+        sandbox.processes.agent = pooled.agent  # a fresh table, and the agent has run nothing yet
+        self._sandboxes[record.id] = sandbox
+        sandbox.save_image_config()
+        sandbox.save()
+        pooled.release()  # after the record is saved: a restart now takes it back instead of destroying it
+        self._watch_agent(sandbox, pooled.agent)
+        sandbox.touch()
+        self._audit_created(record, reason="pool")
         return record
 
     # -- change -----------------------------------------------------------------------------------------

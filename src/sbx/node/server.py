@@ -25,6 +25,7 @@ from sbx.node.context import NodeContext
 from sbx.node.http import error_middleware, make_guard
 from sbx.node.manager import SandboxManager
 from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
+from sbx.node.pools import Pools
 from sbx.node.routes import all_routes
 from sbx.node.sampler import MetricsSampler, running_targets
 
@@ -97,15 +98,18 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         config, options.state_dir, backend, images, audit,
         capacity=resolve_capacity(config.capacity, options.state_dir), node_id=options.node_id,
     )  # fmt: skip
-    metrics = NodeMetrics(lambda: _snapshot(manager))
+    pools = Pools(manager, manager.image_service, options.state_dir / "pool")
+    metrics = NodeMetrics(lambda: _snapshot(manager, pools))
     sampler = MetricsSampler(lambda: running_targets(manager), backend.usage)
     manager.on_forget.append(sampler.forget)
     ctx = NodeContext(
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
-        on_create=metrics.observe_create, sampler=sampler,
+        on_create=metrics.observe_create, pools=pools, sampler=sampler,
     )  # fmt: skip
     await backend.start()
     await manager.start()
+    await asyncio.to_thread(images.clean_leftovers)
+    await pools.start()
     await sampler.start()
 
     app = web.Application(
@@ -147,6 +151,8 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await sampler.close()
+    await pools.close()
+    await manager.image_service.close()
     await manager.close()
     await backend.close()
     if options.socket_path is not None:
@@ -179,14 +185,14 @@ def _tls(options: ServerOptions) -> ssl.SSLContext | None:
     return context
 
 
-def _snapshot(manager: SandboxManager) -> NodeSnapshot:
+def _snapshot(manager: SandboxManager, pools: Pools) -> NodeSnapshot:
     free = manager.free()
     return NodeSnapshot(
         sandboxes_by_state=manager.count_by_state(),
         processes_running=manager.processes_running(),
-        pool_target={},
-        pool_ready={},
-        pool_booting={},
+        pool_target=pools.target(),
+        pool_ready=pools.ready(),
+        pool_booting=pools.booting(),
         capacity_cpus=manager.capacity.cpus,
         capacity_memory_mb=manager.capacity.memory_mb,
         capacity_disk_mb=manager.capacity.disk_mb,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.node.context import NodeContext
-from sbx.node.routes import attach, events, files, node, processes, sandbox_metrics, sandboxes
+from sbx.node.routes import attach, events, files, images, node, processes, sandbox_metrics, sandboxes
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -17,5 +17,6 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *attach.routes(ctx),
         *files.routes(ctx),
         *events.routes(ctx),
+        *images.routes(ctx),
         *sandbox_metrics.routes(ctx),
     ]

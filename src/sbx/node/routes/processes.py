@@ -8,7 +8,7 @@ import json
 from aiohttp import web
 
 from sbx.api.errors import InvalidRequest
-from sbx.api.models import parse_process, parse_run, parse_signal
+from sbx.api.models import decode_object, parse_process, parse_run, parse_signal
 from sbx.node.context import NodeContext
 from sbx.node.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 from sbx.node.manager import Sandbox
@@ -16,8 +16,16 @@ from sbx.node.processes import BASE_ENV
 
 
 def process_env(sandbox: Sandbox, request_env: dict[str, str]) -> dict[str, str]:
-    """The environment a process starts with: base, then the sandbox's, then the request's."""
-    return {**BASE_ENV, **sandbox.record.env, **request_env}
+    """The environment a process starts with: base, then the image's (its Env), then the sandbox's, then
+    the request's."""
+    return {**BASE_ENV, **sandbox.image_env, **sandbox.record.env, **request_env}
+
+
+def process_cwd(sandbox: Sandbox, body: bytes, parsed_cwd: str) -> str:
+    """The request's cwd when it gives one, else the image's WorkingDir, else the parsed default (home)."""
+    if sandbox.working_dir is not None and "cwd" not in decode_object(body):
+        return sandbox.working_dir
+    return parsed_cwd
 
 
 def parse_pid(request: web.Request) -> int:
@@ -32,12 +40,13 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def run(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
-        req = parse_run(await read_json_body(request))
+        body = await read_json_body(request)
+        req = parse_run(body)
         result = await sandbox.processes.run(
             list(req.argv),
             process_env(sandbox, dict(req.env)),
             sorted(req.env),
-            req.cwd,
+            process_cwd(sandbox, body, req.cwd),
             req.stdin,
             req.timeout_secs,
         )
@@ -54,13 +63,15 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def start(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
-        req = parse_process(await read_json_body(request))
+        body = await read_json_body(request)
+        req = parse_process(body)
         env = process_env(sandbox, dict(req.env))
         tty = (req.rows, req.cols) if req.tty else None
         if tty is not None:
             env.setdefault("TERM", "xterm-256color")
+        cwd = process_cwd(sandbox, body, req.cwd)
         proc = await sandbox.processes.start(
-            list(req.argv), env, sorted(req.env), req.cwd, tty=tty, stdin=req.stdin
+            list(req.argv), env, sorted(req.env), cwd, tty=tty, stdin=req.stdin
         )
         return json_response(proc.record.to_wire(), status=201)
 

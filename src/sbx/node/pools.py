@@ -1,0 +1,266 @@
+"""Warm pools: sandboxes booted ahead of creates, per configured image (``[[pools]]`` in the config).
+
+Each pool keeps ``size`` sandboxes of its image booted and unassigned, with the default resources
+(``[defaults]`` cpus, memory_mb, disk_mb), network ``none``, no env, no labels and no name. A create that
+fits (same image, exactly those resources, network ``none``, no volumes or snapshot) takes a ready one:
+:meth:`SandboxManager.adopt` gives it the request's name, labels, env and idle timeout, and the pool refills
+in the background. Nothing has run in a pooled sandbox (its agent was only connected to), so its ``/tmp``,
+home and processes are those of a fresh boot; env is given per process, so nothing inside has to change.
+
+Pooled sandboxes are not listed, never idle out, and count against the node's free capacity. A pool only
+boots while the node has room for one more sandbox of the default size, and a failed boot or install is
+retried after :data:`RETRY_SECS`. Cordoning the node leaves the pools as they are.
+
+On disk: ``<state>/pool/<id>`` (an empty directory) marks a pooled sandbox from before its boot until it
+is adopted. Pooled sandboxes are destroyed when sandboxd stops, and whatever a killed sandboxd left marked
+(and not adopted) is destroyed at the next start: a pool never serves a sandbox it did not boot itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sbx.agent.client import AgentClient
+from sbx.api.errors import SandboxError
+from sbx.api.models import CreateRequest
+from sbx.api.network_policy import NetworkPolicy
+from sbx.backends.base import BackendError
+from sbx.images.store import InstalledImage
+from sbx.node.config import Capacity, PoolConfig
+from sbx.node.images import ImageService
+from sbx.node.manager import SandboxManager
+from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+
+log = logging.getLogger(__name__)
+
+#: Wait before trying again after a failed boot or install, and between capacity checks while full, in seconds.
+RETRY_SECS = 5.0
+#: How long stopping sandboxd waits for the pooled sandboxes to be destroyed, in seconds.
+CLOSE_TIMEOUT_SECS = 15.0
+
+
+@dataclass
+class PooledSandbox:
+    """A booted, unassigned sandbox: its record-to-be, agent connection, image and marker directory."""
+
+    record: SandboxRecord
+    agent: AgentClient
+    image: InstalledImage
+    marker: Path
+
+    def release(self) -> None:
+        """Drop the pool's marker: the sandbox is someone's now (called once its record is saved)."""
+        shutil.rmtree(self.marker, ignore_errors=True)
+
+
+@dataclass
+class _Pool:
+    config: PoolConfig
+    ready: list[PooledSandbox] = field(default_factory=list)
+    booting: int = 0
+    paused: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Pools:
+    """Every configured pool of the node; methods run on the server's event loop."""
+
+    def __init__(self, manager: SandboxManager, images: ImageService, directory: Path) -> None:
+        self.manager = manager
+        self.images = images
+        self.directory = directory
+        defaults = manager.config.defaults
+        self.size = Capacity(defaults.cpus, defaults.memory_mb, defaults.disk_mb)
+        self._pools = {p.image: _Pool(p) for p in manager.config.pools if p.size > 0}
+        self._destroying: set[asyncio.Task[None]] = set()
+        manager.reserved = self.held
+        manager.take_pooled = self.take
+        images.before_replace = self.drain
+        images.after_install = self._resume
+
+    # -- start and stop ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Destroy what an earlier run left in the pools, then fill them in the background."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for marker in sorted(self.directory.iterdir()):
+            if (self.manager.root / marker.name / "sandbox.json").exists():
+                shutil.rmtree(marker, ignore_errors=True)  # adopted just before a kill: the manager has it
+            else:
+                log.info("destroying a pooled sandbox left by an earlier run", extra={"sandbox": marker.name})
+                self._destroy_soon(marker.name, marker)
+        loop = asyncio.get_running_loop()
+        for pool in self._pools.values():
+            pool.task = loop.create_task(self._fill(pool))
+
+    async def close(self) -> None:
+        """Stop filling and destroy the ready sandboxes (a stopped node holds no pool)."""
+        for pool in self._pools.values():
+            if pool.task is not None:
+                pool.task.cancel()
+        for pool in self._pools.values():
+            if pool.task is not None:
+                try:
+                    await pool.task
+                except asyncio.CancelledError:
+                    pass
+            for pooled in pool.ready:
+                self._destroy_soon(pooled.record.id, pooled.marker, pooled.agent)
+            pool.ready.clear()
+        if self._destroying:
+            await asyncio.wait(set(self._destroying), timeout=CLOSE_TIMEOUT_SECS)
+
+    # -- what the node reports --------------------------------------------------------------------------
+
+    def held(self) -> Capacity:
+        """Resources of the ready and booting pooled sandboxes."""
+        count = sum(len(p.ready) + p.booting for p in self._pools.values())
+        return Capacity(self.size.cpus * count, self.size.memory_mb * count, self.size.disk_mb * count)
+
+    def target(self) -> dict[str, int]:
+        return {image: p.config.size for image, p in self._pools.items()}
+
+    def ready(self) -> dict[str, int]:
+        return {image: len(p.ready) for image, p in self._pools.items()}
+
+    def booting(self) -> dict[str, int]:
+        return {image: p.booting for image, p in self._pools.items()}
+
+    # -- taking -------------------------------------------------------------------------------------------
+
+    def fits(self, image: str, req: CreateRequest) -> bool:
+        """Whether a pooled sandbox of ``image`` is exactly what ``req`` would boot."""
+        return (
+            image in self._pools
+            and (req.cpus, req.memory_mb, req.disk_mb)
+            == (self.size.cpus, self.size.memory_mb, self.size.disk_mb)
+            and req.network.mode == "none"
+            and not req.volumes
+            and req.snapshot_id is None
+        )
+
+    def take(self, image: str, req: CreateRequest) -> PooledSandbox | None:
+        """A ready sandbox for ``req`` (removed from the pool, which refills), or None when none fits."""
+        if not self.fits(image, req):
+            return None
+        pool = self._pools[image]
+        while pool.ready:
+            pooled = pool.ready.pop(0)
+            if pooled.agent.closed.is_set():  # died while waiting: never hand it out
+                log.warning(
+                    "a pooled sandbox's agent went away; destroying it", extra={"sandbox": pooled.record.id}
+                )
+                self._destroy_soon(pooled.record.id, pooled.marker, pooled.agent)
+                continue
+            pool.wake.set()
+            return pooled
+        pool.wake.set()
+        return None
+
+    # -- filling ------------------------------------------------------------------------------------------
+
+    async def _fill(self, pool: _Pool) -> None:
+        while True:
+            try:
+                done = await self._fill_once(pool)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("pool refill failed", extra={"image": pool.config.image})
+                done = False
+            pool.wake.clear()
+            try:
+                await asyncio.wait_for(pool.wake.wait(), timeout=None if done else RETRY_SECS)
+            except TimeoutError:
+                pass
+
+    async def _fill_once(self, pool: _Pool) -> bool:
+        """Boot until the pool is full; False when it stopped short (to be retried after a pause)."""
+        while len(pool.ready) + pool.booting < pool.config.size:
+            if pool.paused:
+                return True  # resumed (and woken) when the install that paused it ends
+            free = self.manager.free()
+            if (
+                free.cpus < self.size.cpus
+                or free.memory_mb < self.size.memory_mb
+                or free.disk_mb < self.size.disk_mb
+            ):
+                return False
+            pool.booting += 1
+            try:
+                try:
+                    image = await self.images.ensure(pool.config.image)
+                except SandboxError as exc:
+                    log.warning(
+                        "pool image could not be installed",
+                        extra={"image": pool.config.image, "error": exc.message},
+                    )
+                    return False
+                if pool.paused:
+                    return True
+                pool.ready.append(await self._boot(image))
+            finally:
+                pool.booting -= 1
+        return True
+
+    async def _boot(self, image: InstalledImage) -> PooledSandbox:
+        defaults = self.manager.config.defaults
+        record = SandboxRecord(
+            id=new_sandbox_id(self.manager.node_id),
+            state=SandboxState.RUNNING,
+            image=image.reference,
+            cpus=defaults.cpus,
+            memory_mb=defaults.memory_mb,
+            disk_mb=defaults.disk_mb,
+            network=NetworkPolicy("none"),
+            idle_timeout_secs=defaults.idle_timeout_secs,
+            created_at=utc_now(),
+        )
+        marker = self.directory / record.id
+        marker.mkdir(mode=0o700)
+        try:
+            agent = await self.manager.boot(record, image)
+        except BaseException:
+            shutil.rmtree(marker, ignore_errors=True)
+            raise
+        log.info("pooled sandbox ready", extra={"sandbox": record.id, "image": image.reference})
+        return PooledSandbox(record, agent, image, marker)
+
+    # -- image changes --------------------------------------------------------------------------------------
+
+    async def drain(self, image: str) -> None:
+        """Before ``image`` is replaced: stop its pool, wait for its boots, destroy its ready sandboxes."""
+        pool = self._pools.get(image)
+        if pool is None:
+            return
+        pool.paused = True
+        while pool.booting:
+            await asyncio.sleep(0.05)
+        for pooled in pool.ready:
+            self._destroy_soon(pooled.record.id, pooled.marker, pooled.agent)
+        pool.ready.clear()
+
+    def _resume(self, image: str) -> None:
+        pool = self._pools.get(image)
+        if pool is not None:
+            pool.paused = False
+            pool.wake.set()
+
+    def _destroy_soon(self, sandbox_id: str, marker: Path, agent: AgentClient | None = None) -> None:
+        async def destroy() -> None:
+            if agent is not None:
+                await agent.close()
+            try:
+                await self.manager.backend.destroy(sandbox_id)
+            except (BackendError, OSError) as exc:
+                log.error("pooled sandbox teardown failed", extra={"sandbox": sandbox_id, "error": str(exc)})
+            shutil.rmtree(marker, ignore_errors=True)
+
+        task = asyncio.get_running_loop().create_task(destroy())
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
