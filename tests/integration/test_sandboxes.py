@@ -19,9 +19,10 @@ def test_capabilities_report_only_what_the_node_does(sandboxd: Sandboxd) -> None
     assert caps["api_version"] == "v1"
     assert caps["backend"] == "gvisor"
     assert caps["capabilities"]["audit"] is True
-    for name in ("network_policy_update", "suspend", "memory_snapshot", "disk_snapshot", "tunnel"):
+    for name in ("network_policy_update", "suspend", "memory_snapshot", "disk_snapshot"):
         assert caps["capabilities"][name] is False
     assert caps["capabilities"]["images"] is True
+    assert caps["capabilities"]["tunnel"] is True
     assert {"max_cpus", "max_memory_mb", "max_disk_mb", "max_idle_timeout_secs"} <= set(caps["limits"])
     assert caps["network"]["default"]["mode"] == "none"
     assert caps["network"]["ceiling"] == "none"

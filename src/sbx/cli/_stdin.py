@@ -2,12 +2,15 @@
 
 A thread rather than the loop's reader: stdin may be a regular file (which epoll refuses), a pipe
 or a terminal, and a blocked read must never keep the program from exiting once the remote
-process is done (the thread is a daemon, nothing waits for it).
+process is done (the thread is a daemon, nothing waits for it). It reads the file descriptor with
+``os.read``, not through the buffered object: a daemon thread blocked inside a BufferedReader holds
+its lock, and the interpreter aborts at exit when it cannot take that lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import BinaryIO
 
@@ -22,12 +25,12 @@ def stdin_chunks(stream: BinaryIO) -> asyncio.Queue[bytes]:
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[bytes] = asyncio.Queue()
-    read = getattr(stream, "read1", stream.read)
+    fd = stream.fileno()
 
     def pump() -> None:
         while True:
             try:
-                chunk = read(CHUNK_BYTES)
+                chunk = os.read(fd, CHUNK_BYTES)
             except (OSError, ValueError):
                 chunk = b""
             try:

@@ -49,7 +49,7 @@ class NodeContext:
                 "suspend": False,
                 "memory_snapshot": False,
                 "disk_snapshot": False,
-                "tunnel": False,
+                "tunnel": True,
                 "metrics": self.sampler is not None,
                 "audit": self.config.audit.enabled,
                 "images": True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.node.context import NodeContext
-from sbx.node.routes import attach, events, files, images, node, processes, sandbox_metrics, sandboxes
+from sbx.node.routes import attach, events, files, images, node, processes, sandbox_metrics, sandboxes, tunnel
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -15,6 +15,7 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *sandboxes.routes(ctx),
         *processes.routes(ctx),
         *attach.routes(ctx),
+        *tunnel.routes(ctx),
         *files.routes(ctx),
         *events.routes(ctx),
         *images.routes(ctx),

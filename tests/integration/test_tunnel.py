@@ -1,0 +1,137 @@
+"""Tunnel (sbx-tunnel/1) against a real sandboxd: bytes to guest loopback, half-close, refusals, audit."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from typing import Any
+
+import pytest
+from sandboxd_harness import Sandboxd
+
+MiB = 1024 * 1024
+
+# A guest server on 127.0.0.1:PORT: serves GET /blob (size bytes of a fixed pattern) over HTTP/1.0, and on
+# "SUM\n" reads to EOF, answers the sha256 of what it read, then closes (proves both half-closes).
+GUEST_SERVER = r"""
+import hashlib, socket, sys, threading
+port, size = int(sys.argv[1]), int(sys.argv[2])
+block = bytes(range(256)) * 4096
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", port)); srv.listen(16)
+print("listening", flush=True)
+def serve(c):
+    head = c.recv(4)
+    if head == b"SUM\n":
+        h = hashlib.sha256()
+        while d := c.recv(65536):
+            h.update(d)
+        c.sendall(h.hexdigest().encode()); c.close(); return
+    while b"\r\n\r\n" not in head:
+        head += c.recv(4096)
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+    left = size
+    while left:
+        chunk = block[: min(left, len(block))]
+        c.sendall(chunk); left -= len(chunk)
+    c.close()
+while True:
+    conn, _ = srv.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+
+
+def open_tunnel(server: Sandboxd, ref: str, port: int) -> tuple[socket.socket, bytes]:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(60)
+    sock.connect(str(server.socket_path))
+    sock.sendall(
+        f"GET /v1/sandboxes/{ref}/tunnel?port={port} HTTP/1.1\r\nHost: localhost\r\n"
+        "Connection: Upgrade\r\nUpgrade: sbx-tunnel/1\r\n\r\n".encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    head, rest = head.split(b"\r\n\r\n", 1)
+    return sock, head + b"\r\n\r\n" + rest
+
+
+@pytest.fixture(scope="module")
+def guest(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> dict[str, Any]:
+    size = 100 * MiB
+    resp = sandboxd.request(
+        "POST", f"/v1/sandboxes/{sandbox['id']}/processes",
+        {"argv": ["python3", "-c", GUEST_SERVER, "8000", str(size)]},
+    )  # fmt: skip
+    assert resp.status == 201
+    follower = sandboxd.follow(sandbox["id"], resp.json()["pid"])
+    assert b"listening" in __import__("base64").b64decode(next(follower)["data"])
+    return {"port": 8000, "size": size}
+
+
+def expected_digest(size: int) -> str:
+    block = bytes(range(256)) * 4096
+    h = hashlib.sha256()
+    left = size
+    while left:
+        h.update(block[: min(left, len(block))])
+        left -= min(left, len(block))
+    return h.hexdigest()
+
+
+def test_100_mib_through_a_guest_http_server(
+    sandboxd: Sandboxd, sandbox: dict[str, Any], guest: dict[str, Any]
+) -> None:
+    sock, head = open_tunnel(sandboxd, sandbox["id"], guest["port"])
+    assert head.startswith(b"HTTP/1.1 101") and b"sbx-tunnel/1" in head
+    rest = head.split(b"\r\n\r\n", 1)[1]
+    sock.sendall(b"GET /blob HTTP/1.0\r\nHost: x\r\n\r\n")
+    data = bytearray(rest)
+    started = time.monotonic()
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    elapsed = time.monotonic() - started
+    sock.close()
+    header, body = bytes(data).split(b"\r\n\r\n", 1)
+    assert header.startswith(b"HTTP/1.0 200")
+    assert len(body) == guest["size"]
+    assert hashlib.sha256(body).hexdigest() == expected_digest(guest["size"])
+    print(f"tunnel: {guest['size'] / MiB / elapsed:.0f} MiB/s")
+
+
+def test_half_close_both_ways(sandboxd: Sandboxd, sandbox: dict[str, Any], guest: dict[str, Any]) -> None:
+    sock, head = open_tunnel(sandboxd, sandbox["id"], guest["port"])
+    payload = bytes(range(256)) * 40_000  # ~10 MB
+    sock.sendall(b"SUM\n" + payload)
+    sock.shutdown(socket.SHUT_WR)  # our half-close reaches the guest as EOF...
+    answer = head.split(b"\r\n\r\n", 1)[1]
+    while chunk := sock.recv(65536):  # ...and its answer and close reach us
+        answer += chunk
+    sock.close()
+    assert answer.decode() == hashlib.sha256(payload).hexdigest()
+
+
+def test_refused_port_and_bad_requests(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
+    base = f"/v1/sandboxes/{sandbox['id']}/tunnel"
+    upgrade = {"Connection": "Upgrade", "Upgrade": "sbx-tunnel/1"}
+    resp = sandboxd.request("GET", f"{base}?port=9", headers=upgrade)
+    assert resp.status == 409 and resp.error[0] == "conflict" and "127.0.0.1:9" in resp.error[1]
+    for query, needle in (("", "port"), ("?port=0", "port"), ("?port=70000", "port"), ("?port=x", "port")):
+        resp = sandboxd.request("GET", f"{base}{query}", headers=upgrade)
+        assert resp.status == 400 and needle in resp.error[1], query
+    resp = sandboxd.request("GET", f"{base}?port=8000")
+    assert resp.status == 400 and "sbx-tunnel/1" in resp.error[1]
+    resp = sandboxd.request("GET", "/v1/sandboxes/sbx_0000000000000000/tunnel?port=8000", headers=upgrade)
+    assert resp.status == 404
+
+
+def test_tunnel_is_audited(sandboxd: Sandboxd, sandbox: dict[str, Any], guest: dict[str, Any]) -> None:
+    sock, _ = open_tunnel(sandboxd, sandbox["id"], guest["port"])
+    sock.close()
+    events = sandboxd.request("GET", f"/v1/sandboxes/{sandbox['id']}/events").json()["events"]
+    assert {"type": "tunnel.opened", "port": guest["port"]}.items() <= next(
+        e for e in reversed(events) if e["type"] == "tunnel.opened"
+    ).items()
