@@ -14,9 +14,12 @@ from sbx.node.config import (
     Capacity,
     CapacityConfig,
     ConfigError,
+    ImagesConfig,
     NodeConfig,
     PathsConfig,
+    PoolConfig,
     config_from_mapping,
+    image_pattern_matches,
     load_config,
     measure_capacity,
     resolve_capacity,
@@ -126,6 +129,13 @@ enabled = false
         pytest.param("[network]\nceiling = \"open\"\ndefault = {mode = \"open\"}", lambda c: c.network.default == NetworkPolicy("open"), id="default-open-at-ceiling"),
         pytest.param("[network]\nmay_allow = [\"a.com\", \"A.com.\"]", lambda c: c.network.may_allow == ("a.com",), id="may-allow-deduped"),
         pytest.param("[capacity]\ncpus = 0", lambda c: c.capacity.cpus == 0, id="capacity-zero-measured"),
+        pytest.param("[images]\nallowed = []", lambda c: c.images.allowed == (), id="images-none-allowed"),
+        pytest.param("[images]\ncredentials_file = \"/etc/sbx/auth.json\"\ninsecure_registries = [\"Reg.Internal:5000\"]",
+                     lambda c: c.images == ImagesConfig(("**",), Path("/etc/sbx/auth.json"), ("reg.internal:5000",)), id="images-registry-access"),
+        pytest.param("[[pools]]\nimage = \"python:3.12\"\nsize = 3", lambda c: c.pools == (PoolConfig("docker.io/library/python:3.12", 3),), id="pool-normalised"),
+        pytest.param("[[pools]]\nimage = \"default\"\nsize = 2", lambda c: c.pools == (PoolConfig("default", 2),), id="pool-of-default"),
+        pytest.param("[images]\nallowed = []\n[[pools]]\nimage = \"default\"\nsize = 1", lambda c: c.pools[0].image == "default", id="default-always-allowed"),
+        pytest.param("[[pools]]\nimage = \"default\"\nsize = 0", lambda c: c.pools == (PoolConfig("default", 0),), id="pool-size-zero"),
     ],
 )  # fmt: skip
 def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig], bool]) -> None:
@@ -189,6 +199,22 @@ def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig],
         pytest.param("[server]\nallowed_origins = [\"https://a.com/app\"]", "is not an origin", id="origin-with-path"),
         pytest.param("[server]\nallowed_origins = [\"ftp://a.com\"]", "is not an origin", id="origin-bad-scheme"),
         pytest.param("[server]\nallowed_origins = [\"https://a.com:99999\"]", "is not an origin", id="origin-bad-port"),
+        # Images and pools.
+        pytest.param("[images]\nallow = []", "unknown key images.allow", id="images-unknown-key"),
+        pytest.param("[images]\nallowed = \"**\"", "images.allowed: expected an array of strings", id="allowed-not-list"),
+        pytest.param("[images]\nallowed = [\"a b\"]", "images.allowed[0]: 'a b' is not an image pattern", id="pattern-space"),
+        pytest.param("[images]\nallowed = [\"python@sha256:00\"]", "no @digest", id="pattern-digest"),
+        pytest.param("[images]\nallowed = [\"python:\"]", "empty or malformed tag", id="pattern-empty-tag"),
+        pytest.param("[images]\ncredentials_file = \"auth.json\"", "images.credentials_file = 'auth.json' is relative", id="credentials-relative"),
+        pytest.param("[images]\ninsecure_registries = [\"http://reg:5000\"]", "not a registry host[:port]", id="insecure-with-scheme"),
+        pytest.param("[pools]\nimage = \"default\"", "pools: expected an array of tables [[pools]]", id="pools-as-table"),
+        pytest.param("[[pools]]\nsize = 1", "pools[0].image is missing", id="pool-without-image"),
+        pytest.param("[[pools]]\nimage = \"default\"", "pools[0].size is missing", id="pool-without-size"),
+        pytest.param("[[pools]]\nimage = \"default\"\nsize = -1", "pools[0].size = -1", id="pool-negative"),
+        pytest.param("[[pools]]\nimage = \"default\"\nsize = 1\ncpus = 2", "unknown key pools[0].cpus", id="pool-unknown-key"),
+        pytest.param("[[pools]]\nimage = \"Bad_Ref:\"\nsize = 1", "pools[0].image: image reference", id="pool-bad-reference"),
+        pytest.param("[[pools]]\nimage = \"default\"\nsize = 1\n[[pools]]\nimage = \"default\"\nsize = 2", "has two pools", id="pool-twice"),
+        pytest.param("[images]\nallowed = [\"ghcr.io/**\"]\n[[pools]]\nimage = \"python\"\nsize = 1", "is not allowed by images.allowed", id="pool-not-allowed"),
         # Syntax.
         pytest.param("[limits\nmax_cpus = 1", "is not valid TOML", id="bad-toml"),
     ],
@@ -256,3 +282,31 @@ def test_documented_full_file_is_exactly_the_defaults() -> None:
         doc.split("## A complete file with every default", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
     )
     assert config_from_mapping(tomllib.loads(example)) == NodeConfig()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reference", "matches"),
+    [
+        ("**", "docker.io/library/python:3.12", True),
+        ("**", "127.0.0.1:5000/a/b/c@sha256:" + "0" * 64, True),
+        ("python", "docker.io/library/python:3.12", True),
+        ("python", "docker.io/library/pythonista:1", False),
+        ("python:3.*", "docker.io/library/python:3.12-slim", True),
+        ("python:3.*", "docker.io/library/python:2.7", False),
+        ("python:3.12", "docker.io/library/python@sha256:" + "0" * 64, False),
+        ("docker.io/library/*", "docker.io/library/debian:12", True),
+        ("docker.io/library/*", "docker.io/acme/app:1", False),
+        ("acme/*", "docker.io/acme/app:1", True),
+        ("acme/*", "docker.io/acme/team/app:1", False),
+        ("acme/**", "docker.io/acme/team/app:1", True),
+        ("ghcr.io/acme/**", "ghcr.io/acme/a/b:1", True),
+        ("ghcr.io/acme/**", "ghcr.io/other/a:1", False),
+        ("GHCR.io/acme/*", "ghcr.io/acme/a:1", True),
+        ("127.0.0.1:*/**", "127.0.0.1:5000/x/y:latest", True),
+        ("localhost:5000/app", "localhost:5000/app:latest", True),
+        ("*.example.com/**", "reg.example.com/team/app:1", True),
+        ("*.example.com/**", "example.com/team/app:1", False),
+    ],
+)
+def test_image_patterns(pattern: str, reference: str, matches: bool) -> None:
+    assert image_pattern_matches(pattern, reference) is matches
