@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import socket
 import time
@@ -59,17 +60,28 @@ def open_tunnel(server: Sandboxd, ref: str, port: int) -> tuple[socket.socket, b
     return sock, head + b"\r\n\r\n" + rest
 
 
+def start_guest_server(server: Sandboxd, ref: str, port: int, size: int) -> dict[str, Any]:
+    resp = server.request(
+        "POST",
+        f"/v1/sandboxes/{ref}/processes",
+        {"argv": ["python3", "-c", GUEST_SERVER, str(port), str(size)]},
+    )
+    assert resp.status == 201
+    follower = server.follow(ref, resp.json()["pid"])
+    assert b"listening" in base64.b64decode(next(follower)["data"])
+    return {"port": port, "size": size}
+
+
 @pytest.fixture(scope="module")
 def guest(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> dict[str, Any]:
-    size = 100 * MiB
-    resp = sandboxd.request(
-        "POST", f"/v1/sandboxes/{sandbox['id']}/processes",
-        {"argv": ["python3", "-c", GUEST_SERVER, "8000", str(size)]},
-    )  # fmt: skip
-    assert resp.status == 201
-    follower = sandboxd.follow(sandbox["id"], resp.json()["pid"])
-    assert b"listening" in __import__("base64").b64decode(next(follower)["data"])
-    return {"port": 8000, "size": size}
+    """A guest server streaming 100 MiB (the issue's digest test)."""
+    return start_guest_server(sandboxd, sandbox["id"], 8000, 100 * MiB)
+
+
+@pytest.fixture(scope="module")
+def small_guest(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> dict[str, Any]:
+    """A guest server streaming 4 MiB, for tests about behaviour rather than volume."""
+    return start_guest_server(sandboxd, sandbox["id"], 8001, 4 * MiB)
 
 
 def expected_digest(size: int) -> str:
@@ -102,8 +114,10 @@ def test_100_mib_through_a_guest_http_server(
     print(f"tunnel: {guest['size'] / MiB / elapsed:.0f} MiB/s")
 
 
-def test_half_close_both_ways(sandboxd: Sandboxd, sandbox: dict[str, Any], guest: dict[str, Any]) -> None:
-    sock, head = open_tunnel(sandboxd, sandbox["id"], guest["port"])
+def test_half_close_both_ways(
+    sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: dict[str, Any]
+) -> None:
+    sock, head = open_tunnel(sandboxd, sandbox["id"], small_guest["port"])
     payload = bytes(range(256)) * 40_000  # ~10 MB
     sock.sendall(b"SUM\n" + payload)
     sock.shutdown(socket.SHUT_WR)  # our half-close reaches the guest as EOF...
@@ -128,10 +142,73 @@ def test_refused_port_and_bad_requests(sandboxd: Sandboxd, sandbox: dict[str, An
     assert resp.status == 404
 
 
-def test_tunnel_is_audited(sandboxd: Sandboxd, sandbox: dict[str, Any], guest: dict[str, Any]) -> None:
-    sock, _ = open_tunnel(sandboxd, sandbox["id"], guest["port"])
+def test_tunnel_is_audited(sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: dict[str, Any]) -> None:
+    sock, _ = open_tunnel(sandboxd, sandbox["id"], small_guest["port"])
     sock.close()
     events = sandboxd.request("GET", f"/v1/sandboxes/{sandbox['id']}/events").json()["events"]
-    assert {"type": "tunnel.opened", "port": guest["port"]}.items() <= next(
+    assert {"type": "tunnel.opened", "port": small_guest["port"]}.items() <= next(
         e for e in reversed(events) if e["type"] == "tunnel.opened"
     ).items()
+
+
+async def test_sdk_tunnel_and_attach(
+    sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: dict[str, Any]
+) -> None:
+    """The SDK's tunnel and attach against the real server (their framing is unit-tested on its own)."""
+    from sbx.client import AsyncClient
+
+    async with AsyncClient(f"unix://{sandboxd.socket_path}") as client:
+        sb = await client.sandboxes.get(sandbox["id"])
+        async with await sb.tunnel(small_guest["port"]) as tunnel:
+            tunnel.writer.write(b"GET /blob HTTP/1.0\r\n\r\n")
+            await tunnel.writer.drain()
+            data = await tunnel.reader.read()
+        body = data.split(b"\r\n\r\n", 1)[1]
+        assert hashlib.sha256(body).hexdigest() == expected_digest(small_guest["size"])
+        proc = await sb.start_process(["sh", "-c", "read x; echo got-$x; exit 4"])
+        async with await proc.attach() as attached:
+            await attached.write_stdin(b"ping\n")
+            out = b""
+            async for frame in attached:
+                if frame.type == b"o":
+                    out += frame.payload
+            assert out == b"got-ping\n" and attached.exit_code == 4
+
+
+def test_cli_forward(sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: dict[str, Any]) -> None:
+    """`sandbox-cli forward LOCAL:REMOTE` listens locally and tunnels each connection."""
+    import subprocess
+    import sys
+
+    local = socket.socket()
+    local.bind(("127.0.0.1", 0))
+    port = local.getsockname()[1]
+    local.close()
+    forward = subprocess.Popen(
+        [sys.executable, "-m", "sbx.cli.main", "--url", f"unix://{sandboxd.socket_path}", "forward",
+         sandbox["id"], f"{port}:{small_guest['port']}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and forward.poll() is None, forward.communicate()
+                time.sleep(0.1)
+        for _ in range(2):  # each connection is its own tunnel
+            conn.sendall(b"GET /blob HTTP/1.0\r\n\r\n")
+            data = b""
+            while chunk := conn.recv(1 << 20):
+                data += chunk
+            conn.close()
+            assert hashlib.sha256(data.split(b"\r\n\r\n", 1)[1]).hexdigest() == expected_digest(
+                small_guest["size"]
+            )
+            conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        conn.close()
+    finally:
+        forward.terminate()
+        forward.wait(timeout=10)
