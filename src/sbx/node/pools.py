@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Wait before trying again after a failed boot or install, and between capacity checks while full, in seconds.
 RETRY_SECS = 5.0
+#: Delay before a pool refills after a take, in seconds: a boot takes the CPU for a moment, and the sandbox
+#: just handed out runs its first command meanwhile (on a small host that doubled its latency).
+REFILL_DELAY_SECS = 0.3
 #: How long stopping sandboxd waits for the pooled sandboxes to be destroyed, in seconds.
 CLOSE_TIMEOUT_SECS = 15.0
 
@@ -157,7 +160,7 @@ class Pools:
                 )
                 self._destroy_soon(pooled.record.id, pooled.marker, pooled.agent)
                 continue
-            pool.wake.set()
+            asyncio.get_running_loop().call_later(REFILL_DELAY_SECS, pool.wake.set)
             return pooled
         pool.wake.set()
         return None
