@@ -37,8 +37,7 @@ def _v1(root: Path, limit: int) -> Path:
     # Shaped like a gVisor sandbox whose guest allocated 200 MiB: guest memory is shmem inside the cache.
     _write(
         memory / "memory.stat",
-        f"cache {213 * MIB}\nrss {11 * MIB}\nshmem {204 * MIB}\n"
-        f"total_cache {213 * MIB}\ntotal_rss {11 * MIB}\ntotal_shmem {204 * MIB}\n",
+        f"cache 1\nrss 2\nshmem 3\ntotal_cache {213 * MIB}\ntotal_rss {11 * MIB}\ntotal_shmem {204 * MIB}\n",
     )
     _write(cg / "pids/sandboxd/sbx_a/cgroup.procs", "10\n11\n12\n")
     return cg
@@ -51,7 +50,11 @@ def _v2(root: Path, memory_max: str) -> Path:
     _write(group / "cpu.stat", "usage_usec 7500000\nuser_usec 7000000\nsystem_usec 500000\n")
     _write(group / "memory.current", f"{229 * MIB}\n")
     _write(group / "memory.max", memory_max + "\n")
-    _write(group / "memory.stat", f"anon {11 * MIB}\nfile {213 * MIB}\nshmem {204 * MIB}\n")
+    # Keys that begin with the ones read come first: only whole keys may match.
+    _write(
+        group / "memory.stat",
+        f"file_mapped 1\nshmem_thp 2\nanon {11 * MIB}\nfile {213 * MIB}\nshmem {204 * MIB}\nfile_dirty 3",
+    )
     _write(group / "cgroup.procs", "10\n11\n12\n")
     return cg
 

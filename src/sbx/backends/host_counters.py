@@ -50,33 +50,37 @@ def read_usage(
     """The counters of the sandbox in cgroup ``cgroup_path`` (e.g. ``/sandboxd/<id>``), or None when that
     cgroup does not exist (the sandbox is not running). ``host_interface`` names the host end of its network
     interface, None when it has none. ``processes`` is 0: a cgroup shows host processes, not the guest's."""
+    # Plain strings rather than Path objects: building paths cost more than reading the files (measured).
     rel = cgroup_path.strip("/")
+    base = str(root)
     if is_unified(root):
-        group = root / rel
-        if not group.is_dir():
+        group = f"{base}/{rel}"
+        if not os.path.isdir(group):
             return None
-        cpu_ns = _key(group / "cpu.stat", "usage_usec") * 1000
+        cpu_ns = _field(_read(f"{group}/cpu.stat"), "usage_usec") * 1000
         memory_dir = procs_dir = group
         usage_file, limit_file = "memory.current", "memory.max"
         cache_key, shmem_key = "file", "shmem"
     else:
-        memory_dir = root / "memory" / rel
-        if not memory_dir.is_dir():
+        memory_dir = f"{base}/memory/{rel}"
+        if not os.path.isdir(memory_dir):
             return None
-        cpu_ns = _int(root / "cpuacct" / rel / "cpuacct.usage")
-        procs_dir = next((d for d in (root / "pids" / rel, memory_dir) if d.is_dir()), memory_dir)
+        cpu_ns = _int(f"{base}/cpuacct/{rel}/cpuacct.usage")
+        procs_dir = f"{base}/pids/{rel}"
+        if not os.path.isdir(procs_dir):
+            procs_dir = memory_dir
         usage_file, limit_file = "memory.usage_in_bytes", "memory.limit_in_bytes"
         # total_*: this group and its children, as the usage figure is.
         cache_key, shmem_key = "total_cache", "total_shmem"
-    stat = _keys(memory_dir / "memory.stat")
-    used = _int(memory_dir / usage_file)
-    memory = max(0, used - max(0, stat.get(cache_key, 0) - stat.get(shmem_key, 0)))
-    limit = _int(memory_dir / limit_file)
-    disk_read, disk_write = _process_io(procs_dir / "cgroup.procs", proc)
+    stat = _read(f"{memory_dir}/memory.stat")
+    used = _int(f"{memory_dir}/{usage_file}")
+    memory = max(0, used - max(0, _field(stat, cache_key) - _field(stat, shmem_key)))
+    limit = _int(f"{memory_dir}/{limit_file}")
+    disk_read, disk_write = _process_io(f"{procs_dir}/cgroup.procs", str(proc))
     net_rx = net_tx = 0
     if host_interface is not None:
-        stats = sys_net / host_interface / "statistics"
-        net_rx, net_tx = _int(stats / "tx_bytes"), _int(stats / "rx_bytes")
+        stats = f"{sys_net}/{host_interface}/statistics"
+        net_rx, net_tx = _int(f"{stats}/tx_bytes"), _int(f"{stats}/rx_bytes")
     return BackendUsage(
         cpu_ns=cpu_ns,
         memory_bytes=memory,
@@ -89,23 +93,20 @@ def read_usage(
     )
 
 
-def _process_io(procs_file: Path, proc: Path) -> tuple[int, int]:
+def _process_io(procs_file: str, proc: str) -> tuple[int, int]:
     """Summed ``read_bytes`` and ``write_bytes`` of the processes listed in ``procs_file``."""
     read = write = 0
-    try:
-        pids = procs_file.read_text().split()
-    except OSError:
-        return 0, 0
-    for pid in pids:
-        io = _keys(proc / pid / "io", sep=":")
-        read += io.get("read_bytes", 0)
-        write += io.get("write_bytes", 0)
+    for pid in _read(procs_file).split():
+        # A process that exited since the listing reads as "": it adds 0.
+        io = _read(f"{proc}/{pid}/io")
+        read += _field(io, "read_bytes", ": ")
+        write += _field(io, "write_bytes", ": ")
     return read, write
 
 
-def _read(path: Path) -> str:
-    # os.open/os.read rather than Path.read_text: one system call fewer per file, and these are read by the
-    # thousand every interval on a busy node.
+def _read(path: str) -> str:
+    """A small kernel file's text; "" when it cannot be read (gone with its process or cgroup)."""
+    # os.open/os.read rather than open(): no buffered file object, one read for the whole file.
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -118,7 +119,7 @@ def _read(path: Path) -> str:
         os.close(fd)
 
 
-def _int(path: Path) -> int:
+def _int(path: str) -> int:
     """An integer file's value; 0 when missing or not a number (``max`` in cgroup v2 among them)."""
     try:
         return int(_read(path).strip() or "0")
@@ -126,17 +127,19 @@ def _int(path: Path) -> int:
         return 0
 
 
-def _keys(path: Path, sep: str | None = None) -> dict[str, int]:
-    """A flat-keyed file (``key value`` lines, or ``key: value`` with ``sep=":"``) as a dict; {} when missing."""
-    values: dict[str, int] = {}
-    for line in _read(path).splitlines():
-        key, _, value = line.partition(sep) if sep else line.partition(" ")
-        try:
-            values[key.strip()] = int(value)
-        except ValueError:
-            continue
-    return values
-
-
-def _key(path: Path, key: str) -> int:
-    return _keys(path).get(key, 0)
+def _field(text: str, key: str, sep: str = " ") -> int:
+    """The value of ``key`` in a flat-keyed file's text (``key value`` lines, or ``key: value`` with
+    ``sep=": "``); 0 when absent. Finds the one key rather than parsing every line."""
+    prefix = key + sep
+    if text.startswith(prefix):
+        start = len(prefix)
+    else:
+        at = text.find("\n" + prefix)
+        if at < 0:
+            return 0
+        start = at + 1 + len(prefix)
+    end = text.find("\n", start)
+    try:
+        return int(text[start : end if end >= 0 else len(text)])
+    except ValueError:
+        return 0
