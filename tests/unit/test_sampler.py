@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendUsage
+from sbx.images.store import ImageStore
+from sbx.node.audit import AuditLog
+from sbx.node.config import Capacity, NodeConfig
+from sbx.node.manager import KEEP_TERMINATED, SandboxManager
+from sbx.node.records import SandboxRecord, SandboxState
 from sbx.node.sampler import (
     CounterTotal,
     MetricsSampler,
@@ -16,6 +23,7 @@ from sbx.node.sampler import (
     SandboxSeries,
     cpu_share,
 )
+from sbx.statefile import write_json_atomic
 
 GIB = 1024**3
 
@@ -196,3 +204,29 @@ def test_sample_wire_form() -> None:
     ]  # fmt: skip
     assert wire["time"] == "2023-11-14T22:13:35.000Z"
     assert wire["cpu_percent"] == 0.3
+
+
+async def test_the_manager_tells_the_sampler_what_it_forgets(tmp_path: Path) -> None:
+    """Samples live as long as the node remembers the sandbox: the 100 newest terminated ones."""
+    state = tmp_path / "state"
+    network = NetworkPolicy(mode="none")
+    for i in range(KEEP_TERMINATED + 1):
+        record = SandboxRecord(
+            id=f"sbx_{i:016x}", state=SandboxState.TERMINATED, image="default", cpus=1, memory_mb=256,
+            disk_mb=512, network=network, idle_timeout_secs=600, created_at=f"2026-01-01T00:00:{i % 60:02d}.000Z",
+            terminated_at=f"2026-01-01T01:{i // 60:02d}:{i % 60:02d}.000Z", terminated_reason="request",
+        )  # fmt: skip
+        (state / "sandboxes" / record.id).mkdir(parents=True)
+        write_json_atomic(state / "sandboxes" / record.id / "sandbox.json", record.to_disk(), durable=False)
+    manager = SandboxManager(
+        NodeConfig(), state, backend=None, images=ImageStore(tmp_path / "images"),  # type: ignore[arg-type]
+        audit=AuditLog(tmp_path / "audit"), capacity=Capacity(cpus=4, memory_mb=4096, disk_mb=10000),
+    )  # fmt: skip
+    sampler = MetricsSampler(list, FakeCounters({}))
+    for i in range(KEEP_TERMINATED + 1):
+        sampler._series[f"sbx_{i:016x}"] = SandboxSeries(capacity=1)
+    manager.on_forget.append(sampler.forget)
+    await manager.start()  # forgets the oldest terminated sandbox beyond the 100 newest
+    await manager.close()
+    assert f"sbx_{0:016x}" not in sampler._series
+    assert len(sampler._series) == KEEP_TERMINATED
