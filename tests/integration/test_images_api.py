@@ -189,8 +189,9 @@ async def test_install_shows_progress_and_joins_a_second_post(
     assert "progress" not in entry and "error" not in entry
     total = sum(len(b) for d, b in image.blobs.items() if d in image.layer_digests)
     assert any(p["phase"] == "pulling" and p["total"] == total for p in seen), seen
-    # Joined: every layer was fetched once although two POSTs asked.
-    assert all(proxy.blob_gets[d] == 1 for d in image.layer_digests), proxy.blob_gets
+    # Joined: the new layer was fetched once although two POSTs asked (the base layer may be cached already).
+    assert proxy.blob_gets[image.layer_digests[1]] == 1, proxy.blob_gets
+    assert proxy.blob_gets[image.layer_digests[0]] <= 1, proxy.blob_gets
 
 
 def test_post_of_an_installed_image_rechecks_its_tag(server: Sandboxd, registry: Registry) -> None:

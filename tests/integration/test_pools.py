@@ -59,9 +59,13 @@ def server(registry: Registry, pooled_image: str, metrics_port: int) -> Iterator
     # Not while the server runs: a pooled image cannot be removed. Remove it from the shared store directly.
     from sandboxd_harness import IMAGES_DIR
 
+    from sbx.images.blobs import collect_unused_blobs
+    from sbx.images.pull import blob_store
     from sbx.images.store import ImageStore
 
-    ImageStore(IMAGES_DIR).remove(pooled_image)
+    store = ImageStore(IMAGES_DIR)
+    store.remove(pooled_image)
+    collect_unused_blobs(store, blob_store(IMAGES_DIR))
     shutil.rmtree(workdir, ignore_errors=True)
 
 
