@@ -174,6 +174,25 @@ async def test_sampler_rounds_over_running_targets() -> None:
     assert sampler.samples("sbx_unknown") == []
 
 
+async def test_a_sandbox_that_ends_mid_round_is_not_sampled_after_its_end() -> None:
+    state = {"sbx_b": True}
+    counters = FakeCounters({"sbx_a": [BackendUsage()], "sbx_b": [BackendUsage()]})
+
+    async def read(sandbox_id: str) -> BackendUsage | None:
+        state["sbx_b"] = False  # terminated while sbx_a's counters are read
+        return await counters(sandbox_id)
+
+    targets = [
+        SampleTarget("sbx_a", 1, GIB),
+        SampleTarget("sbx_b", 1, GIB, running=lambda: state["sbx_b"]),
+    ]
+    sampler = MetricsSampler(lambda: targets, read)
+    await sampler.sample_once()
+    assert counters.calls == ["sbx_a"]
+    assert sampler.samples("sbx_b") == []
+    assert "sbx_b" not in sampler._series
+
+
 async def test_a_sandbox_forgotten_mid_read_does_not_come_back() -> None:
     counters = FakeCounters({"sbx_a": [BackendUsage(cpu_ns=1)]})
     counters.gate = asyncio.Event()

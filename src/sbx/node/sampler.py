@@ -16,10 +16,11 @@ from array import array
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from sbx.backends.base import BackendUsage
-from sbx.node.manager import SandboxManager
+from sbx.node.manager import Sandbox, SandboxManager
 from sbx.node.records import SandboxState
 
 log = logging.getLogger(__name__)
@@ -126,14 +127,20 @@ def cpu_share(cpu_ns: int, elapsed_secs: float, cpus: int) -> float:
     return max(0.0, min(100.0, cpu_ns / (elapsed_secs * 1e9 * cpus) * 100))
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class SampleTarget:
     """A running sandbox to sample: its id, its vCPUs and the memory it was given in bytes (the limit
-    reported when the backend knows none)."""
+    reported when the backend knows none). ``running`` says whether it still runs when its turn in a round
+    comes (a round yields between sandboxes)."""
 
     sandbox_id: str
     cpus: int
     memory_bytes: int
+    running: Callable[[], bool] = _always
 
 
 class SandboxSeries:
@@ -207,6 +214,9 @@ class MetricsSampler:
         """One round: read and record every target once."""
         started = self._clock()
         for target in list(self._targets()):
+            # Terminated (perhaps forgotten) since the round began: never sampled after the end.
+            if not target.running():
+                continue
             series = self._series.get(target.sandbox_id)
             if series is None:
                 series = self._series[target.sandbox_id] = SandboxSeries(self.capacity)
@@ -254,7 +264,11 @@ class MetricsSampler:
 def running_targets(manager: SandboxManager) -> list[SampleTarget]:
     """The manager's running sandboxes (pending and terminated ones are not sampled)."""
     return [
-        SampleTarget(s.record.id, s.record.cpus, s.record.memory_mb * 1024 * 1024)
+        SampleTarget(s.record.id, s.record.cpus, s.record.memory_mb * 1024 * 1024, partial(_is_running, s))
         for s in manager.live()
         if s.record.state is SandboxState.RUNNING
     ]
+
+
+def _is_running(sandbox: Sandbox) -> bool:
+    return sandbox.record.state is SandboxState.RUNNING
