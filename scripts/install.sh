@@ -41,6 +41,7 @@ APT_PACKAGES=(
 # Only with --test-deps (scripts/test.sh): never on a node that only serves sandboxes.
 TEST_APT_PACKAGES=(
     docker-registry apache2-utils openssl  # a loopback registry to pull from, htpasswd, token certs
+    skopeo                  # bench/bench_pull.py compares our pull with it
 )
 
 ARGS="$*"
