@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_sandboxd import pct
 from sandboxd_harness import Sandboxd, missing_requirements
 
 SERVER = r"""
@@ -41,11 +42,6 @@ while True:
         n = min(left, len(block)); c.sendall(block[:n]); left -= n
     c.close()
 """
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def drain(sock: socket.socket, already: int = 0) -> int:
@@ -126,8 +122,8 @@ def echo_latency(server: Sandboxd, sandbox_id: str, keys: int) -> None:
         latencies.append(time.monotonic() - started)
     sock.close()
     print(
-        f"{'attach echo latency (keystroke to echo)':<40} p50 {pct(latencies, 50) * 1000:6.2f} ms   "
-        f"p95 {pct(latencies, 95) * 1000:6.2f} ms over {keys}"
+        f"{'attach echo latency (keystroke to echo)':<40} p50 {pct(latencies, 50):6.2f} ms   "
+        f"p95 {pct(latencies, 95):6.2f} ms over {keys}"
     )
 
 

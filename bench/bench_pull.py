@@ -25,15 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_sandboxd import pct
 from oci_registry import Entry, Registry, build_image, layer, push
 
 from sbx.images.pull import pull_image
 from sbx.images.store import ImageStore
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def make_layers(count: int, mib: int) -> list[bytes]:
@@ -64,7 +60,9 @@ async def our_pull(images_dir: Path, reference: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--layer-mib", type=int, default=16)
     parser.add_argument("--runs", type=int, default=5)
@@ -73,6 +71,7 @@ def main() -> None:
         if shutil.which(tool) is None:
             sys.exit(f"cannot benchmark: {tool} is missing (apt-get install {tool})")
     workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-pull-", dir="/var/tmp"))
+    (workdir / "registry").mkdir()
     registry = Registry(workdir / "registry").start()
     try:
         layers = make_layers(args.layers, args.layer_mib)
@@ -80,13 +79,22 @@ def main() -> None:
         asyncio.run(push(registry.url, "bench/multi", "v1", image))
         total_mib = sum(len(b) for b in layers) / 2**20
         reference = f"{registry.host}/bench/multi:v1"
-        print(f"# pull of {args.layers} layers, {total_mib:.0f} MiB compressed, {time.strftime('%Y-%m-%d %H:%M')} UTC")
+        print(
+            f"# pull of {args.layers} layers, {total_mib:.0f} MiB compressed, {time.strftime('%Y-%m-%d %H:%M')} UTC"
+        )
         skopeo, fetch, install = [], [], []
         for i in range(args.runs):
             dest = workdir / f"skopeo-{i}"
             started = time.monotonic()
             subprocess.run(
-                ["skopeo", "copy", "--quiet", "--src-tls-verify=false", f"docker://{reference}", f"dir:{dest}"],
+                [
+                    "skopeo",
+                    "copy",
+                    "--quiet",
+                    "--src-tls-verify=false",
+                    f"docker://{reference}",
+                    f"dir:{dest}",
+                ],
                 check=True,
             )
             skopeo.append(time.monotonic() - started)
@@ -102,7 +110,7 @@ def main() -> None:
             ("our pull, fetch and verify", fetch),
             ("our pull, whole install (+ unpack)", install),
         ):
-            print(f"{name:<38} p50 {pct(values, 50) * 1000:7.0f} ms   p95 {pct(values, 95) * 1000:7.0f} ms   "
+            print(f"{name:<38} p50 {pct(values, 50):7.0f} ms   p95 {pct(values, 95):7.0f} ms   "
                   f"ratio p50 {pct(values, 50) / base:5.2f}x")  # fmt: skip
     finally:
         registry.stop()

@@ -215,7 +215,8 @@ def main() -> None:
     assert image is not None and AGENT_PATH.exists()
     workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
     (workdir / "node").mkdir()
-    server = Sandboxd(workdir / "node")
+    # Room for the concurrent creates whatever this host's measured capacity (2 cores x 8 here).
+    server = Sandboxd(workdir / "node", f"[capacity]\ncpus = {max(64, args.concurrent * 2)}\n")
     raw = RawRunsc(workdir / "raw", image.rootfs)
     try:
         server.start()

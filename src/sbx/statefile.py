@@ -61,6 +61,22 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
         fsync_dir(directory)
 
 
+def write_json_new(path: Path, obj: Any) -> None:
+    """Create ``path`` (which must not exist) holding ``obj`` as JSON, with one write and no rename.
+
+    Cheaper than :func:`write_json_atomic` for records written once: a kill can only leave an empty
+    or cut file, which :func:`read_json` reports as invalid, never a mix of two versions.
+    """
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path) -> Any | None:
     """The decoded JSON in ``path``, or ``None`` if the file does not exist.
 

@@ -2,7 +2,9 @@
 
 Record layout: one byte (1 stdout, 2 stderr; with the high bit set the record stands for bytes that were
 dropped past the cap and carries no data), a big-endian uint32 length, then the data. The sum of lengths per
-stream is the offset the agent has been acknowledged up to, so it can be rebuilt after a restart.
+stream is the offset the agent has been acknowledged up to, so it can be rebuilt after a restart. The last
+record of an exited process is kind 3, the exit: a big-endian int32 exit code and a float64 Unix time. The
+log is append-only, so recording an exit never rewrites anything.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 STREAMS = {"stdout": 1, "stderr": 2}
 _NAMES = {v: k for k, v in STREAMS.items()}
 _DROPPED = 0x80
+_EXIT = 3
 _HEADER = struct.Struct(">BI")
+_EXIT_BODY = struct.Struct(">id")
 
 #: Output kept per stream of a process on the host, in bytes (64 MiB); beyond it, output is counted and
 #: dropped so a process printing forever cannot fill the host disk. Followers then see ``truncated``.
@@ -33,6 +37,9 @@ class OutputLog:
         self.kept = {"stdout": 0, "stderr": 0}
         self.truncated = False
         self.closed = False
+        #: Set once the process has exited: its code and the Unix time it was recorded.
+        self.exit_code: int | None = None
+        self.exited_at: float | None = None
         self._changed = asyncio.Condition()
         self._fd: int | None = None
         if path.exists():
@@ -45,6 +52,11 @@ class OutputLog:
         pos = 0
         while pos + _HEADER.size <= len(data):
             kind, length = _HEADER.unpack_from(data, pos)
+            if kind == _EXIT and length == _EXIT_BODY.size and pos + _HEADER.size + length <= len(data):
+                self.exit_code, self.exited_at = _EXIT_BODY.unpack_from(data, pos + _HEADER.size)
+                self.closed = True
+                pos += _HEADER.size + length
+                continue
             dropped = bool(kind & _DROPPED)
             name = _NAMES.get(kind & ~_DROPPED)
             end = pos + _HEADER.size + (0 if dropped else length)
@@ -82,6 +94,12 @@ class OutputLog:
         async with self._changed:
             self._changed.notify_all()
 
+    async def finish(self, exit_code: int, exited_at: float) -> None:
+        """Record the exit (``exited_at``: Unix time) as the last record, then close."""
+        os.write(self._open(), _HEADER.pack(_EXIT, _EXIT_BODY.size) + _EXIT_BODY.pack(exit_code, exited_at))
+        self.exit_code, self.exited_at = exit_code, exited_at
+        await self.close()
+
     async def close(self) -> None:
         """No more output will come (the process exited); wakes followers so they finish."""
         self.closed = True
@@ -110,6 +128,11 @@ class OutputLog:
                 kind, length = _HEADER.unpack_from(data, consumed)
                 if kind & _DROPPED:
                     consumed += _HEADER.size
+                    continue
+                if kind == _EXIT:
+                    if consumed + _HEADER.size + length > len(data):
+                        break
+                    consumed += _HEADER.size + length
                     continue
                 end = consumed + _HEADER.size + length
                 if end > len(data):

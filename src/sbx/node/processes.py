@@ -21,8 +21,8 @@ from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.audit import AuditLog, process_started_fields
 from sbx.node.output_log import OutputLog
-from sbx.node.records import utc_now
-from sbx.statefile import read_json, write_json_atomic
+from sbx.node.records import iso_utc, utc_now
+from sbx.statefile import read_json, write_json_new
 
 #: Run output kept per stream in the run result (spec: 8 MiB, then truncated).
 RUN_OUTPUT_CAP_BYTES = 8 * 1024 * 1024
@@ -129,20 +129,32 @@ class ProcessTable:
         self.agent: AgentClient | None = None
         self._procs: dict[int, _Process] = {}
         self._next_pid = 1
+        self._exited = 0
         directory.mkdir(parents=True, exist_ok=True)
 
     # -- loading and resuming ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Read the records written before a restart."""
+        """Read the records written before a restart; an exit is read from the end of the output log."""
         for meta in sorted(self.directory.glob("*.json")):
-            data = read_json(meta)
+            try:
+                data = read_json(meta)
+            except ValueError:
+                # Cut by a kill in the microseconds between creating the file and writing it: the process
+                # never got its spawn request, so there is nothing to take back.
+                meta.unlink(missing_ok=True)
+                continue
             if not isinstance(data, dict):
                 continue
             record = ProcessRecord(**data)
             log = OutputLog(self.directory / f"{record.pid}.out")
+            if log.exit_code is not None and log.exited_at is not None:
+                record.exit_code = log.exit_code
+                record.finished_at = iso_utc(log.exited_at)
             self._procs[record.pid] = _Process(record, log, meta)
             self._next_pid = max(self._next_pid, record.pid + 1)
+            if record.exit_code is not None:
+                self._exited += 1
 
     async def attach_agent(self, agent: AgentClient) -> None:
         """Connect the processes the agent still knows to their records; those it lost end with -1."""
@@ -203,7 +215,8 @@ class ProcessTable:
         if capture:
             proc.capture = {"stdout": bytearray(), "stderr": bytearray()}
         self._procs[pid] = proc
-        write_json_atomic(meta_path, asdict(record), durable=False)
+        # A new file written once (the exit is appended to the output log, never rewritten here).
+        write_json_new(meta_path, asdict(record))
         try:
             await agent.spawn(
                 pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc),
@@ -224,18 +237,20 @@ class ProcessTable:
         return proc
 
     def _discard(self, proc: _Process) -> None:
-        self._procs.pop(proc.record.pid, None)
+        if self._procs.pop(proc.record.pid, None) is not None and proc.record.exit_code is not None:
+            self._exited -= 1
         proc.meta_path.unlink(missing_ok=True)
         proc.log.path.unlink(missing_ok=True)
 
     async def _finish(self, proc: _Process, exit_code: int) -> None:
         if proc.record.exit_code is not None:
             return
+        exited_at = time.time()
         proc.record.exit_code = exit_code
-        proc.record.finished_at = utc_now()
-        write_json_atomic(proc.meta_path, asdict(proc.record), durable=False)
-        await proc.log.close()
+        proc.record.finished_at = iso_utc(exited_at)
+        await proc.log.finish(exit_code, exited_at)
         proc.exited.set()
+        self._exited += 1
         duration_ms = int((time.monotonic() - proc.started_monotonic) * 1000)
         self.audit.record(
             "process.exited",
@@ -257,6 +272,8 @@ class ProcessTable:
             await agent.forget(pid)
 
     def _forget_old(self) -> None:
+        if self._exited <= MAX_EXITED_PROCESSES:
+            return  # the common case, kept O(1): this runs on every start
         exited = [p for p in self._procs.values() if p.record.exit_code is not None]
         for proc in sorted(exited, key=lambda p: p.record.pid)[: max(0, len(exited) - MAX_EXITED_PROCESSES)]:
             self._discard(proc)

@@ -24,6 +24,11 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def iso_utc(unix_time: float) -> str:
+    """A Unix time (seconds) as an RFC 3339 UTC timestamp with milliseconds."""
+    return datetime.fromtimestamp(unix_time, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def new_sandbox_id(node_id: str | None) -> str:
     """``sbx_<16 hex>``, or ``sbx_<node>_<16 hex>`` on a node started with ``--node-id``."""
     suffix = secrets.token_hex(8)
