@@ -64,14 +64,8 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
-            {
-                "destination": "/dev/pts",
-                "type": "devpts",
-                "source": "devpts",
-                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
-            },
+            # runsc mounts /sys, /dev/pts and a tmpfs /tmp by itself; naming them again costs ~15 ms a boot.
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["ro", "nosuid", "nodev"]},
             {
                 "destination": GUEST_AGENT_PATH,
                 "type": "bind",
