@@ -406,3 +406,28 @@ def test_create_from_an_image_that_cannot_be_pulled_changes_nothing(
         i["state"] != "installed" or i["image"] == "default" or REPO_PREFIX in i["image"]
         for i in listed(server)
     )
+
+
+# --- sandbox-cli images ----------------------------------------------------------------------------------------
+
+
+def test_cli_images_pull_ls_rm(server: Sandboxd, registry: Registry) -> None:
+    """`sandbox-cli images pull|ls|rm` against the real images API, progress bar included."""
+    import json
+    import sys
+
+    ref = push_sync(registry, f"{REPO_PREFIX}-cli/app", "v1", mini_image(extra=filler_layer(4 << 20)))
+    cli = [sys.executable, "-m", "sbx.cli.main", "--url", f"unix://{server.socket_path}"]
+    pulled = subprocess.run(
+        [*cli, "images", "pull", ref], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert pulled.returncode == 0, pulled.stderr
+    assert "pulling" in pulled.stderr  # the progress bar is drawn on stderr
+    listing = subprocess.run([*cli, "--json", "images", "ls"], capture_output=True, text=True, check=False)
+    assert listing.returncode == 0, listing.stderr
+    entry = next(i for i in json.loads(listing.stdout)["images"] if i["image"] == ref)
+    assert entry["state"] == "installed" and entry["digest"].startswith("sha256:")
+    removed = subprocess.run([*cli, "images", "rm", ref], capture_output=True, text=True, check=False)
+    assert removed.returncode == 0, removed.stderr
+    again = subprocess.run([*cli, "images", "rm", ref], capture_output=True, text=True, check=False)
+    assert again.returncode == 1 and again.stderr.startswith("not_found: ")
