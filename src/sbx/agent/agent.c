@@ -1111,6 +1111,24 @@ static char *get_file_head(uint32_t id, struct rd *r, uid_t *uid, gid_t *gid)
     return path;
 }
 
+/* The start shared by operations that keep state under their request id (READ, WRITE, LIST_DIR):
+ * refuse an id in use, then take the user's identity. On failure the error is sent and path freed. */
+static int begin_stateful_op(uint32_t id, char *path, uid_t uid, gid_t gid)
+{
+    if (fop_find(id)) {
+        free(path);
+        send_error(id, EEXIST, "request id already in use");
+        return -1;
+    }
+    int e = as_user(uid, gid);
+    if (e) {
+        free(path);
+        send_error(id, e, NULL);
+        return -1;
+    }
+    return 0;
+}
+
 static void do_read(uint32_t id, struct rd *r)
 {
     uid_t uid;
@@ -1118,18 +1136,11 @@ static void do_read(uint32_t id, struct rd *r)
     char *path = get_file_head(id, r, &uid, &gid);
     if (!path)
         return;
-    if (fop_find(id)) {
-        free(path);
-        return send_error(id, EEXIST, "request id already in use");
-    }
-    int e = as_user(uid, gid);
-    if (e) {
-        free(path);
-        return send_error(id, e, NULL);
-    }
+    if (begin_stateful_op(id, path, uid, gid) < 0)
+        return;
     /* O_NONBLOCK so a FIFO cannot wedge the agent; non-regular files are refused below. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    e = errno;
+    int e = errno;
     as_root();
     struct stat st;
     if (fd >= 0 && fstat(fd, &st) < 0) {
@@ -1199,16 +1210,9 @@ static void do_write(uint32_t id, struct rd *r)
         free(path);
         return send_error(id, EISDIR, "the path names a directory");
     }
-    if (fop_find(id)) {
-        free(path);
-        return send_error(id, EEXIST, "request id already in use");
-    }
-    int e = as_user(uid, gid);
-    if (e) {
-        free(path);
-        return send_error(id, e, NULL);
-    }
-    e = make_parents(path);
+    if (begin_stateful_op(id, path, uid, gid) < 0)
+        return;
+    int e = make_parents(path);
     /* The temporary lives beside the target so the final rename is atomic on one filesystem. */
     char *slash = strrchr(path, '/');
     size_t tlen = plen + 64;
@@ -1345,17 +1349,10 @@ static void do_list_dir(uint32_t id, struct rd *r)
     char *path = get_file_head(id, r, &uid, &gid);
     if (!path)
         return;
-    if (fop_find(id)) {
-        free(path);
-        return send_error(id, EEXIST, "request id already in use");
-    }
-    int e = as_user(uid, gid);
-    if (e) {
-        free(path);
-        return send_error(id, e, NULL);
-    }
+    if (begin_stateful_op(id, path, uid, gid) < 0)
+        return;
     DIR *d = opendir(path);
-    e = errno;
+    int e = errno;
     as_root();
     if (!d) {
         free(path);
