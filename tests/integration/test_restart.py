@@ -17,7 +17,7 @@ def test_sigkill_takes_back_running_sandboxes(sandboxd_factory: Callable[..., Sa
     server.request("PUT", f"/v1/sandboxes/{ref}/files?path=/sandbox/home/kept", body=b"still here")
     counter = server.request(
         "POST", f"/v1/sandboxes/{ref}/processes",
-        {"argv": ["sh", "-c", "i=0; while [ $i -lt 40 ]; do echo $i; i=$((i+1)); sleep 0.1; done"]},
+        {"argv": ["sh", "-c", "i=0; while [ $i -lt 80 ]; do echo $i; i=$((i+1)); sleep 0.1; done"]},
     ).json()  # fmt: skip
     gone = server.create()
     server.request("DELETE", f"/v1/sandboxes/{gone['id']}")
@@ -34,7 +34,7 @@ def test_sigkill_takes_back_running_sandboxes(sandboxd_factory: Callable[..., Sa
     lines = list(server.follow(ref, counter["pid"]))
     out = b"".join(base64.b64decode(x["data"]) for x in lines if "data" in x)
     # Nothing lost or repeated across the restart.
-    assert out == b"".join(b"%d\n" % i for i in range(40))
+    assert out == b"".join(b"%d\n" % i for i in range(80))
     assert lines[-1] == {"exit_code": 0}
     # A new process gets a new handle, never a reused one.
     again = server.request("POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["true"]}).json()

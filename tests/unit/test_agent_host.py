@@ -917,9 +917,11 @@ async def test_losing_the_channel_closes_every_tunnel(agent: Agent, how: str) ->
     ended: list[bytes] = []
 
     async def holder(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        # Answer only once "data" arrived, so the channel is cut with nothing left in flight.
+        got = await r.readexactly(4)
         w.write(b"hi")
         await w.drain()
-        ended.append(await r.read())  # b"" once the agent closed its end
+        ended.append(got + await r.read())  # the read ends once the agent closed its end
         w.close()
 
     first = await AgentClient.connect(agent.sock, 5)
