@@ -6,6 +6,7 @@ import base64
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from sandboxd_harness import Sandboxd
 
@@ -62,3 +63,21 @@ def test_second_server_on_same_state_dir_refuses(sandboxd_factory: Callable[...,
     assert twin.proc is not None
     assert twin.proc.wait(timeout=30) == 1
     assert "another sandboxd is already using the state directory" in twin.log_text()
+
+
+def test_restart_finishes_teardowns_a_kill_interrupted(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    s = server.create()
+    assert server.request("DELETE", f"/v1/sandboxes/{s['id']}").status == 204
+    server.signal(signal.SIGKILL)  # the teardown (about a second) has not finished
+    leftovers = server.state_dir / "gvisor" / s["id"]
+    server.start()
+    deadline = time.monotonic() + 30
+    while leftovers.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers.exists()
+    mounts = [
+        line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines() if s["id"] in line
+    ]
+    assert mounts == []
+    assert server.request("GET", f"/v1/sandboxes/{s['id']}").json()["state"] == "terminated"

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 KEEP_TERMINATED = 100
 #: How long to wait for a freshly booted agent to accept the host's connection, in seconds.
 AGENT_CONNECT_TIMEOUT_SECS = 10.0
+#: How long a stopping sandboxd waits for teardowns under way, in seconds (a restart finishes the rest).
+DESTROY_GRACE_SECS = 10.0
 #: How often idle timeouts are checked, in seconds.
 IDLE_CHECK_INTERVAL_SECS = 1.0
 
@@ -132,6 +134,7 @@ class SandboxManager:
         self.take_pooled: Callable[[str, CreateRequest], PooledSandbox | None] = lambda image, req: None
         self._sandboxes: dict[str, Sandbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._destroys: set[asyncio.Task[None]] = set()
         #: Called with a sandbox's id when the node forgets it (what is kept of it elsewhere goes too).
         self.on_forget: list[Callable[[str], None]] = []
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -151,6 +154,8 @@ class SandboxManager:
             sandbox = Sandbox(record, path.parent, self.audit)
             self._sandboxes[record.id] = sandbox
             if record.state is SandboxState.TERMINATED:
+                # Finish a teardown a stop or kill interrupted (destroy is idempotent and cheap when done).
+                self._spawn_destroy(record.id)
                 continue
             if not sandbox.load_image_config():
                 self._image_config_from_store(sandbox)
@@ -183,7 +188,12 @@ class SandboxManager:
         log.info("sandbox taken back", extra={"sandbox": record.id})
 
     async def close(self) -> None:
-        """Stop background work and disconnect agents; sandboxes keep running (SIGTERM semantics)."""
+        """Stop background work and disconnect agents; sandboxes keep running (SIGTERM semantics).
+
+        Teardowns of terminated sandboxes under way are given up to ``DESTROY_GRACE_SECS`` to finish.
+        """
+        if self._destroys:
+            await asyncio.wait(set(self._destroys), timeout=DESTROY_GRACE_SECS)
         for task in list(self._tasks):
             task.cancel()
         for sandbox in self._sandboxes.values():
@@ -191,10 +201,16 @@ class SandboxManager:
             if agent is not None:
                 await agent.close()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _spawn_destroy(self, sandbox_id: str) -> None:
+        task = self._spawn(self._destroy(sandbox_id))
+        self._destroys.add(task)
+        task.add_done_callback(self._destroys.discard)
 
     # -- lookups ----------------------------------------------------------------------------------------
 
@@ -476,7 +492,7 @@ class SandboxManager:
         self.audit.record("sandbox.terminated", record.id, reason=reason)
         # Tearing down the runsc sandbox takes about a second: the answer does not wait for it, and a restart
         # finishes it (destroy is idempotent).
-        self._spawn(self._destroy(record.id))
+        self._spawn_destroy(record.id)
         self._forget_old_terminated()
 
     async def _destroy(self, sandbox_id: str) -> None:
