@@ -153,7 +153,7 @@ class LayerPool:
 
     Entries live in ``directory`` as ``<n>/`` (a WritableLayer without its overlay); ``take`` renames one
     into the new sandbox's layer directory (the loop mount moves with it) and a refill starts in the
-    background. Entries left by an earlier run are removed at ``start``.
+    background. Entries are removed at ``close``, and those a killed run left behind at ``start``.
     """
 
     def __init__(self, directory: Path, disk_mb: int, target: int = 2) -> None:
@@ -199,6 +199,8 @@ class LayerPool:
             self._ready.append(entry)
 
     async def close(self) -> None:
-        """Stop refilling; ready entries stay mounted for the next start to clear."""
+        """Stop refilling and unmount the ready entries (a stopped node leaves no loop device behind)."""
         if self._refilling is not None:
             self._refilling.cancel()
+        while self._ready:
+            await WritableLayer(self._ready.pop()).remove()
