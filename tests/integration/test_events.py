@@ -53,6 +53,6 @@ def test_events_of_unknown_sandbox_404(sandboxd: Sandboxd) -> None:
     assert resp.status == 404 and resp.error[0] == "not_found"
 
 
-def test_events_survive_forgetting(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
+def test_events_start_with_sandbox_created(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
     events = sandboxd.request("GET", f"/v1/sandboxes/{sandbox['id']}/events").json()["events"]
     assert events[0]["type"] == "sandbox.created"

@@ -28,7 +28,6 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import ipaddress
 import json
 import logging
 import platform as platform_module
@@ -46,6 +45,7 @@ from sbx.api.errors import InvalidRequest, NotFound, Refused, SandboxError, Unav
 from sbx.images.blobs import BlobWriter, DigestMismatch, digest_hex
 from sbx.images.reference import DEFAULT_REGISTRY, Reference
 from sbx.images.store import ImageConfig
+from sbx.net.loopback import host_header_name, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -355,16 +355,7 @@ class _Retryable(Exception):
 
 def is_loopback_host(host: str) -> bool:
     """Whether ``host[:port]`` names this machine: ``localhost``, 127.0.0.0/8 or ::1."""
-    if host.startswith("["):
-        name = host[1 : host.find("]")]
-    else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    if name.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(host_header_name(host))
 
 
 def _basic(user: str, password: str) -> str:
