@@ -421,7 +421,8 @@ async def test_exited_process_is_resumable_after_reconnect(agent: Agent) -> None
     await first.close()
     second = await AgentClient.connect(agent.sock, 5)
     deadline = time.monotonic() + 5
-    while (procs := await second.list_processes())[0].exit_code is None:
+    # The exit can be listed before the agent has drained the last pipe: wait for both.
+    while (procs := await second.list_processes())[0].exit_code is None or procs[0].stderr_bytes < 4:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     assert (procs[0].exit_code, procs[0].stdout_bytes, procs[0].stderr_bytes) == (7, 4, 4)
