@@ -149,6 +149,14 @@ class GVisorBackend:
     def _runsc_argv(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.runsc_root), *args]
 
+    def _runsc_for(self, sandbox_id: str, *args: str) -> list[str]:
+        """argv of a runsc command about an existing sandbox (state, kill, delete, checkpoint, restore).
+
+        Every such command must go through here: a sandbox with its own network namespace has an abstract
+        control socket that is reachable only from inside that namespace.
+        """
+        return self._runsc_argv(*args)
+
     async def boot(self, spec: BootSpec) -> None:
         if spec.network.mode not in self.network_modes:
             raise BackendError(f"network mode {spec.network.mode} is not supported by the gvisor backend")
@@ -186,7 +194,7 @@ class GVisorBackend:
 
     async def is_running(self, sandbox_id: str) -> bool:
         proc = await asyncio.create_subprocess_exec(
-            *self._runsc_argv("state", sandbox_id),
+            *self._runsc_for(sandbox_id, "state", sandbox_id),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         out, _ = await proc.communicate()
@@ -207,7 +215,7 @@ class GVisorBackend:
             # kill may fail when it already stopped; delete --force then cleans up what is left.
             for args in (("kill", sandbox_id, "KILL"), ("delete", "--force", sandbox_id)):
                 try:
-                    await run_tool(*self._runsc_argv(*args))
+                    await run_tool(*self._runsc_for(sandbox_id, *args))
                 except BackendError:
                     pass
         await WritableLayer(directory / "layer").remove()
