@@ -173,6 +173,9 @@ async def test_an_agent_of_version_1_is_still_served_without_tunnels() -> None:
     reader, writer = await asyncio.open_connection(sock=a)
     connecting = asyncio.create_task(AgentClient.from_streams(reader, writer))
     [(hello, hid)] = await fake.recv()
+    assert hello == p.Hello(version=3)
+    fake.send(p.Error(errno.EPROTONOSUPPORT, "protocol version 3 is not supported; this agent speaks 1"), hid)
+    [(hello, hid)] = await fake.recv()
     assert hello == p.Hello(version=2)
     fake.send(p.Error(errno.EPROTONOSUPPORT, "protocol version 2 is not supported; this agent speaks 1"), hid)
     [(hello, hid)] = await fake.recv()  # an agent started before the upgrade: fall back

@@ -67,7 +67,7 @@ def test_build_is_idempotent(agent_bin: Path) -> None:
     assert ensure_agent(agent_bin) == agent_bin
     assert agent_bin.stat().st_mtime_ns == before
     out = subprocess.run([str(agent_bin), "--version"], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "sbx-agent protocol 2"
+    assert out.stdout.strip() == "sbx-agent protocol 3"
 
 
 @dataclass
@@ -448,6 +448,49 @@ async def test_processes_keep_running_without_a_host(agent: Agent) -> None:
     [info] = await second.list_processes()
     assert info.exit_code == 0 and info.stdout_bytes == len("got hello\n")
     await second.close()
+
+
+async def _wait_for(check: Callable[[], bool], timeout_secs: float = 5) -> None:
+    deadline = time.monotonic() + timeout_secs
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_quiesce_gives_up_every_socket_until_the_wake_file_appears(agent: Agent) -> None:
+    first = await AgentClient.connect(agent.sock, 5)
+    rec = Recorder()
+    await first.spawn(1, ["sh", "-c", "i=0; while [ $i -lt 300 ]; do echo $i; i=$((i+1)); sleep 0.002; done"],
+                      ENV, "/", 0, 0, sink=rec)  # fmt: skip
+    await _wait_for(lambda: len(rec.out["stdout"]) > 20)
+    wake = agent.dir / "wake"
+    wake.touch()  # stale: removed by QUIESCE, so it cannot end the quiesce at once
+    await first.quiesce(str(wake))
+    assert first.closed.is_set() and not agent.sock.exists() and not wake.exists()
+    await asyncio.sleep(0.1)
+    assert not agent.sock.exists()  # still quiesced: nothing listens
+    wake.touch()
+    await _wait_for(agent.sock.exists)
+    assert not wake.exists()
+    second = await AgentClient.connect(agent.sock, 5)
+    rest = Recorder()
+    have = bytes(rec.out["stdout"])
+    await second.set_process_sink(1, rest, stdout_offset=len(have), stderr_offset=0)
+    assert await rest.wait() == 0
+    # Nothing lost or doubled across the quiesce: the process ran on and its output waited.
+    assert (have + bytes(rest.out["stdout"])).decode().split() == [str(i) for i in range(300)]
+    await second.close()
+
+
+@pytest.mark.parametrize(("path", "err"), [("relative", errno.EINVAL), ("", errno.EINVAL)])
+async def test_quiesce_needs_an_absolute_wake_path(
+    client: AgentClient, agent: Agent, path: str, err: int
+) -> None:
+    with pytest.raises(AgentRequestError) as info:
+        await client.quiesce(path)
+    assert info.value.errno == err
+    assert agent.sock.exists() and not client.closed.is_set()  # nothing changed
+    assert await client.list_processes() == []
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -986,7 +1029,14 @@ def _raw_call(sock: Path, *frames: tuple[p.Message, int]) -> list[p.Message]:
                 p.Error(errno.EINVAL, ""),
             ],
         ),
-        (3, [p.Error(errno.EPROTONOSUPPORT, ""), p.Error(errno.EPROTO, "")]),
+        (
+            3,
+            [
+                p.HelloOk(3, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 256 * 1024),
+                p.Error(errno.EINVAL, ""),
+            ],
+        ),
+        (4, [p.Error(errno.EPROTONOSUPPORT, ""), p.Error(errno.EPROTO, "")]),
     ],
 )
 async def test_hello_versions(agent: Agent, version: int, reply: list[p.Message]) -> None:

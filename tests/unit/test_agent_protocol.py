@@ -11,7 +11,7 @@ from sbx.agent import protocol as p
 
 # (message, frame id, exact bytes): the layout docs/agent-protocol.md promises and agent.c parses.
 ENCODINGS: list[tuple[p.Message, int, bytes]] = [
-    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x02"),
+    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x03"),
     (p.Hello(version=1), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x01"),
     # HELLO_OK of version 1 ends at read_window; version 2 adds tcp_window.
     (
@@ -30,6 +30,7 @@ ENCODINGS: list[tuple[p.Message, int, bytes]] = [
     (p.TcpSend(b"GET"), 5, b"\x21\x00\x00\x00\x05\x00\x00\x00\x03GET"),
     (p.TcpAck(65536), 5, b"\x22\x00\x00\x00\x05\x00\x00\x00\x08" + struct.pack(">Q", 65536)),
     (p.TcpShutWr(), 5, b"\x23\x00\x00\x00\x05\x00\x00\x00\x00"),
+    (p.Quiesce("/w"), 6, b"\x30\x00\x00\x00\x06\x00\x00\x00\x06\x00\x00\x00\x02/w"),
     (p.TcpClose(), 5, b"\x24\x00\x00\x00\x05\x00\x00\x00\x00"),
     (p.TcpData(b"200"), 5, b"\x8f\x00\x00\x00\x05\x00\x00\x00\x03200"),
     (p.TcpSendAck(3), 5, b"\x90\x00\x00\x00\x05\x00\x00\x00\x08" + struct.pack(">Q", 3)),
@@ -126,7 +127,7 @@ def test_every_message_type_is_distinct_and_directional() -> None:
     assert len(types) == len(set(types))
     host_to_agent = [t for t in types if t < 0x80]
     agent_to_host = [t for t in types if t >= 0x80]
-    assert len(host_to_agent) == 24 and len(agent_to_host) == 18
+    assert len(host_to_agent) == 25 and len(agent_to_host) == 18
 
 
 def test_frames_split_anywhere_reassemble() -> None:

@@ -53,7 +53,7 @@
 /* ---- protocol constants (docs/agent-protocol.md) ---------------------------------------- */
 
 #define PROTO_MAGIC "SBXA"
-#define PROTO_VERSION 2u               /* 2 adds TCP tunnels; a version 1 host is still served */
+#define PROTO_VERSION 3u               /* 2 adds TCP tunnels, 3 QUIESCE; older hosts are still served */
 #define PROTO_MIN_VERSION 1u
 #define HDR_LEN 9u                     /* type u8, id u32, length u32 */
 #define MAX_PAYLOAD (1u << 20)         /* larger frames are a protocol error: the stream is dropped */
@@ -96,6 +96,7 @@ enum {
     T_TCP_ACK = 0x22,
     T_TCP_SHUT_WR = 0x23,
     T_TCP_CLOSE = 0x24,
+    T_QUIESCE = 0x30,
     /* agent -> host */
     T_HELLO_OK = 0x81,
     T_OK = 0x82,
@@ -330,6 +331,13 @@ static struct tun *tuns;
 static unsigned ntuns;
 static uint32_t conn_version; /* the protocol version agreed in HELLO on this connection */
 static int listen_fd = -1, conn_fd = -1, sig_fd = -1;
+static const char *listen_path;
+/* While quiesced the agent holds no host socket (so the sandbox can be checkpointed) and polls for
+ * wake_path; when it appears (the host made it, after a restore or a failed checkpoint) it is removed
+ * and the agent listens again. */
+static char *wake_path;
+static int quiescing; /* QUIESCE answered; the connection closes once its output is flushed */
+#define WAKE_POLL_MS 2
 static int fd_mode; /* --fd: one stream, no listening socket */
 static int hello_done;
 static struct buf rbuf, obuf;
@@ -1637,6 +1645,48 @@ static void do_hello(uint32_t id, struct rd *r)
     frame_end(f);
 }
 
+/* QUIESCE: stop listening, answer OK, close the connection, then wait for wake_path (see above).
+ * Processes keep running meanwhile; their output waits in the rings for the next connection. */
+static void do_quiesce(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    if (r->bad || !path || path[0] != '/') {
+        free(path);
+        return send_error(id, EINVAL, "malformed QUIESCE: the wake path must be absolute");
+    }
+    if (fd_mode || listen_fd < 0) {
+        free(path);
+        return send_error(id, EOPNOTSUPP, "this agent has no listening socket to give up");
+    }
+    close_fd(&listen_fd);
+    unlink(listen_path);
+    unlink(path); /* a stale wake file must not end this quiesce at once */
+    free(wake_path);
+    wake_path = path;
+    send_ok(id);
+    quiescing = 1; /* the main loop flushes what is queued, the OK last, then closes */
+    logmsg("quiescing; then waiting for %s", wake_path);
+}
+
+static int listen_on(const char *path);
+
+/* Called every loop while quiesced: listen again once the wake file exists. */
+static void check_wake(void)
+{
+    if (!wake_path || access(wake_path, F_OK) != 0)
+        return;
+    int fd = listen_on(listen_path);
+    if (fd < 0) {
+        logmsg("cannot listen again after a wake: %s", strerror(errno));
+        return; /* retried on the next poll */
+    }
+    unlink(wake_path);
+    free(wake_path);
+    wake_path = NULL;
+    listen_fd = fd;
+    logmsg("woken; listening again");
+}
+
 static void dispatch(uint8_t type, uint32_t id, const uint8_t *payload, uint32_t len)
 {
     struct rd r = {payload, len, 0};
@@ -1644,6 +1694,8 @@ static void dispatch(uint8_t type, uint32_t id, const uint8_t *payload, uint32_t
         return send_error(id, EPROTO, "send HELLO first");
     if (type >= T_TCP_OPEN && type <= T_TCP_CLOSE && conn_version < 2)
         return send_error(id, ENOSYS, "unknown message type"); /* as a version 1 agent answers */
+    if (type == T_QUIESCE && conn_version < 3)
+        return send_error(id, ENOSYS, "unknown message type");
     switch (type) {
     case T_HELLO: return do_hello(id, &r);
     case T_LIST: return do_list(id);
@@ -1669,6 +1721,7 @@ static void dispatch(uint8_t type, uint32_t id, const uint8_t *payload, uint32_t
     case T_TCP_ACK: return do_tcp_ack(id, &r);
     case T_TCP_SHUT_WR: return do_tcp_shut_wr(id);
     case T_TCP_CLOSE: return do_tcp_close(id);
+    case T_QUIESCE: return do_quiesce(id, &r);
     default: return send_error(id, ENOSYS, "unknown message type");
     }
 }
@@ -1682,6 +1735,7 @@ static void conn_drop(const char *why)
     if (conn_fd < 0)
         return;
     logmsg("host connection closed: %s", why);
+    quiescing = 0;
     close_fd(&conn_fd);
     hello_done = 0;
     buf_free(&rbuf);
@@ -2004,7 +2058,6 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-    const char *listen_path = NULL;
     int fd_arg = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--listen") && i + 1 < argc)
@@ -2085,7 +2138,7 @@ int main(int argc, char **argv)
             short ev = tun_poll_events(t);
             pfd[n++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
         }
-        if (poll(pfd, n, files_ready() ? 0 : -1) < 0) {
+        if (poll(pfd, n, files_ready() ? 0 : wake_path ? WAKE_POLL_MS : -1) < 0) {
             if (errno == EINTR)
                 continue;
             logmsg("poll: %s", strerror(errno));
@@ -2103,6 +2156,8 @@ int main(int argc, char **argv)
         }
         if (pfd[0].revents)
             reap();
+        if (wake_path)
+            check_wake();
         if (pfd[1].revents & POLLIN)
             conn_accept();
         else if (conn_fd >= 0 && pfd[2].fd == conn_fd) {
@@ -2126,12 +2181,16 @@ int main(int argc, char **argv)
                 close_fd(&p->tty_hold);
             i++;
         }
-        if (connected()) {
+        if (connected() && !quiescing) {
             pump_tunnels();
             pump_procs();
             pump_files();
         }
         conn_flush();
+        if (quiescing && (!obuf.len || conn_fd < 0)) {
+            quiescing = 0;
+            conn_drop("quiesced");
+        }
         if (obuf.len > OUT_HARD_MAX)
             conn_drop("host does not read its replies");
     }

@@ -410,6 +410,24 @@ class AgentClient:
         """Resize a terminal process's terminal (characters)."""
         await self._call(p.Resize(handle, rows, cols))
 
+    async def quiesce(self, wake_path: str, timeout_secs: float = 10.0) -> None:
+        """Have the agent close its listening socket and this connection, so that the sandbox holds no host
+        socket and can be checkpointed; it listens again once the guest file ``wake_path`` exists.
+
+        Returns when the connection is closed, after every frame the agent sent before it was read (so
+        output records are complete up to the close). Needs protocol version 3.
+        """
+        if self.version < 3:
+            raise AgentProtocolError(
+                f"the agent in this sandbox speaks protocol version {self.version}, which cannot quiesce "
+                "for a checkpoint; sandboxes started before the upgrade cannot be suspended or snapshotted"
+            )
+        await self._call(p.Quiesce(wake_path))
+        try:
+            await asyncio.wait_for(self.closed.wait(), timeout_secs)
+        except TimeoutError:
+            raise AgentUnavailable("the sandbox agent did not close its connection after QUIESCE") from None
+
     async def forget(self, handle: int) -> None:
         """Drop an exited process the host has fully recorded (EBUSY while it runs)."""
         await self._call(p.Forget(handle))

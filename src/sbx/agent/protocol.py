@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 from sbx.api.errors import Internal
 
 MAGIC = b"SBXA"
-VERSION = 2
-"""The protocol version this host speaks: 2 is version 1 plus TCP tunnels."""
+VERSION = 3
+"""The protocol version this host speaks: 2 is version 1 plus TCP tunnels, 3 adds QUIESCE."""
 MIN_VERSION = 1
 """The oldest agent protocol the client still talks to (an agent started before an upgrade)."""
 HEADER = struct.Struct(">BII")
@@ -494,6 +494,16 @@ class TcpClose(Message):
     TYPE = 0x24
 
 
+@dataclass(frozen=True)
+class Quiesce(Message):
+    """Give up every host socket so the sandbox can be checkpointed (reply: Ok, then the agent closes the
+    connection); the agent listens again once the file ``wake_path`` (a guest path) exists."""
+
+    TYPE = 0x30
+    FIELDS = (("wake_path", STR),)
+    wake_path: str
+
+
 # ---- messages, agent -> host -----------------------------------------------------------------
 
 
@@ -720,7 +730,7 @@ MESSAGES: dict[int, type[Message]] = {
     for m in (
         Hello, ListProcesses, Spawn, Resume, Ack, Stdin, StdinClose, Signal, Resize, Forget,
         ReadFile, ReadAck, WriteFile, WriteData, WriteEnd, Remove, ListDir, Stat, Cancel,
-        TcpOpen, TcpSend, TcpAck, TcpShutWr, TcpClose,
+        TcpOpen, TcpSend, TcpAck, TcpShutWr, TcpClose, Quiesce,
         HelloOk, Ok, Error, Processes, Spawned, SpawnFailedMsg, Output, Exited, StdinAck,
         ReadOpen, Data, End, DirEntries, StatOk, TcpData, TcpSendAck, TcpEof, TcpClosed,
     )
