@@ -135,6 +135,14 @@ def test_create_full_request() -> None:
     assert "cpus" in req.fields_given and "snapshot_id" not in req.fields_given
 
 
+def test_create_accepts_eight_mounts_side_by_side() -> None:
+    mounts = [{"name": f"v{i}", "path": f"/data/m{i}", "read_only": i % 2 == 0} for i in range(8)]
+    req = m.parse_create(body({"volumes": mounts}), CONFIG)
+    assert [(v.name, v.path, v.read_only) for v in req.volumes] == [
+        (f"v{i}", f"/data/m{i}", i % 2 == 0) for i in range(8)
+    ]
+
+
 def test_create_fields_given_tells_omitted_from_default_valued() -> None:
     req = m.parse_create(body({"cpus": 1}), CONFIG)
     assert req.cpus == 1
@@ -197,6 +205,17 @@ def test_create_idle_timeout(idle: int, config: NodeConfig, expected: int) -> No
         pytest.param({"volumes": [{"name": "a", "path": "/tmp"}]}, InvalidRequest, "under /tmp", id="mount-tmp"),
         pytest.param({"volumes": [{"name": "a", "path": "/d"}, {"name": "b", "path": "/d/e"}]}, InvalidRequest, "nest", id="mount-nest"),
         pytest.param({"volumes": [{"name": f"v{i}", "path": f"/m{i}"} for i in range(9)]}, InvalidRequest, "at most 8", id="nine-mounts"),
+        pytest.param({"volumes": [{"name": "a", "path": "data"}]}, InvalidRequest, "volumes[0].path: 'data' is relative", id="mount-relative"),
+        pytest.param({"volumes": [{"name": "a", "path": "/"}]}, InvalidRequest, "cannot be mounted on '/'", id="mount-root"),
+        pytest.param({"volumes": [{"name": "a", "path": "/a/../etc"}]}, InvalidRequest, "'..'", id="mount-dotdot"),
+        pytest.param({"volumes": [{"name": "a", "path": "/a b"}]}, InvalidRequest, "may contain only", id="mount-space"),
+        pytest.param({"volumes": [{"name": "a", "path": "/proc/x"}]}, InvalidRequest, "under /proc", id="mount-proc"),
+        pytest.param({"volumes": [{"name": "a", "path": "/lib64"}]}, InvalidRequest, "under /lib64", id="mount-lib-star"),
+        pytest.param({"volumes": [{"name": "a", "path": "/.sbx/ctl"}]}, InvalidRequest, "under /.sbx", id="mount-agent-dir"),
+        pytest.param({"volumes": [{"name": "a", "path": "/x"}, {"name": "b", "path": "/x/"}]}, InvalidRequest, "volumes[1]: path '/x' and volumes[0] path '/x' nest or coincide", id="mount-same-path"),
+        pytest.param({"volumes": [{"name": "a", "path": "/d/e"}, {"name": "b", "path": "//d"}]}, InvalidRequest, "nest", id="mount-nest-reverse"),
+        pytest.param({"volumes": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}, InvalidRequest, "volume 'a' is already mounted", id="mount-volume-twice"),
+        pytest.param({"volumes": [{"name": "A", "path": "/x"}]}, InvalidRequest, "volumes[0].name", id="mount-bad-name"),
         pytest.param({"snapshot_id": "s", "volumes": [{"name": "a", "path": "/a"}]}, InvalidRequest, "cannot mount volumes", id="fork-with-volumes"),
         pytest.param({"network": "open"}, InvalidRequest, "network: expected an object", id="network-type"),
         pytest.param({"network": None}, InvalidRequest, "network: expected an object", id="network-null"),

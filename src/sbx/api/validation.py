@@ -304,9 +304,10 @@ GUEST_NAME_MAX_BYTES: Final = 255
 
 MAX_VOLUME_MOUNTS: Final = 8
 _MOUNT_PATH_RE: Final = re.compile(r"[A-Za-z0-9._/-]+")
-#: Top-level directories a volume may not cover (any top-level ``lib*`` is included by prefix).
+#: Top-level directories a volume may not cover (any top-level ``lib*`` is included by prefix); ``.sbx``
+#: holds the sandbox agent and its control socket, which a volume over it would cut off.
 FORBIDDEN_MOUNT_ROOTS: Final = frozenset(
-    {"tmp", "proc", "sys", "dev", "run", "etc", "usr", "bin", "sbin", "boot"}
+    {"tmp", "proc", "sys", "dev", "run", "etc", "usr", "bin", "sbin", "boot", ".sbx"}
 )
 
 

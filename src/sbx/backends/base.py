@@ -15,11 +15,22 @@ from sbx.api.network_policy import NetworkPolicy
 
 
 @dataclass(frozen=True)
+class VolumeBind:
+    """A volume to show inside a sandbox: the host directory it is mounted on (``source``), the absolute
+    guest ``path`` (checked by the mount rules), and whether the sandbox may only read it (enforced by the
+    backend for every guest user, root included: writes fail with EROFS)."""
+
+    source: Path
+    path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
 class BootSpec:
     """What a backend needs to boot one sandbox.
 
     ``cpus`` is a count of vCPUs (whole cores of CPU time), ``memory_mb`` and ``disk_mb`` are MiB;
-    ``disk_mb`` bounds the sandbox's writable layer.
+    ``disk_mb`` bounds the sandbox's writable layer. ``volumes``: bind mounts of volumes, none by default.
     """
 
     sandbox_id: str
@@ -29,6 +40,7 @@ class BootSpec:
     disk_mb: int
     network: NetworkPolicy
     hostname: str = "sandbox"
+    volumes: tuple[VolumeBind, ...] = ()
 
 
 @dataclass(frozen=True)

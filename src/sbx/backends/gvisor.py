@@ -78,6 +78,16 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
                 "source": str(ctl_dir),
                 "options": ["rbind", "rw"],
             },
+            # Volumes: "ro" makes gVisor mount them read-only, so every write fails EROFS, even root's.
+            *(
+                {
+                    "destination": v.path,
+                    "type": "bind",
+                    "source": str(v.source),
+                    "options": ["rbind", "ro" if v.read_only else "rw", "nosuid", "nodev"],
+                }
+                for v in spec.volumes
+            ),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],

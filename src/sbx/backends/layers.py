@@ -70,6 +70,27 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
         raise BackendError(f"cannot mount the sandbox's root overlay at {target}: {os.strerror(err)}")
 
 
+async def make_ext4_image(image_file: Path, size_mb: int, journal: bool) -> None:
+    """Make ``image_file`` a sparse file of exactly ``size_mb`` MiB holding a fresh ext4 file system.
+
+    No blocks are reserved for root (``-m 0``), so root gets no more room than anyone and a write past the
+    size fails with ENOSPC. Lazy init keeps mkfs at a few milliseconds even for many GiB (unwritten parts of
+    a sparse file read as zeros). ``journal``: for file systems that must come back whole after a host crash.
+    """
+    with open(image_file, "wb") as f:  # noqa: ASYNC230 - a sparse truncate, no data written
+        f.truncate(size_mb * 1024 * 1024)
+    features = () if journal else ("-O", "^has_journal")
+    await run_tool(
+        "mkfs.ext4", "-q", "-F", "-m", "0", *features,
+        "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1", str(image_file),
+    )  # fmt: skip
+
+
+async def mount_loop(image_file: Path, target: Path) -> None:
+    """Mount the ext4 image ``image_file`` on ``target`` through a loop device (nodev, nosuid)."""
+    await run_tool("mount", "-o", "loop,nodev,nosuid", str(image_file), str(target))
+
+
 class WritableLayer:
     """The writable layer and overlay root of one sandbox, in its own directory."""
 
@@ -99,15 +120,9 @@ class WritableLayer:
         """Make and mount the ext4 file system of the writable layer, with empty upper/ and work/."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.disk_dir.mkdir(exist_ok=True)
-        with open(self.image_file, "wb") as f:  # noqa: ASYNC230 - a sparse truncate, no data written
-            f.truncate(disk_mb * 1024 * 1024)
-        # Lazy init and no journal keep mkfs at a few milliseconds even for many GiB; the layer is
-        # discarded with the sandbox, so a journal would buy nothing after a host crash.
-        await run_tool(
-            "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
-            "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1", str(self.image_file),
-        )  # fmt: skip
-        await run_tool("mount", "-o", "loop,nodev,nosuid", str(self.image_file), str(self.disk_dir))
+        # No journal: the layer is discarded with the sandbox, so a journal would buy nothing after a crash.
+        await make_ext4_image(self.image_file, disk_mb, journal=False)
+        await mount_loop(self.image_file, self.disk_dir)
         (self.disk_dir / "upper").mkdir(exist_ok=True)
         (self.disk_dir / "work").mkdir(exist_ok=True)
 

@@ -23,13 +23,14 @@ from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
 from sbx.api.models import CreateRequest, PatchRequest
 from sbx.api.network_policy import MODE_ORDER
-from sbx.backends.base import Backend, BackendError, BootSpec
+from sbx.backends.base import Backend, BackendError, BootSpec, VolumeBind
 from sbx.images.store import ImageConfig, ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
 from sbx.node.config import Capacity, NodeConfig
 from sbx.node.images import ImageService
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+from sbx.node.volumes import VolumeStore, check_mount_points
 from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class SandboxManager:
         self.audit = audit
         self.capacity = capacity
         self.node_id = node_id
+        #: Volumes (see volumes.py): held by live sandboxes from create to terminate.
+        self.volumes = VolumeStore(state_dir / "volumes")
         self.cordoned = False
         #: Resources held outside the manager's sandboxes (the warm pools'); set by the server.
         self.reserved: Callable[[], Capacity] = lambda: Capacity(0, 0, 0)
@@ -143,6 +146,7 @@ class SandboxManager:
 
     async def start(self) -> None:
         """Take back the sandboxes of a previous run, then start the idle checker."""
+        await self.volumes.start()
         for path in sorted(self.root.glob("*/sandbox.json")):
             # Temporary files a kill left mid-write; the records themselves are always whole.
             remove_stale_tmp_files(path.parent)
@@ -153,6 +157,8 @@ class SandboxManager:
             record = SandboxRecord.from_disk(data)
             sandbox = Sandbox(record, path.parent, self.audit)
             self._sandboxes[record.id] = sandbox
+            # Before anything can fail: a sandbox that is lost or was stopping releases its volumes later.
+            self.volumes.take_back(record.id, record.volumes, live=record.live)
             if record.state is SandboxState.TERMINATED:
                 # Finish a teardown a stop or kill interrupted (destroy is idempotent and cheap when done).
                 self._spawn_destroy(record.id)
@@ -167,6 +173,7 @@ class SandboxManager:
                 )
                 await self._terminate(sandbox, "lost")
         self._forget_old_terminated()
+        await self.volumes.settle()
         self._spawn(self._idle_loop())
 
     def _image_config_from_store(self, sandbox: Sandbox) -> None:
@@ -298,8 +305,7 @@ class SandboxManager:
             raise Unsupported(
                 "forks from snapshots are not supported by this node (capability memory_snapshot)"
             )
-        if req.volumes:
-            raise Unsupported("volumes are not supported by this node yet")
+        self.volumes.check("", req.volumes)
         if req.snapshot_every_secs:
             raise Unsupported("snapshot schedules are not supported by this node (no snapshot capability)")
         if req.network.mode not in self.backend.network_modes:
@@ -332,6 +338,7 @@ class SandboxManager:
         self._check_create(req)
         image = await self.image_service.ensure(req.image)
         self._check_create(req)  # again: the install may have taken a while
+        check_mount_points(image.rootfs, req.volumes)
         pooled = self.take_pooled(image.reference, req)
         if pooled is not None:
             return self.adopt(pooled, req)
@@ -349,7 +356,10 @@ class SandboxManager:
             name=req.name,
             env=dict(req.env),
             labels=dict(req.labels),
+            volumes=req.volumes,
         )
+        # No await since _check_create: the volumes it found free still are.
+        self.volumes.hold(record.id, req.volumes)
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
         sandbox = Sandbox(record, directory, self.audit)
@@ -360,13 +370,15 @@ class SandboxManager:
             # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
             sandbox.save(durable=False)
             sandbox.save_image_config()
-            agent = await self.boot(record, image)
+            binds = await self.volumes.mount(record.id, req.volumes)
+            agent = await self.boot(record, image, binds)
             await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
             self._sandboxes.pop(record.id, None)
             shutil.rmtree(directory, ignore_errors=True)
             await asyncio.shield(self.backend.destroy(record.id))
+            await asyncio.shield(self.volumes.release(record.id))
             if isinstance(exc, (BackendError, AgentError, OSError)):
                 raise Internal(f"the sandbox could not be started: {exc}") from exc
             raise
@@ -380,12 +392,15 @@ class SandboxManager:
         self.audit.record(
             "sandbox.created", record.id,
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
-            env_names=sorted(record.env), snapshot=None, volumes=[], **extra,
+            env_names=sorted(record.env), snapshot=None,
+            volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes], **extra,
         )  # fmt: skip
 
-    async def boot(self, record: SandboxRecord, image: InstalledImage) -> AgentClient:
-        """Boot ``record``'s sandbox from ``image`` and connect to its agent; on failure (or cancellation)
-        the backend's part is destroyed again, and backend errors become Internal."""
+    async def boot(
+        self, record: SandboxRecord, image: InstalledImage, volumes: tuple[VolumeBind, ...] = ()
+    ) -> AgentClient:
+        """Boot ``record``'s sandbox from ``image`` with ``volumes`` bound in and connect to its agent; on
+        failure (or cancellation) the backend's part is destroyed again, and backend errors become Internal."""
         try:
             await self.backend.boot(
                 BootSpec(
@@ -395,6 +410,7 @@ class SandboxManager:
                     memory_mb=record.memory_mb,
                     disk_mb=record.disk_mb,
                     network=record.network,
+                    volumes=volumes,
                 )
             )
             return await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
@@ -484,6 +500,7 @@ class SandboxManager:
         record.terminated_at = utc_now()
         record.terminated_reason = reason
         sandbox.save()
+        self.volumes.drop_holder(record.id)  # rule 1 counts live sandboxes; the mount stays until _destroy
         agent = sandbox.processes.agent
         sandbox.processes.agent = None
         if agent is not None:
@@ -500,6 +517,7 @@ class SandboxManager:
             await self.backend.destroy(sandbox_id)
         except BackendError as exc:
             log.error("sandbox teardown failed", extra={"sandbox": sandbox_id, "error": str(exc)})
+        await self.volumes.release(sandbox_id)  # flushed, and unmounted when no one else uses it
 
     def _forget_old_terminated(self) -> None:
         terminated = sorted(

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
+from sbx.api.models import VolumeMount
 from sbx.api.network_policy import NetworkPolicy
 
 
@@ -57,6 +58,8 @@ class SandboxRecord:
     terminated_reason: str | None = None
     #: Next process handle to give out; persisted so a restart never reuses one.
     next_pid: int = 1
+    #: Volumes mounted at create (fixed for the sandbox's life; held until it is terminated).
+    volumes: tuple[VolumeMount, ...] = ()
 
     @property
     def live(self) -> bool:
@@ -108,4 +111,5 @@ class SandboxRecord:
             deny=tuple(net.get("deny") or ()),
         )
         data["state"] = SandboxState(data["state"])
+        data["volumes"] = tuple(VolumeMount(**m) for m in data.get("volumes") or ())
         return cls(**data)

@@ -5,7 +5,18 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.node.context import NodeContext
-from sbx.node.routes import attach, events, files, images, node, processes, sandbox_metrics, sandboxes, tunnel
+from sbx.node.routes import (
+    attach,
+    events,
+    files,
+    images,
+    node,
+    processes,
+    sandbox_metrics,
+    sandboxes,
+    tunnel,
+    volumes,
+)
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -20,4 +31,5 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *events.routes(ctx),
         *images.routes(ctx),
         *sandbox_metrics.routes(ctx),
+        *volumes.routes(ctx),
     ]

@@ -28,7 +28,10 @@ def file_error(exc: AgentFileError, path: str) -> SandboxError:
     if code == errno.EROFS:
         return Conflict("read-only file system")
     if code == errno.ENOSPC:
-        return Conflict(f"no space left on device while writing {path}: the sandbox's disk_mb is used up")
+        return Conflict(
+            f"no space left on device while writing {path}: the sandbox's disk_mb "
+            "(or, under a volume's mount path, the volume's size_mb) is used up"
+        )
     if code == errno.ENOTEMPTY:
         return Conflict(f"directory not empty: {path}")
     if code == errno.EISDIR:
