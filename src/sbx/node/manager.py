@@ -358,8 +358,6 @@ class SandboxManager:
             labels=dict(req.labels),
             volumes=req.volumes,
         )
-        # No await since _check_create: the volumes it found free still are.
-        self.volumes.hold(record.id, req.volumes)
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
         sandbox = Sandbox(record, directory, self.audit)
@@ -367,6 +365,8 @@ class SandboxManager:
         # Registered before the first await, so a concurrent create sees the name and the capacity taken.
         self._sandboxes[record.id] = sandbox
         try:
+            # No await since _check_create: the volumes it found free still are (a refusal here is cleaned up).
+            self.volumes.hold(record.id, req.volumes)
             # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
             sandbox.save(durable=False)
             sandbox.save_image_config()
