@@ -1,0 +1,144 @@
+"""The gateway's audit log: one JSON line per authenticated API request and per revocation, drain or org event.
+
+File ``--audit-log FILE`` (default ``audit/gateway.jsonl`` beside the state file), mode 0600, rotated at 8 MiB
+keeping five old generations (``FILE.1`` newest .. ``FILE.5`` oldest). Entries::
+
+    {"time", "kind", "type", "key_id"?, "user"?, "tenant"?, "org"?, "method"?, "route"?, "status"?,
+     "target"?, "node"?, "result"?}
+
+``kind`` is ``api``, ``revocation``, ``drain`` or ``org``; ``type`` is ``api.request``, ``api.revoked``,
+``drain.terminate``, ``org.created``, ``org.member_added``, ``org.member_role``, ``org.member_removed``.
+``route`` is the path's shape (``/v1/sandboxes/{ref}/run``), never the query string; a credential is named by
+its key id only. Best-effort: a failed write is logged, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sbx.node.audit import rfc3339_now
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+DEFAULT_KEEP = 5
+#: Fields an entry may carry; anything else is dropped (so no body, header or query can slip in).
+ALLOWED_FIELDS = frozenset(
+    {
+        "kind",
+        "type",
+        "key_id",
+        "user",
+        "tenant",
+        "org",
+        "method",
+        "route",
+        "status",
+        "target",
+        "node",
+        "result",
+    }
+)
+
+
+class GatewayAudit:
+    """Append-only JSONL log rotating at ``max_bytes`` (8 MiB) with ``keep`` (5) old generations."""
+
+    def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._failing = False
+
+    def record(self, **fields: Any) -> None:
+        """Append ``{time, **fields}`` (only ``ALLOWED_FIELDS``, None values left out); never raises."""
+        entry: dict[str, Any] = {"time": rfc3339_now()}
+        for name, value in fields.items():
+            if name not in ALLOWED_FIELDS:
+                log.error("gateway audit field %r dropped", name)
+            elif value is not None:
+                entry[name] = value
+        line = json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        with self._lock:
+            try:
+                if self._fd is None:
+                    self._open()
+                if self._size > 0 and self._size + len(line) > self.max_bytes:
+                    self._rotate()
+                    self._open()
+                assert self._fd is not None
+                self._size += os.write(self._fd, line)
+                self._failing = False
+            except OSError as exc:
+                if not self._failing:
+                    log.warning("gateway audit log %s: could not record: %s", self.path, exc)
+                self._failing = True
+                self._close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def _generation(self, n: int) -> Path:
+        return self.path if n == 0 else self.path.with_name(f"{self.path.name}.{n}")
+
+    def _rotate(self) -> None:
+        self._close()
+        if self.keep == 0:
+            self.path.unlink(missing_ok=True)
+            return
+        for n in range(self.keep - 1, 0, -1):
+            if self._generation(n).exists():
+                os.replace(self._generation(n), self._generation(n + 1))
+        os.replace(self.path, self._generation(1))
+
+    def read(self, since: datetime | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Entries at or after ``since``, oldest first: the first ``limit`` and whether more followed.
+
+        Reads the kept generations oldest first (at most 48 MiB): call it through ``asyncio.to_thread``.
+        """
+        entries: list[dict[str, Any]] = []
+        with self._lock:
+            generations = [self._generation(n) for n in range(self.keep, -1, -1)]
+            blobs = []
+            for path in generations:
+                try:
+                    blobs.append(path.read_bytes())
+                except FileNotFoundError:
+                    continue
+        for blob in blobs:
+            for raw in blob.splitlines():
+                try:
+                    entry = json.loads(raw)
+                    when = datetime.fromisoformat(entry["time"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue  # a fragment left by a crash
+                if since is not None and when < since:
+                    continue
+                entries.append(entry)
+                if len(entries) > limit:
+                    return entries[:limit], True
+        return entries, False

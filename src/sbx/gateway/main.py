@@ -1,0 +1,454 @@
+"""``sandbox-gateway``: serve the gateway, or change its state file offline (keys, nodes, quotas).
+
+Offline commands take the state file's lock and refuse while a gateway serves it: a change made beside a running
+gateway would be overwritten by it (a revoked key would come back). The first admin key of a fresh install is made
+with ``sandbox-gateway keys create --state FILE --user admin --scope admin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import sys
+import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from aiohttp import web
+
+from sbx.api.errors import SandboxError
+from sbx.gateway import keys as keymod
+from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.nodes import (
+    DEFAULT_FAILURES_UNHEALTHY,
+    DEFAULT_FORGET_INTERVAL_SECS,
+    DEFAULT_POLL_INTERVAL_SECS,
+    Registry,
+    parse_endpoint,
+)
+from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
+from sbx.gateway.server import Gateway, GatewayOptions, make_middlewares, node_def_from, routes
+from sbx.gateway.state import (
+    NodeDef,
+    Quota,
+    StateError,
+    StateLocked,
+    Store,
+    acquire_lock,
+)
+from sbx.net.loopback import is_loopback
+from sbx.node.logs import setup_logging
+from sbx.node.main import parse_host_port
+
+DEFAULT_LISTEN = "127.0.0.1:7443"
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+
+
+def parse_duration(value: str, flag: str) -> float:
+    """``300``, ``30s``, ``5m``, ``1h``, ``500ms`` as seconds."""
+    match = _DURATION.match(value.strip())
+    if not match:
+        raise click.BadParameter(f"{value!r} is not a duration like 30s, 5m or 1h", param_hint=flag)
+    number = float(match.group(1))
+    return number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
+
+
+def load_node_file(path: Path) -> list[NodeDef]:
+    """Nodes of a TOML node file: ``[[node]]`` tables with ``name``, ``endpoint`` and optional ``token_file``,
+    ``ca_file``, ``cert_file``, ``key_file`` (relative paths are relative to the node file)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="--node-file") from None
+    entries = data.get("node", [])
+    if not isinstance(entries, list):
+        raise click.BadParameter(f"{path}: write each node as a [[node]] table", param_hint="--node-file")
+    found: list[NodeDef] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise click.BadParameter(f"{path}: each [[node]] must be a table", param_hint="--node-file")
+        body = dict(entry)
+        for name in ("token_file", "ca_file", "cert_file", "key_file"):
+            if isinstance(body.get(name), str):
+                body[name] = str((path.parent / body[name]).resolve())
+        try:
+            definition = node_def_from(body, Path("/"))
+        except SandboxError as exc:
+            raise click.BadParameter(f"{path}: {exc.message}", param_hint="--node-file") from None
+        found.append(NodeDef(**{**definition.__dict__, "from_file": True}))
+    names = [d.name for d in found]
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"{path}: a node name appears twice", param_hint="--node-file")
+    return found
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """The sandbox gateway: one API in front of many sandboxd nodes."""
+
+
+state_option = click.option(
+    "--state", "state_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
+    envvar="SANDBOX_GATEWAY_STATE", help="The gateway's SQLite state file.",
+)  # fmt: skip
+
+
+@contextmanager
+def offline_store(state_path: Path) -> Iterator[Store]:
+    """The store, locked, for an offline change; refuses clearly while a gateway serves it."""
+    try:
+        fd = acquire_lock(state_path)
+    except StateLocked as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        store = Store.open(state_path)
+    except StateError as exc:
+        os.close(fd)
+        raise click.ClickException(str(exc)) from None
+    try:
+        yield store
+    finally:
+        store.close()
+        os.close(fd)
+
+
+@main.command()
+@state_option
+@click.option("--listen", default=DEFAULT_LISTEN, show_default=True,
+              help="HOST:PORT, or unix:/PATH for a unix socket (mode 0600).")  # fmt: skip
+@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None)
+@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None)
+@click.option("--node-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="TOML file of [[node]] tables; such nodes change only by editing it and restarting.")  # fmt: skip
+@click.option("--node-files-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="The only directory whose token/CA/cert files nodes added through the admin API may name.")  # fmt: skip
+@click.option("--node-lost-after", default="5m", show_default=True, help="Down this long, a node is lost.")
+@click.option("--audit-log", default=None,
+              help="Audit log file, or 'none'. Default: audit/gateway.jsonl beside the state file.")  # fmt: skip
+@click.option(
+    "--cors-origin", multiple=True, help="An Origin allowed besides the gateway's own (repeatable)."
+)
+@click.option(
+    "--metrics-listen", default=None, help="127.0.0.1:PORT for Prometheus /metrics (loopback only)."
+)
+@click.option("--max-orgs-per-user", default=10, show_default=True, type=click.IntRange(min=0),
+              help="Organisations a user may make or own.")  # fmt: skip
+@click.option("--poll-interval", default=str(DEFAULT_POLL_INTERVAL_SECS), hidden=True)
+@click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
+@click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
+@click.option("--recheck-interval", default=str(DEFAULT_RECHECK_SECS), hidden=True)
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(
+    state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
+    node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
+    metrics_listen: str | None, max_orgs_per_user: int, poll_interval: str, failures_unhealthy: int,
+    forget_interval: str, recheck_interval: str, log_level: str,
+) -> None:  # fmt: skip
+    """Serve the gateway API until SIGTERM or SIGINT."""
+    socket_path: Path | None = None
+    listen_addr: tuple[str, int] | None = None
+    if listen.startswith("unix:"):
+        socket_path = Path(listen[len("unix:") :].removeprefix("//"))
+    else:
+        listen_addr = parse_host_port(listen, "--listen")
+        if not is_loopback(listen_addr[0]) and (tls_cert is None or tls_key is None):
+            raise click.UsageError(
+                f"sandbox-gateway refuses to listen on {listen_addr[0]}, reachable from other machines, without "
+                "TLS: pass --tls-cert and --tls-key, or listen on 127.0.0.1"
+            )
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    metrics_addr = parse_host_port(metrics_listen, "--metrics-listen") if metrics_listen else None
+    if metrics_addr is not None and not is_loopback(metrics_addr[0]):
+        raise click.UsageError(f"--metrics-listen must be loopback (127.0.0.1:PORT), not {metrics_addr[0]}: "
+                               "metrics take no credential")  # fmt: skip
+    file_nodes = load_node_file(node_file) if node_file is not None else []
+    audit_path = (
+        None
+        if audit_log == "none"
+        else Path(audit_log)
+        if audit_log
+        else state_path.parent / "audit" / "gateway.jsonl"
+    )
+    options = GatewayOptions(
+        cors_origins=frozenset(cors_origin),
+        node_files_dir=node_files_dir,
+        max_orgs_per_user=max_orgs_per_user,
+        forget_interval_secs=parse_duration(forget_interval, "--forget-interval"),
+        recheck_secs=parse_duration(recheck_interval, "--recheck-interval"),
+        file_nodes=file_nodes,
+    )
+    lost_after = parse_duration(node_lost_after, "--node-lost-after")
+    poll = parse_duration(poll_interval, "--poll-interval")
+    setup_logging(log_level)
+    try:
+        lock_fd = acquire_lock(state_path)
+    except StateLocked as exc:
+        click.echo(f"sandbox-gateway: {exc}", err=True)
+        sys.exit(1)
+    try:
+        store = Store.open(state_path)
+    except StateError as exc:
+        click.echo(f"sandbox-gateway: {exc}", err=True)
+        sys.exit(1)
+    for definition in file_nodes:
+        if definition.name in store.nodes:
+            click.echo(f"sandbox-gateway: node {definition.name!r} is both in the node file and added through the "
+                       "admin API; remove one (sandbox-gateway nodes remove)", err=True)  # fmt: skip
+            sys.exit(1)
+    registry = Registry(
+        poll_interval_secs=poll, failures_unhealthy=failures_unhealthy, lost_after_secs=lost_after
+    )
+    audit = GatewayAudit(audit_path) if audit_path is not None else None
+    gateway = Gateway(store, registry, audit, options)
+    tls = None
+    if tls_cert is not None and tls_key is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        tls.load_cert_chain(tls_cert, tls_key)
+    try:
+        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr))
+    finally:
+        store.close()
+        os.close(lock_fd)
+
+
+async def _serve(
+    gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
+    metrics_addr: tuple[str, int] | None,
+) -> None:  # fmt: skip
+    app = web.Application(middlewares=make_middlewares(gateway), client_max_size=1024 * 1024)
+    app.add_routes(routes(gateway))
+    await gateway.start()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    if socket_path is not None:
+        await web.SockSite(runner, _unix_socket(socket_path)).start()
+    if listen is not None:
+        await web.TCPSite(runner, listen[0], listen[1], ssl_context=tls).start()
+    metrics_runner = None
+    if metrics_addr is not None:
+        metrics_runner = await _metrics_server(gateway, *metrics_addr)
+    print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
+          file=sys.stderr, flush=True)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
+    await gateway.close()
+    if gateway.audit is not None:
+        gateway.audit.close()
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+async def _metrics_server(gateway: Gateway, host: str, port: int) -> web.AppRunner:
+    async def handle(request: web.Request) -> web.Response:
+        body, content_type = gateway.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+# -- offline: keys ----------------------------------------------------------------------------------
+
+
+@main.group()
+def keys() -> None:
+    """Issue, list and revoke API keys in the state file while the gateway is stopped."""
+
+
+def _emit(as_json: bool, data: Any, text: Callable[[], None]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    else:
+        text()
+
+
+@keys.command("create")
+@state_option
+@click.option("--user", required=True)
+@click.option("--tenant", default=None, help="Tenant of the key (default: the default tenant).")
+@click.option("--scope", "scopes", multiple=True, required=True,
+              type=click.Choice(sorted(keymod.SCOPES)), help="Repeatable.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True)
+def keys_create(
+    state_path: Path, user: str, tenant: str | None, scopes: tuple[str, ...], as_json: bool
+) -> None:
+    """Issue a key; its secret is printed once and never stored."""
+    try:
+        keymod.check_user(user)
+        tenant_value = keymod.check_tenant(tenant)
+    except SandboxError as exc:
+        raise click.BadParameter(exc.message) from None
+    with offline_store(state_path) as store:
+        key, secret = keymod.new_key(user, tenant_value, scopes)
+        store.add_key(key)
+    wire = keymod.created_wire(key, secret)
+    _emit(
+        as_json, wire, lambda: click.echo(f"id: {key.id}\nsecret: {secret}\n(the secret is shown only now)")
+    )
+
+
+@keys.command("list")
+@state_option
+@click.option("--json", "as_json", is_flag=True)
+def keys_list(state_path: Path, as_json: bool) -> None:
+    """List keys (never a secret)."""
+    with offline_store(state_path) as store:
+        listed = [k.to_wire() for k in sorted(store.keys.values(), key=lambda k: k.created)]
+
+    def text() -> None:
+        for k in listed:
+            revoked = f" revoked {k['revoked']}" if "revoked" in k else ""
+            click.echo(f"{k['id']}  {k['user']}  {k['tenant'] or '-'}  {','.join(k['scopes'])}{revoked}")
+
+    _emit(as_json, {"keys": listed}, text)
+
+
+@keys.command("revoke")
+@state_option
+@click.argument("key_id")
+def keys_revoke(state_path: Path, key_id: str) -> None:
+    """Revoke a key (kept listed as revoked)."""
+    with offline_store(state_path) as store:
+        if store.revoke_key(key_id) is None:
+            raise click.ClickException(f"no key {key_id!r}: see sandbox-gateway keys list")
+    click.echo(f"revoked {key_id}")
+
+
+# -- offline: nodes ---------------------------------------------------------------------------------
+
+
+@main.group()
+def nodes() -> None:
+    """Add, list and remove admin-managed nodes in the state file while the gateway is stopped."""
+
+
+@nodes.command("add")
+@state_option
+@click.argument("name")
+@click.argument("endpoint")
+@click.option("--token-file", default=None)
+@click.option("--ca-file", default=None)
+@click.option("--cert-file", default=None)
+@click.option("--key-file", default=None)
+def nodes_add(state_path: Path, name: str, endpoint: str, token_file: str | None, ca_file: str | None,
+              cert_file: str | None, key_file: str | None) -> None:  # fmt: skip
+    """Add node NAME at ENDPOINT (https://HOST:PORT, unix:///PATH or http://127.0.0.1:PORT)."""
+    body = {"name": name, "endpoint": endpoint, "token_file": token_file, "ca_file": ca_file,
+            "cert_file": cert_file, "key_file": key_file}  # fmt: skip
+    body = {k: (str(Path(v).resolve()) if k.endswith("_file") and v else v) for k, v in body.items()}
+    try:
+        definition = node_def_from(body, Path("/"))
+        parse_endpoint(endpoint)
+    except SandboxError as exc:
+        raise click.BadParameter(exc.message) from None
+    with offline_store(state_path) as store:
+        if name in store.nodes:
+            raise click.ClickException(f"a node named {name!r} exists: remove it first")
+        store.add_node(definition)
+    click.echo(f"added {name}")
+
+
+@nodes.command("list")
+@state_option
+@click.option("--json", "as_json", is_flag=True)
+def nodes_list(state_path: Path, as_json: bool) -> None:
+    """List admin-managed nodes and their cordon flags."""
+    with offline_store(state_path) as store:
+        listed = [{"name": d.name, "endpoint": d.endpoint,
+                   "cordoned": store.node_flags[d.name].cordoned if d.name in store.node_flags else False}
+                  for d in sorted(store.nodes.values(), key=lambda d: d.name)]  # fmt: skip
+
+    def text() -> None:
+        for n in listed:
+            click.echo(f"{n['name']}  {n['endpoint']}{'  cordoned' if n['cordoned'] else ''}")
+
+    _emit(as_json, {"nodes": listed}, text)
+
+
+@nodes.command("remove")
+@state_option
+@click.argument("name")
+def nodes_remove(state_path: Path, name: str) -> None:
+    """Remove node NAME (owners of its sandboxes are kept)."""
+    with offline_store(state_path) as store:
+        if not store.remove_node(name):
+            raise click.ClickException(f"no admin-managed node {name!r}: see sandbox-gateway nodes list")
+    click.echo(f"removed {name}")
+
+
+# -- offline: quotas --------------------------------------------------------------------------------
+
+
+@main.group()
+def quotas() -> None:
+    """Set and list tenant quotas (CPUs, memory, sandboxes) while the gateway is stopped."""
+
+
+@quotas.command("set")
+@state_option
+@click.argument("tenant")
+@click.option(
+    "--cpus", type=click.IntRange(min=0), default=None, help="Most vCPUs the tenant's sandboxes hold."
+)
+@click.option("--memory-mb", type=click.IntRange(min=0), default=None, help="Most memory, MiB.")
+@click.option("--sandboxes", type=click.IntRange(min=0), default=None, help="Most sandboxes.")
+def quotas_set(
+    state_path: Path, tenant: str, cpus: int | None, memory_mb: int | None, sandboxes: int | None
+) -> None:
+    """Set TENANT's quota (``default`` for keys without a tenant); an amount left out has no limit."""
+    try:
+        stored = keymod.check_tenant(tenant)
+    except SandboxError as exc:
+        raise click.BadParameter(exc.message) from None
+    with offline_store(state_path) as store:
+        store.set_quota(stored, Quota(cpus, memory_mb, sandboxes))
+    click.echo(f"quota of {tenant}: cpus={cpus} memory_mb={memory_mb} sandboxes={sandboxes}")
+
+
+@quotas.command("list")
+@state_option
+def quotas_list(state_path: Path) -> None:
+    """List tenant quotas."""
+    with offline_store(state_path) as store:
+        for tenant, q in sorted(store.quotas.items()):
+            click.echo(
+                f"{tenant or 'default'}  cpus={q.max_cpus} memory_mb={q.max_memory_mb} sandboxes={q.max_sandboxes}"
+            )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

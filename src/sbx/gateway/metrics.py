@@ -1,0 +1,117 @@
+"""The gateway's Prometheus metrics (spec: Fleet operation tools, Gateway metrics), in a private registry.
+
+Series::
+
+    sandbox_gateway_http_requests_total{route,status}   counter   route is the path's shape
+    sandbox_gateway_sandboxes_created_total             counter
+    sandbox_gateway_create_seconds                      histogram create latency through the gateway, seconds
+    sandbox_gateway_creates_refused_total{reason}       counter   reason: quota or capacity
+    sandbox_gateway_scheduled_total{node}               counter   placement decisions, by node chosen
+    sandbox_gateway_sandboxes_recorded                  gauge     ownership records held
+    sandbox_gateway_sandboxes_lost                      gauge     records on lost nodes
+    sandbox_gateway_sandboxes_terminated_total          counter   terminations through the gateway
+    sandbox_gateway_node_up|node_cordoned|node_running{node}               gauges
+    sandbox_gateway_node_capacity_{cpus,memory_mb,disk_mb}{node}           gauges
+    sandbox_gateway_node_free_{cpus,memory_mb,disk_mb}{node}               gauges
+    sandbox_gateway_ssh_connections_open, _ssh_sessions_open               gauges (0: no SSH served yet)
+    sandbox_gateway_ssh_auth_failures_total                                counter
+
+No label carries a user, tenant or sandbox name; node names are the operator's. Node gauges are read from the
+registry at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CREATE_SECONDS_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0)
+
+
+@dataclass(frozen=True)
+class NodeGauges:
+    name: str
+    up: bool
+    cordoned: bool
+    running: int
+    capacity: tuple[int, int, int]
+    free: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class GatewaySnapshot:
+    recorded: int
+    lost: int
+    nodes: list[NodeGauges]
+
+
+class GatewayMetrics:
+    """Counters updated by the server; gauges from ``snapshot`` at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], GatewaySnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "sandbox_gateway_http_requests", "Requests by route and status.", ["route", "status"], registry=r
+        )
+        self.created = Counter("sandbox_gateway_sandboxes_created", "Sandboxes created.", registry=r)
+        self.create_seconds = Histogram(
+            "sandbox_gateway_create_seconds", "Create latency through the gateway, seconds.",
+            buckets=CREATE_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.refused = Counter(
+            "sandbox_gateway_creates_refused",
+            "Creates refused for quota or capacity.",
+            ["reason"],
+            registry=r,
+        )
+        self.scheduled = Counter(
+            "sandbox_gateway_scheduled", "Scheduler decisions, by node chosen.", ["node"], registry=r
+        )
+        self.terminated = Counter(
+            "sandbox_gateway_sandboxes_terminated", "Sandboxes terminated through the gateway.", registry=r
+        )
+        self.ssh_auth_failures = Counter(
+            "sandbox_gateway_ssh_auth_failures", "Failed SSH logins.", registry=r
+        )
+        self._snapshot = snapshot
+        r.register(_Gauges(self))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def gauges(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield GaugeMetricFamily("sandbox_gateway_sandboxes_recorded", "Sandboxes with recorded owners.",
+                                value=snap.recorded)  # fmt: skip
+        yield GaugeMetricFamily("sandbox_gateway_sandboxes_lost", "Sandboxes on lost nodes.", value=snap.lost)
+        yield GaugeMetricFamily("sandbox_gateway_ssh_connections_open", "Open SSH connections.", value=0)
+        yield GaugeMetricFamily("sandbox_gateway_ssh_sessions_open", "Open SSH sessions.", value=0)
+        per_node: list[tuple[str, str, Callable[[NodeGauges], float]]] = [
+            ("node_up", "1 while the node answers polls.", lambda n: 1 if n.up else 0),
+            ("node_cordoned", "1 while the node is cordoned.", lambda n: 1 if n.cordoned else 0),
+            ("node_running", "Sandboxes running on the node.", lambda n: n.running),
+            ("node_capacity_cpus", "CPUs the node offers.", lambda n: n.capacity[0]),
+            ("node_capacity_memory_mb", "Memory the node offers, MiB.", lambda n: n.capacity[1]),
+            ("node_capacity_disk_mb", "Disk the node offers, MiB.", lambda n: n.capacity[2]),
+            ("node_free_cpus", "CPUs free on the node.", lambda n: n.free[0]),
+            ("node_free_memory_mb", "Memory free on the node, MiB.", lambda n: n.free[1]),
+            ("node_free_disk_mb", "Disk free on the node, MiB.", lambda n: n.free[2]),
+        ]
+        for suffix, doc, value in per_node:
+            family = GaugeMetricFamily(f"sandbox_gateway_{suffix}", doc, labels=["node"])
+            for node in sorted(snap.nodes, key=lambda n: n.name):
+                family.add_metric([node.name], value(node))
+            yield family
+
+
+class _Gauges:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.gauges()

@@ -1,0 +1,200 @@
+"""Forwarding a request to the node that owns its sandbox, and relaying the answer as sent.
+
+Plain answers are read whole and passed on with their status and content type. Streams (ndjson output,
+file contents) are passed on chunk by chunk as they arrive. Upgrades (``sbx-stream/1`` attach, ``sbx-tunnel/1``
+tunnel) connect to the node by hand, and once the node answers 101 the client's connection is switched too
+(``sbx.node.upgrade``) and bytes are copied both ways untouched, half-closes included.
+
+Every relay runs as a task registered in ``OpenRequests`` so revocation can end it (see ``revocation``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sbx.api.errors import BadGateway, Unauthorized
+from sbx.client._upgrade import READ_LIMIT_BYTES, parse_head
+from sbx.gateway.nodes import CONNECT_TIMEOUT_SECS, Node, describe
+from sbx.gateway.revocation import OpenRequest, OpenRequests
+from sbx.node.upgrade import finished_response, upgrade
+
+log = logging.getLogger(__name__)
+
+#: Answers passed on chunk by chunk instead of read whole.
+STREAMED_TYPES = ("application/x-ndjson", "application/octet-stream")
+#: Largest non-101 answer read from a node's refused upgrade (bytes).
+MAX_ERROR_BODY_BYTES = 1 << 20
+#: Bytes copied per read in an upgraded connection.
+COPY_CHUNK_BYTES = 64 * 1024
+
+Body = bytes | AsyncIterator[bytes] | None
+
+
+async def guarded(
+    request: web.Request,
+    op: OpenRequest,
+    tracker: OpenRequests,
+    work: Coroutine[Any, Any, web.StreamResponse],
+) -> web.StreamResponse:
+    """Run ``work`` as a task revocation can end; an ended one answers 401 or is cut off."""
+    task: asyncio.Task[web.StreamResponse] = asyncio.ensure_future(work)
+    op.task = task
+    tracker.add(op)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not op.ended or current is None or current.cancelling():
+            raise
+        if not op.answered:
+            raise Unauthorized(
+                "this request was ended because its API key was revoked or lost the scope it needs"
+            ) from None
+        if request.transport is not None:
+            request.transport.close()
+        return finished_response()
+    finally:
+        tracker.remove(op)
+
+
+def request_headers(request: web.Request, node: Node) -> dict[str, str]:
+    headers = node.headers()
+    content_type = request.headers.get("Content-Type")
+    if content_type:
+        headers["Content-Type"] = content_type
+    return headers
+
+
+async def forward(
+    request: web.Request, node: Node, method: str, path_qs: str, body: Body, op: OpenRequest | None
+) -> web.StreamResponse:
+    """Send one request to ``node`` and relay its answer as sent; no answer at all is 502."""
+    try:
+        resp = await node.session.request(
+            method, node.url(path_qs), data=body, headers=request_headers(request, node),
+            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS),
+        )  # fmt: skip
+    except (aiohttp.ClientError, OSError) as exc:
+        raise BadGateway(f"node {node.name} did not answer: {describe(exc)}") from exc
+    async with resp:
+        content_type = resp.headers.get("Content-Type", "")
+        if resp.status < 300 and content_type.split(";")[0].strip() in STREAMED_TYPES:
+            out = web.StreamResponse(status=resp.status)
+            out.headers["Content-Type"] = content_type
+            if resp.content_length is not None:
+                out.content_length = resp.content_length
+            await out.prepare(request)
+            if op is not None:
+                op.answered = True
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            except (aiohttp.ClientError, OSError) as exc:
+                # The node went away mid-stream: cut the client's stream too rather than end it cleanly.
+                log.warning("stream from node cut", extra={"node": node.name, "error": describe(exc)})
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+            await out.write_eof()
+            return out
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BadGateway(f"node {node.name} did not finish its answer: {describe(exc)}") from exc
+        headers = {"Content-Type": content_type} if content_type and resp.status != 204 else {}
+        return web.Response(status=resp.status, body=data if resp.status != 204 else None, headers=headers)
+
+
+async def open_node_upgrade(
+    node: Node, path_qs: str, protocol: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | web.Response:
+    """Ask ``node`` to switch ``path_qs`` to ``protocol``: the raw stream on 101, else its answer as sent."""
+    target = node.target
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_SECS * 2):
+            if target.socket_path is not None:
+                reader, writer = await asyncio.open_unix_connection(
+                    target.socket_path, limit=READ_LIMIT_BYTES
+                )
+            else:
+                reader, writer = await asyncio.open_connection(
+                    target.host, target.port, ssl=node.ssl_context, limit=READ_LIMIT_BYTES
+                )
+            try:
+                host = "localhost" if target.socket_path is not None else f"{target.host}:{target.port}"
+                lines = [
+                    f"GET {path_qs} HTTP/1.1",
+                    f"Host: {host}",
+                    "Connection: Upgrade",
+                    f"Upgrade: {protocol}",
+                ]
+                lines += [f"{k}: {v}" for k, v in node.headers().items()]
+                writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                status, headers = parse_head(head)
+                if status == 101:
+                    return reader, writer
+                length = headers.get("content-length", "")
+                body = (
+                    await reader.readexactly(min(int(length), MAX_ERROR_BODY_BYTES))
+                    if length.isdigit()
+                    else await reader.read(MAX_ERROR_BODY_BYTES)
+                )
+                writer.close()
+                content_type = headers.get("content-type")
+                return web.Response(
+                    status=status, body=body, headers={"Content-Type": content_type} if content_type else {}
+                )
+            except BaseException:
+                writer.close()
+                raise
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        raise BadGateway(f"node {node.name} did not answer the upgrade: {describe(exc)}") from exc
+
+
+async def relay_upgrade(
+    request: web.Request, node: Node, path_qs: str, protocol: str, op: OpenRequest
+) -> web.StreamResponse:
+    """Upgrade both sides and copy bytes until both directions have ended."""
+    opened = await open_node_upgrade(node, path_qs, protocol)
+    if isinstance(opened, web.Response):
+        return opened
+    node_reader, node_writer = opened
+    op.closers.append(node_writer.close)
+    try:
+        client = await upgrade(request, protocol)
+    except BaseException:
+        node_writer.close()
+        raise
+    op.closers.append(client.writer.close)
+    op.answered = True
+    try:
+        await asyncio.gather(_copy(client.reader, node_writer), _copy(node_reader, client.writer))
+    finally:
+        node_writer.close()
+        await client.close()
+    return finished_response()
+
+
+async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    """Copy until EOF, then pass the half-close on; a broken side closes the other."""
+    try:
+        while True:
+            chunk = await src.read(COPY_CHUNK_BYTES)
+            if not chunk:
+                break
+            dst.write(chunk)
+            await dst.drain()
+        if dst.can_write_eof() and not dst.is_closing():
+            dst.write_eof()
+    except (ConnectionError, OSError):
+        with contextlib.suppress(Exception):
+            dst.close()

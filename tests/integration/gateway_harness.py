@@ -1,0 +1,172 @@
+"""Start a real ``sandbox-gateway`` in front of real sandboxd nodes, and talk HTTP to it.
+
+A gateway listens on a free loopback port; its state file, node file and audit log live in its own temp dir.
+Every gateway the harness starts is stopped at the end of the test; on failure its log is kept in
+test-artifacts/ with the nodes' evidence.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sandboxd_harness import Response, Sandboxd
+
+#: Fast health settings for tests: poll every 0.3 s, unhealthy after 3 failures, lost after 3 s.
+FAST_ARGS = [
+    "--poll-interval",
+    "0.3",
+    "--node-lost-after",
+    "3s",
+    "--forget-interval",
+    "1s",
+    "--recheck-interval",
+    "1s",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GatewayProcess:
+    """One running sandbox-gateway."""
+
+    def __init__(
+        self, workdir: Path, nodes: list[tuple[str, Sandboxd]], args: list[str] | None = None
+    ) -> None:
+        self.workdir = workdir
+        self.state_path = workdir / "gateway.db"
+        self.log_path = workdir / "gateway.log"
+        self.node_file = workdir / "nodes.toml"
+        self.port = free_port()
+        self.args = args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.node_file.write_text(
+            "".join(
+                f'[[node]]\nname = "{name}"\nendpoint = "unix://{node.socket_path}"\n\n'
+                for name, node in nodes
+            )
+        )
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``sandbox-gateway ARGS`` (offline commands) with this gateway's state file."""
+        result = subprocess.run(
+            [sys.executable, "-m", "sbx.gateway.main", *args, "--state", str(self.state_path)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if check:
+            assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+        return result
+
+    def create_key(self, user: str, *scopes: str, tenant: str | None = None) -> str:
+        """A key made offline (the gateway must be stopped); returns its secret."""
+        args = ["keys", "create", "--user", user, "--json", *(a for s in scopes for a in ("--scope", s))]
+        if tenant:
+            args += ["--tenant", tenant]
+        return str(json.loads(self.cli(*args).stdout)["secret"])
+
+    def start(self) -> GatewayProcess:
+        command = [
+            sys.executable, "-m", "sbx.gateway.main", "serve", "--state", str(self.state_path),
+            "--listen", f"127.0.0.1:{self.port}", "--node-file", str(self.node_file), *self.args,
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            try:
+                if self.request("GET", "/v1/health").status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway did not answer:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def request(
+        self, method: str, path: str, json_body: Any = None, *, key: str | None = None,
+        headers: dict[str, str] | None = None, body: bytes | None = None, timeout: float = 120.0,
+    ) -> Response:  # fmt: skip
+        conn = self.connection(timeout)
+        hdrs = dict(headers or {})
+        if key is not None:
+            hdrs["Authorization"] = f"Bearer {key}"
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+        finally:
+            conn.close()
+
+    def create(self, key: str, **fields: Any) -> dict[str, Any]:
+        resp = self.request("POST", "/v1/sandboxes", fields, key=key)
+        assert resp.status == 201, (resp.status, resp.body)
+        return resp.json()  # type: ignore[no-any-return]
+
+    def follow(self, key: str, ref: str, pid: int) -> Iterator[dict[str, Any]]:
+        conn = self.connection(60)
+        try:
+            conn.request("GET", f"/v1/sandboxes/{ref}/processes/{pid}/output",
+                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            while True:
+                line = resp.readline()
+                if not line:
+                    return
+                yield json.loads(line)
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def save_evidence(self, dest: Path) -> None:
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():
+            shutil.copy(self.log_path, dest / "gateway.log")
+
+
+def wait_for(predicate: Any, timeout_secs: float = 20.0, interval_secs: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with the last value after the timeout."""
+    deadline = time.monotonic() + timeout_secs
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_secs)
+    raise AssertionError(f"condition not met within {timeout_secs}s (last: {value!r})")
