@@ -237,8 +237,11 @@ class VolumeStore:
         self._busy.add(name)
         directory = self._dir(name)
         try:
-            if directory.exists():  # a leftover start() could not remove (it was mounted)
-                raise Conflict(f"volume {name!r} is still being removed on this node; retry in a moment")
+            if directory.exists():  # a leftover start() could not remove, or one with an unreadable record
+                raise Conflict(
+                    f"volume {name!r} has leftover state on this node (see the sandboxd log); "
+                    "pick another name or ask the operator to remove it"
+                )
             directory.mkdir(mode=0o700)
             try:
                 await self._format(directory, size_mb)
@@ -273,6 +276,12 @@ class VolumeStore:
             os.chmod(mnt, 0o755)
         finally:
             await self._unmount(directory.name, mnt)
+        # The record written next is durable; the file system it names must be too.
+        fd = os.open(image, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def delete(self, name: str) -> None:
         """Delete the volume with its contents; 404 when there is none, 409 while a live sandbox holds it.
