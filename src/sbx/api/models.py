@@ -19,7 +19,7 @@ import binascii
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sbx.api import validation as v
 from sbx.api.errors import InvalidRequest
@@ -475,6 +475,19 @@ def parse_cordon(body: bytes) -> bool:
     if "cordoned" not in obj:
         raise InvalidRequest("cordoned is required: true or false")
     return _bool(obj["cordoned"], "cordoned")
+
+
+def parse_snapshot_create(body: bytes) -> Literal["memory", "disk"]:
+    """Parse ``{kind?}`` of ``POST .../snapshots``: ``memory`` (the default) or ``disk``; an empty body is
+    ``{}``."""
+    obj = decode_object(body) if body.strip() else {}
+    _check_fields(obj, ("kind",))
+    kind = _str(obj.get("kind", "memory"), "kind")
+    if kind == "memory":
+        return "memory"
+    if kind == "disk":
+        return "disk"
+    raise InvalidRequest(f"kind must be memory or disk, not {kind!r}")
 
 
 def parse_schedule(body: bytes, config: NodeConfig) -> ScheduleRequest:

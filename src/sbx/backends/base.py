@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from sbx.api.network_policy import NetworkPolicy
 
@@ -105,3 +105,37 @@ class Backend(Protocol):
     async def usage(self, sandbox_id: str) -> BackendUsage | None:
         """Host-side counters of a running sandbox, None when it is not running. Cheap (file reads, no
         subprocess): the metrics sampler calls it for every running sandbox every few seconds."""
+
+    async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Apply ``policy`` to a running or suspended sandbox at once, cutting connections it no longer
+        permits; BackendError (message safe to show) when this sandbox's policy cannot change."""
+
+
+@runtime_checkable
+class CheckpointBackend(Backend, Protocol):
+    """A backend that can save a running sandbox (memory, processes) and start it again from the save:
+    suspend/resume, memory and disk snapshots, and forks. The host quiesces the sandbox's agent (QUIESCE
+    with ``wake_path``) before :meth:`checkpoint`; a restore or :meth:`wake` ends the quiesce."""
+
+    #: The guest path the agent's QUIESCE waits for (see docs/agent-protocol.md).
+    wake_path: str
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        """Save the sandbox into ``image_dir``; the sandbox then stops, its disk stays. On failure
+        ``image_dir`` is removed and the sandbox may still run (then wake it) or be gone."""
+
+    async def restore(self, sandbox_id: str, image_dir: Path) -> None:
+        """Start the checkpointed sandbox again from ``image_dir``, on its own disk."""
+
+    async def wake(self, sandbox_id: str) -> None:
+        """End the agent's quiesce in a sandbox that still runs."""
+
+    async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
+        """Copy the sandbox's disk to the file ``dest``, consistent (writers wait during the copy)."""
+
+    def disk_used_bytes(self, sandbox_id: str) -> int:
+        """Bytes in use on the sandbox's disk."""
+
+    async def boot_from_snapshot(self, spec: BootSpec, disk_image: Path, memory_image: Path | None) -> None:
+        """Boot a new sandbox on a copy of ``disk_image`` (resized to ``spec.disk_mb``); with ``memory_image``
+        restored from that checkpoint, processes running, else booted afresh. Nothing is left on failure."""

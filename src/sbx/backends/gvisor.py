@@ -13,7 +13,8 @@ sandboxd restart). runsc keeps its own state in ``<state>/gvisor/runsc``; ``runs
 sandbox running outside sandboxd's process tree, so killing sandboxd never stops a sandbox.
 
 Isolation: pid, mount, ipc, uts and network namespaces; CPU quota, memory and pid limits through the cgroup
-``/sandboxd/<id>``; network mode ``none`` (loopback only, gVisor's own stack).
+``/sandboxd/<id>``; network mode ``none`` (loopback only, gVisor's own stack), modes ``allowlist`` and ``open``
+in a network namespace of their own behind the egress proxy (gvisor_net.py, docs/network.md).
 """
 
 from __future__ import annotations
@@ -22,17 +23,24 @@ import asyncio
 import json
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendError, BackendUsage, BootSpec
+from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
+from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.layers import LayerPool, WritableLayer, run_tool
+from sbx.net.egress import Egress, EgressConfig, instance_tag
 
 #: The in-sandbox paths of the agent and its control directory.
 GUEST_AGENT_PATH = "/.sbx/agent"
 GUEST_CTL_DIR = "/.sbx/ctl"
 AGENT_SOCKET_NAME = "agent.sock"
+#: File in the control directory that ends the agent's QUIESCE (see docs/agent-protocol.md).
+WAKE_FILE_NAME = "wake"
 
 #: Host threads and processes a sandbox may have (ptrace runs a stub per guest address space); stops a fork
 #: bomb from exhausting the host's pid space.
@@ -105,7 +113,7 @@ class GVisorBackend:
     """Runs sandboxes with gVisor's runsc. ``state_dir`` is sandboxd's state directory."""
 
     name = "gvisor"
-    network_modes = frozenset({"none"})
+    network_modes: frozenset[str] = frozenset({"none"})
 
     def __init__(
         self,
@@ -114,23 +122,41 @@ class GVisorBackend:
         platform: str = "ptrace",
         runsc: str = "runsc",
         pooled_disk_mb: int = 0,
+        egress: EgressConfig | None = None,
     ) -> None:
-        """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time."""
+        """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
+        ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
+        none only."""
         self.base = state_dir / "gvisor"
         self.runsc_root = self.base / "runsc"
         self.agent_path = agent_path
         self.platform = platform
         self.runsc = runsc
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
+        #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
+        self._locks: dict[str, asyncio.Lock] = {}
+        #: Sandboxes being destroyed: a checkpoint or restore racing with the teardown gives up.
+        self._doomed: set[str] = set()
+        #: Network namespaces for sandboxes with egress (None: every sandbox gets --network=none).
+        self.net = (
+            SandboxNetworks(self.base, Egress(egress, instance_tag(str(state_dir.resolve()))))
+            if egress is not None
+            else None
+        )
+        self.network_modes = frozenset({"none", "allowlist", "open"} if egress is not None else {"none"})
 
     async def start(self) -> None:
         """Background work: keep the layer pool filled."""
         if self.layer_pool is not None:
             await self.layer_pool.start()
+        if self.net is not None:
+            await self.net.start()
 
     async def close(self) -> None:
         if self.layer_pool is not None:
             await self.layer_pool.close()
+        if self.net is not None:
+            await self.net.close()
 
     def check(self) -> None:
         """Raise BackendError naming what is missing on this host."""
@@ -148,6 +174,12 @@ class GVisorBackend:
             )
         if os.geteuid() != 0:
             raise BackendError("sandboxd must run as root to create gVisor sandboxes")
+        for tool in ("nft", "ip", "nsenter", "unshare") if self.net is not None else ():
+            if shutil.which(tool) is None:
+                raise BackendError(
+                    f"{tool} not found: network modes allowlist and open need nftables, iproute2 and "
+                    "util-linux (scripts/install.sh installs them)"
+                )
         self.runsc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _dir(self, sandbox_id: str) -> Path:
@@ -165,9 +197,52 @@ class GVisorBackend:
         Every such command must go through here: a sandbox with its own network namespace has an abstract
         control socket that is reachable only from inside that namespace.
         """
-        return self._runsc_argv(*args)
+        if self.net is None:
+            return self._runsc_argv(*args)
+        return self.net.command_argv(sandbox_id, self._runsc_argv(*args))
+
+    def _sandbox_process_argv(self, sandbox_id: str, *args: str) -> list[str]:
+        """argv of a runsc command that starts the sandbox's processes (``run``, ``restore``): ``args`` without
+        any ``--network`` flag, which this adds (none, or sandbox inside the sandbox's namespace)."""
+        if self.net is None:
+            return self._runsc_argv("--network=none", *args)
+        return self.net.process_argv(sandbox_id, self._runsc_argv(*args))
+
+    async def prepare_network_for_restore(self, sandbox_id: str) -> None:
+        """Before a ``runsc restore``: put the sandbox's addresses back into its namespace (runsc moved them
+        into the sandbox it checkpointed). Idempotent; nothing for a sandbox without a network."""
+        if self.net is not None:
+            await self.net.prepare_for_restore(sandbox_id)
+
+    async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Apply ``policy`` to a running sandbox at once; connections it no longer permits are cut.
+        BackendError when the sandbox has no network interface (it was created with mode none)."""
+        if self.net is None or self.net.host_interface(sandbox_id) is None:
+            raise BackendError(
+                "the sandbox was created with network mode none and has no network interface; create a new "
+                "sandbox with mode allowlist or open to give it egress"
+            )
+        await self.net.set_policy(sandbox_id, policy)
 
     async def boot(self, spec: BootSpec) -> None:
+        await self._boot(spec, lambda layer: layer.create(spec.image_root, spec.disk_mb, self.layer_pool))
+
+    async def boot_from_snapshot(self, spec: BootSpec, disk_image: Path, memory_image: Path | None) -> None:
+        """Boot a new sandbox whose writable layer is a copy of ``disk_image`` resized to ``spec.disk_mb``;
+        with ``memory_image`` (a checkpoint directory) it is restored from it, processes running, instead of
+        booted afresh (the spec's image and resources must then be those of the checkpointed sandbox)."""
+        await self._boot(
+            spec,
+            lambda layer: layer.create_from_copy(spec.image_root, disk_image, spec.disk_mb),
+            memory_image,
+        )
+
+    async def _boot(
+        self,
+        spec: BootSpec,
+        make_layer: Callable[[WritableLayer], Awaitable[None]],
+        memory_image: Path | None = None,
+    ) -> None:
         if spec.network.mode not in self.network_modes:
             raise BackendError(f"network mode {spec.network.mode} is not supported by the gvisor backend")
         directory = self._dir(spec.sandbox_id)
@@ -178,21 +253,31 @@ class GVisorBackend:
             directory.mkdir(parents=True, mode=0o700)
             ctl_dir.mkdir(mode=0o700)
             bundle.mkdir()
-            await layer.create(spec.image_root, spec.disk_mb, self.layer_pool)
-            (bundle / "config.json").write_text(
-                json.dumps(oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir)), encoding="utf-8"
-            )
-            await self._start(spec.sandbox_id, bundle, directory / "console.log")
+            await make_layer(layer)
+            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir)
+            if self.net is not None and spec.network.mode != "none":
+                await self.net.create(spec.sandbox_id, spec.network)
+                self.net.configure_spec(spec.sandbox_id, config)
+            (bundle / "config.json").write_text(json.dumps(config), encoding="utf-8")
+            if memory_image is not None:
+                (ctl_dir / WAKE_FILE_NAME).touch()  # the restored agent listens again at once
+            await self._start(spec.sandbox_id, bundle, directory / "console.log", memory_image)
         except BaseException:
             await self.destroy(spec.sandbox_id)
             raise
 
-    async def _start(self, sandbox_id: str, bundle: Path, console: Path) -> None:
+    async def _start(
+        self, sandbox_id: str, bundle: Path, console: Path, image_dir: Path | None = None
+    ) -> None:
+        """``runsc run`` the bundle, or ``runsc restore`` it from the checkpoint in ``image_dir``."""
+        command = ("restore", "--image-path", str(image_dir)) if image_dir is not None else ("run",)
+        if image_dir is not None:
+            await self.prepare_network_for_restore(sandbox_id)
         with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
-                *self._runsc_argv(
-                    f"--platform={self.platform}", "--network=none", "--host-uds=create", "--cpu-num-from-quota",
-                    "run", "--detach", "--bundle", str(bundle), sandbox_id,
+                *self._sandbox_process_argv(
+                    sandbox_id, f"--platform={self.platform}", "--host-uds=create", "--cpu-num-from-quota",
+                    *command, "--detach", "--bundle", str(bundle), sandbox_id,
                 ),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True,  # never in sandboxd's process group: a signal to it must not reach here
@@ -200,7 +285,8 @@ class GVisorBackend:
             code = await proc.wait()
         if code != 0:
             tail = console.read_bytes()[-2000:].decode(errors="replace").strip()
-            raise BackendError(f"runsc could not start the sandbox (exit {code}): {tail}")
+            what = "restore" if image_dir is not None else "start"
+            raise BackendError(f"runsc could not {what} the sandbox (exit {code}): {tail}")
 
     async def is_running(self, sandbox_id: str) -> bool:
         proc = await asyncio.create_subprocess_exec(
@@ -215,7 +301,71 @@ class GVisorBackend:
         except ValueError:
             return False
 
+    # -- checkpoints (suspend, snapshots, forks) ------------------------------------------------------
+
+    #: Where the agent's QUIESCE waits for the wake file (a guest path; see docs/agent-protocol.md).
+    wake_path = f"{GUEST_CTL_DIR}/{WAKE_FILE_NAME}"
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        """Save the sandbox's memory and processes into ``image_dir`` (created); the sandbox then stops, its
+        writable layer stays. The agent must be quiesced first (gVisor cannot save a host socket).
+
+        On failure ``image_dir`` is removed; the sandbox may still run (then :meth:`wake` it) or be gone.
+        """
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._doomed:
+                raise BackendError("the sandbox is being deleted")
+            image_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                await run_tool(
+                    *self._runsc_for(sandbox_id, "checkpoint", "--image-path", str(image_dir), sandbox_id)
+                )
+            except BaseException:
+                shutil.rmtree(image_dir, ignore_errors=True)
+                raise
+
+    async def restore(self, sandbox_id: str, image_dir: Path) -> None:
+        """Start the checkpointed sandbox again from ``image_dir``, on its own bundle and layer; its agent
+        listens again at once. Raises BackendError when the sandbox is being deleted."""
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._doomed:
+                raise BackendError("the sandbox is being deleted")
+            directory = self._dir(sandbox_id)
+            # The checkpointed container is stopped; its id must be free for the restore.
+            await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
+            (directory / "ctl" / WAKE_FILE_NAME).touch()
+            await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
+
+    async def wake(self, sandbox_id: str) -> None:
+        """End a quiesce of a sandbox that still runs (a checkpoint failed or was not needed)."""
+        (self._dir(sandbox_id) / "ctl" / WAKE_FILE_NAME).touch()
+
+    async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
+        """Copy the sandbox's writable layer (an ext4 image) to ``dest``, consistent: the file system is
+        frozen for the copy, so writers wait meanwhile. Works whether the sandbox runs or is checkpointed."""
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._doomed:
+                raise BackendError("the sandbox is being deleted")
+            layer = WritableLayer(self._dir(sandbox_id) / "layer")
+            await copy_frozen(layer.disk_dir, layer.image_file, dest)
+
+    def disk_used_bytes(self, sandbox_id: str) -> int:
+        """Bytes in use on the sandbox's writable layer (0 when it has none)."""
+        return WritableLayer(self._dir(sandbox_id) / "layer").used_bytes()
+
     async def destroy(self, sandbox_id: str) -> None:
+        # Marked first: a checkpoint or restore under way for it must not bring it back.
+        self._doomed.add(sandbox_id)
+        try:
+            await self._destroy(sandbox_id)
+        finally:
+            self._doomed.discard(sandbox_id)
+            self._locks.pop(sandbox_id, None)
+
+    async def _destroy(self, sandbox_id: str) -> None:
         directory = self._dir(sandbox_id)
         if (
             (self.runsc_root / sandbox_id).exists()
@@ -228,8 +378,11 @@ class GVisorBackend:
                     await run_tool(*self._runsc_for(sandbox_id, *args))
                 except BackendError:
                     pass
-        await WritableLayer(directory / "layer").remove()
-        shutil.rmtree(directory, ignore_errors=True)
+        if self.net is not None:
+            await self.net.destroy(sandbox_id)  # reads the sandbox's network.json: before the rmtree
+        async with self._lock(sandbox_id):  # after a disk copy under way: a frozen layer cannot unmount
+            await WritableLayer(directory / "layer").remove()
+            shutil.rmtree(directory, ignore_errors=True)
         self._remove_cgroup(sandbox_id)
 
     @staticmethod
@@ -245,8 +398,8 @@ class GVisorBackend:
                 pass
 
     def host_interface(self, sandbox_id: str) -> str | None:
-        """The host end of the sandbox's network interface; None while sandboxes get none (mode ``none``)."""
-        return None
+        """The host end of the sandbox's veth; None for a sandbox without network (mode ``none``)."""
+        return self.net.host_interface(sandbox_id) if self.net is not None else None
 
     async def usage(self, sandbox_id: str) -> BackendUsage | None:
         """The counters of the sandbox's cgroup, processes and interface (see host_counters.py)."""

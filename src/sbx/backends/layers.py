@@ -116,6 +116,25 @@ class WritableLayer:
             await self.remove()
             raise
 
+    async def create_from_copy(self, image_root: Path, disk_image: Path, disk_mb: int) -> None:
+        """Like create, but the ext4 layer is a copy of ``disk_image`` (a snapshot's), resized to ``disk_mb``.
+
+        On failure (files that do not fit, among others) whatever was made is removed again.
+        """
+        from sbx.backends.disk_copy import copy_sparse, resize_ext4  # disk_copy imports this module
+
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.disk_dir.mkdir(exist_ok=True)
+            await copy_sparse(disk_image, self.image_file)
+            await resize_ext4(self.image_file, disk_mb)
+            await mount_loop(self.image_file, self.disk_dir)
+            self.rootfs.mkdir(exist_ok=True)
+            mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
+        except BaseException:
+            await self.remove()
+            raise
+
     async def format_disk(self, disk_mb: int) -> None:
         """Make and mount the ext4 file system of the writable layer, with empty upper/ and work/."""
         self.directory.mkdir(parents=True, exist_ok=True)

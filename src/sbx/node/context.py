@@ -45,10 +45,11 @@ class NodeContext:
             "api_version": "v1",
             "backend": self.backend.name,
             "capabilities": {
-                "network_policy_update": False,
-                "suspend": False,
-                "memory_snapshot": False,
-                "disk_snapshot": False,
+                # PATCH network is applied live wherever egress is enforced (modes beyond none).
+                "network_policy_update": len(self.backend.network_modes) > 1,
+                "suspend": self.manager.checkpoints is not None,
+                "memory_snapshot": self.manager.checkpoints is not None,
+                "disk_snapshot": self.manager.checkpoints is not None,
                 "tunnel": True,
                 "metrics": self.sampler is not None,
                 "audit": self.config.audit.enabled,

@@ -23,13 +23,15 @@ from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
 from sbx.api.models import CreateRequest, PatchRequest
 from sbx.api.network_policy import MODE_ORDER
-from sbx.backends.base import Backend, BackendError, BootSpec, VolumeBind
+from sbx.backends.base import Backend, BackendError, BootSpec, CheckpointBackend, VolumeBind
 from sbx.images.store import ImageConfig, ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
+from sbx.node.checkpoints import Checkpoints
 from sbx.node.config import Capacity, NodeConfig
 from sbx.node.images import ImageService
 from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+from sbx.node.snapshots import SnapshotStore
 from sbx.node.volumes import VolumeStore, check_mount_points
 from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
 
@@ -130,6 +132,12 @@ class SandboxManager:
         self.node_id = node_id
         #: Volumes (see volumes.py): held by live sandboxes from create to terminate.
         self.volumes = VolumeStore(state_dir / "volumes")
+        #: Suspend, snapshots, forks and schedules (checkpoints.py); None when the backend cannot checkpoint.
+        self.checkpoints: Checkpoints | None = (
+            Checkpoints(self, backend, SnapshotStore(state_dir / "snapshots"))
+            if isinstance(backend, CheckpointBackend)
+            else None
+        )
         self.cordoned = False
         #: Resources held outside the manager's sandboxes (the warm pools'); set by the server.
         self.reserved: Callable[[], Capacity] = lambda: Capacity(0, 0, 0)
@@ -147,6 +155,8 @@ class SandboxManager:
     async def start(self) -> None:
         """Take back the sandboxes of a previous run, then start the idle checker."""
         await self.volumes.start()
+        if self.checkpoints is not None:
+            self.checkpoints.store.load()
         for path in sorted(self.root.glob("*/sandbox.json")):
             # Temporary files a kill left mid-write; the records themselves are always whole.
             remove_stale_tmp_files(path.parent)
@@ -174,6 +184,8 @@ class SandboxManager:
                 await self._terminate(sandbox, "lost")
         self._forget_old_terminated()
         await self.volumes.settle()
+        if self.checkpoints is not None:
+            self.checkpoints.start()
         self._spawn(self._idle_loop())
 
     def _image_config_from_store(self, sandbox: Sandbox) -> None:
@@ -186,6 +198,12 @@ class SandboxManager:
 
     async def _take_back(self, sandbox: Sandbox) -> None:
         record = sandbox.record
+        if record.state is SandboxState.SUSPENDED:
+            # Nothing runs: its checkpoint waits on disk for a resume.
+            sandbox.processes.load()
+            sandbox.processes.paused_reason = "suspended"
+            log.info("suspended sandbox taken back", extra={"sandbox": record.id})
+            return
         if record.state is SandboxState.PENDING or not await self.backend.is_running(record.id):
             raise BackendError("the sandbox stopped while sandboxd was not running")
         agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
@@ -201,6 +219,8 @@ class SandboxManager:
         """
         if self._destroys:
             await asyncio.wait(set(self._destroys), timeout=DESTROY_GRACE_SECS)
+        if self.checkpoints is not None:
+            await self.checkpoints.close()
         for task in list(self._tasks):
             task.cancel()
         for sandbox in self._sandboxes.values():
@@ -301,13 +321,18 @@ class SandboxManager:
         if self.cordoned:
             raise Unavailable("this node is cordoned and takes no new sandboxes; uncordon it with "
                               "POST /v1/node/cordon {\"cordoned\": false}")  # fmt: skip
-        if req.snapshot_id is not None:
-            raise Unsupported(
-                "forks from snapshots are not supported by this node (capability memory_snapshot)"
-            )
         self.volumes.check("", req.volumes)
         if req.snapshot_every_secs:
-            raise Unsupported("snapshot schedules are not supported by this node (no snapshot capability)")
+            if self.checkpoints is None:
+                raise Unsupported(
+                    f"the {self.backend.name} backend takes no snapshots, so it keeps no snapshot schedule; "
+                    "omit snapshot_every_secs"
+                )
+            if req.volumes:
+                raise Conflict(
+                    "a sandbox with volumes cannot be snapshotted, so it cannot have a snapshot schedule; "
+                    "drop volumes or snapshot_every_secs"
+                )
         if req.network.mode not in self.backend.network_modes:
             raise Refused(
                 f"network mode {req.network.mode!r} is not enforced by this node's {self.backend.name} backend; "
@@ -333,13 +358,22 @@ class SandboxManager:
             raise Unavailable("not enough free capacity on this node: " + ", ".join(short))
 
     async def create(self, req: CreateRequest) -> SandboxRecord:
-        """Boot a sandbox for a validated request (or take a pooled one that fits); on failure nothing is
-        left behind. An image not installed yet is installed first, and the create waits for it."""
+        """Boot a sandbox for a validated request (or take a pooled one that fits, or fork a snapshot); on
+        failure nothing is left behind. An image not installed yet is installed first, and the create waits
+        for it."""
+        snapshot = None
+        if req.snapshot_id is not None:
+            if self.checkpoints is None:
+                raise Unsupported(
+                    f"the {self.backend.name} backend cannot fork snapshots (capabilities memory_snapshot, "
+                    "disk_snapshot); omit snapshot_id"
+                )
+            snapshot, req = self.checkpoints.fork_request(req)
         self._check_create(req)
         image = await self.image_service.ensure(req.image)
         self._check_create(req)  # again: the install may have taken a while
         check_mount_points(image.rootfs, req.volumes)
-        pooled = self.take_pooled(image.reference, req)
+        pooled = self.take_pooled(image.reference, req) if snapshot is None else None
         if pooled is not None:
             return self.adopt(pooled, req)
         self._check_capacity(req)
@@ -357,6 +391,9 @@ class SandboxManager:
             env=dict(req.env),
             labels=dict(req.labels),
             volumes=req.volumes,
+            snapshot_id=req.snapshot_id,
+            snapshot_every_secs=req.snapshot_every_secs or 0,
+            snapshot_keep=(req.snapshot_keep or 1) if req.snapshot_every_secs else 0,
         )
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
@@ -370,8 +407,12 @@ class SandboxManager:
             # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
             sandbox.save(durable=False)
             sandbox.save_image_config()
-            binds = await self.volumes.mount(record.id, req.volumes)
-            agent = await self.boot(record, image, binds)
+            if snapshot is not None and self.checkpoints is not None:
+                await self.checkpoints.boot_fork(snapshot, sandbox)
+                agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+            else:
+                binds = await self.volumes.mount(record.id, req.volumes)
+                agent = await self.boot(record, image, binds)
             await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
         except BaseException as exc:
@@ -386,13 +427,15 @@ class SandboxManager:
         sandbox.touch()
         sandbox.save()
         self._audit_created(record)
+        if record.snapshot_every_secs and self.checkpoints is not None:
+            self.checkpoints.set_schedule(record.id, record.snapshot_every_secs, record.snapshot_keep)
         return record
 
     def _audit_created(self, record: SandboxRecord, **extra: object) -> None:
         self.audit.record(
             "sandbox.created", record.id,
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
-            env_names=sorted(record.env), snapshot=None,
+            env_names=sorted(record.env), snapshot=record.snapshot_id,
             volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes], **extra,
         )  # fmt: skip
 
@@ -457,17 +500,22 @@ class SandboxManager:
         async with sandbox.lock:
             if not record.live:
                 raise Conflict(f"sandbox {record.id} is terminated and cannot be changed")
-            if req.network is not None:
-                raise Unsupported(
-                    "changing the network policy of a running sandbox is not supported by this node "
-                    "(capability network_policy_update)"
-                )
             if (
                 req.name
                 and req.name != record.name
                 and any(s.record.name == req.name for s in self.live() if s is not sandbox)
             ):
                 raise Conflict(f"the name {req.name!r} is in use by a live sandbox")
+            if req.network is not None and req.network != record.network:
+                # Last check, first change: applied live by the backend (open connections the new policy
+                # does not permit are cut); when it cannot be, nothing of the PATCH has changed.
+                try:
+                    await self.backend.update_network(record.id, req.network)
+                except BackendError as exc:
+                    raise Conflict(f"the network policy of sandbox {record.id} cannot change: {exc}") from None
+                record.network = req.network
+                sandbox.save()
+                self.audit.record("sandbox.network_updated", record.id, network=record.network.to_wire())
             changed: dict[str, object] = {}
             if req.name is not None:
                 new_name = req.name or None
@@ -494,6 +542,10 @@ class SandboxManager:
             if sandbox.record.live:
                 await self._terminate(sandbox, "request")
 
+    async def terminate_locked(self, sandbox: Sandbox, reason: str) -> None:
+        """Terminate ``sandbox`` (live) for ``reason``; the caller holds ``sandbox.lock``."""
+        await self._terminate(sandbox, reason)
+
     async def _terminate(self, sandbox: Sandbox, reason: str) -> None:
         record = sandbox.record
         record.state = SandboxState.TERMINATED
@@ -506,6 +558,10 @@ class SandboxManager:
         if agent is not None:
             await agent.close()
         await sandbox.processes.kill_all()
+        sandbox.processes.paused_reason = None
+        if self.checkpoints is not None:
+            self.checkpoints.stop_schedule(record.id)
+            self.checkpoints.discard_suspend_image(sandbox)
         self.audit.record("sandbox.terminated", record.id, reason=reason)
         # Tearing down the runsc sandbox takes about a second: the answer does not wait for it, and a restart
         # finishes it (destroy is idempotent).
@@ -530,6 +586,17 @@ class SandboxManager:
             shutil.rmtree(sandbox.directory, ignore_errors=True)
             for hook in self.on_forget:
                 hook(sandbox.record.id)
+
+    def watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
+        """Reconnect or terminate when ``agent``'s channel closes on its own (see _watch_agent)."""
+        self._watch_agent(sandbox, agent)
+
+    def image_root(self, reference: str) -> Path:
+        """The root file system of the installed image ``reference``; NotFound when it is not installed."""
+        image = self.images.get(reference)
+        if image is None:
+            raise NotFound(f"the image {reference!r} is not installed on this node")
+        return image.rootfs
 
     def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
         """When the agent's channel closes on its own: reconnect if the sandbox still runs, else terminate it."""

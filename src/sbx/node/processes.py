@@ -127,6 +127,8 @@ class ProcessTable:
         self.audit = audit
         self.on_change = on_change
         self.agent: AgentClient | None = None
+        #: Why there is no agent connection for a while ("being snapshotted"), None normally.
+        self.paused_reason: str | None = None
         self._procs: dict[int, _Process] = {}
         self._next_pid = 1
         self._exited = 0
@@ -183,6 +185,11 @@ class ProcessTable:
         if proc is None:
             raise NotFound(f"no process {pid} in sandbox {self.sandbox_id}")
         return proc
+
+    @property
+    def next_pid(self) -> int:
+        """The handle the next process will get."""
+        return self._next_pid
 
     @property
     def running(self) -> int:
@@ -374,5 +381,9 @@ class ProcessTable:
 
     def require_agent(self) -> AgentClient:
         if self.agent is None or self.agent.closed.is_set():
+            if self.paused_reason is not None:
+                raise Conflict(
+                    f"sandbox {self.sandbox_id} is {self.paused_reason}; retry in a moment, when that is done"
+                )
             raise Internal(f"the agent of sandbox {self.sandbox_id} is not connected")
         return self.agent

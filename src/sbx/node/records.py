@@ -17,6 +17,7 @@ class SandboxState(str, Enum):
 
     PENDING = "pending"
     RUNNING = "running"
+    SUSPENDED = "suspended"
     TERMINATED = "terminated"
 
 
@@ -60,6 +61,10 @@ class SandboxRecord:
     next_pid: int = 1
     #: Volumes mounted at create (fixed for the sandbox's life; held until it is terminated).
     volumes: tuple[VolumeMount, ...] = ()
+    #: The snapshot this sandbox was forked from, None for a sandbox booted from its image.
+    snapshot_id: str | None = None
+    #: The spec's Snapshot progress while a snapshot is being taken; in memory only (never on disk).
+    snapshotting: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def live(self) -> bool:
@@ -84,6 +89,8 @@ class SandboxRecord:
             "snapshot_keep": self.snapshot_keep,
             "created_at": self.created_at,
         }
+        if self.snapshotting is not None:
+            body["snapshotting"] = dict(self.snapshotting)
         if self.terminated_at is not None:
             body["terminated_at"] = self.terminated_at
             body["terminated_reason"] = self.terminated_reason
@@ -92,6 +99,7 @@ class SandboxRecord:
     def to_disk(self) -> dict[str, Any]:
         """The on-disk form (includes env values; the state dir is root-only)."""
         data = asdict(self)
+        del data["snapshotting"]
         data["state"] = self.state.value
         data["network"] = {
             "mode": self.network.mode,

@@ -14,6 +14,7 @@ from sbx.node.routes import (
     processes,
     sandbox_metrics,
     sandboxes,
+    snapshots,
     tunnel,
     volumes,
 )
@@ -32,4 +33,5 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *images.routes(ctx),
         *sandbox_metrics.routes(ctx),
         *volumes.routes(ctx),
+        *snapshots.routes(ctx),
     ]

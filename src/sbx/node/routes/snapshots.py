@@ -1,0 +1,65 @@
+"""Suspend and resume, snapshots and snapshot schedules (capabilities suspend, memory_snapshot, disk_snapshot)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from sbx.api.errors import Unsupported
+from sbx.api.models import parse_schedule, parse_snapshot_create
+from sbx.node.checkpoints import Checkpoints
+from sbx.node.context import NodeContext
+from sbx.node.http import json_response, read_json_body
+
+
+def routes(ctx: NodeContext) -> list[web.RouteDef]:
+    manager = ctx.manager
+
+    def checkpoints(what: str) -> Checkpoints:
+        if manager.checkpoints is None:
+            raise Unsupported(
+                f"the {ctx.backend.name} backend cannot {what} (capabilities suspend, memory_snapshot)"
+            )
+        return manager.checkpoints
+
+    async def suspend(request: web.Request) -> web.Response:
+        record = await checkpoints("suspend sandboxes").suspend(request.match_info["ref"])
+        return json_response(record.to_wire())
+
+    async def resume(request: web.Request) -> web.Response:
+        record = await checkpoints("resume sandboxes").resume(request.match_info["ref"])
+        return json_response(record.to_wire())
+
+    async def take(request: web.Request) -> web.Response:
+        service = checkpoints("take snapshots")
+        ref = request.match_info["ref"]
+        manager.resolve(ref)  # 404 before parsing, so a typo in the ref is named first
+        kind = parse_snapshot_create(await read_json_body(request))
+        snapshot = await service.snapshot(ref, kind)
+        return json_response(snapshot.to_wire(), status=201)
+
+    async def list_snapshots(request: web.Request) -> web.Response:
+        service = checkpoints("take snapshots")
+        return json_response({"snapshots": [s.to_wire() for s in service.store.records()]})
+
+    async def delete(request: web.Request) -> web.Response:
+        checkpoints("take snapshots").delete_snapshot(request.match_info["id"])
+        return web.Response(status=204)
+
+    async def schedule(request: web.Request) -> web.Response:
+        ref = request.match_info["ref"]
+        manager.resolve(ref)
+        req = parse_schedule(await read_json_body(request), ctx.config)
+        # Rule 4: a node that takes no snapshots answers 501, after the request is known to be well-formed.
+        record = checkpoints("take snapshots, so it keeps no schedule").set_schedule(
+            ref, req.every_secs, req.keep
+        )
+        return json_response(record.to_wire())
+
+    return [
+        web.post("/v1/sandboxes/{ref}/suspend", suspend),
+        web.post("/v1/sandboxes/{ref}/resume", resume),
+        web.post("/v1/sandboxes/{ref}/snapshots", take),
+        web.put("/v1/sandboxes/{ref}/snapshot-schedule", schedule),
+        web.get("/v1/snapshots", list_snapshots),
+        web.delete("/v1/snapshots/{id}", delete),
+    ]

@@ -1,0 +1,421 @@
+"""Suspend/resume, memory and disk snapshots, forks and schedules against real gVisor sandboxes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sandboxd_harness import Response, Sandboxd
+
+CONFIG = """
+[limits]
+min_snapshot_every_secs = 1
+max_snapshot_keep = 3
+"""
+
+# A daemon the API does not track (it outlives the shell that started it): it counts into a file and
+# appends one line per tick to another, so memory (the counter) and disk (the lines) can be compared.
+COUNTER = (
+    "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /sandbox/home/count; echo $i >> /sandbox/home/lines; "
+    "sleep 0.02; done' >/dev/null 2>&1 &"
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Sandboxd]:
+    workdir = Path(tempfile.mkdtemp(prefix="sbxd-", dir="/var/tmp"))
+    s = Sandboxd(workdir, CONFIG).start()
+    yield s
+    s.teardown()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def text(server: Sandboxd, ref: str, *argv: str) -> str:
+    result = server.run(ref, list(argv))
+    assert result["exit_code"] == 0, result
+    return str(result["stdout"].decode())
+
+
+def count(server: Sandboxd, ref: str) -> int:
+    """The daemon's counter (0 before it wrote one); a read between its truncate and its write is retried."""
+    while not (value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()):
+        time.sleep(0.005)
+    return int(value)
+
+
+def wait_count_above(server: Sandboxd, ref: str, above: int, timeout_secs: float = 10) -> int:
+    deadline = time.monotonic() + timeout_secs
+    while (n := count(server, ref)) <= above:
+        assert time.monotonic() < deadline, f"the counter of {ref} stayed at {n}"
+        time.sleep(0.05)
+    return n
+
+
+def expect_error(resp: Response, status: int, code: str, words: str) -> None:
+    assert resp.status == status, (resp.status, resp.body)
+    got_code, message = resp.error
+    assert got_code == code and words in message, message
+
+
+def state_of(server: Sandboxd, ref: str) -> str:
+    return str(server.request("GET", f"/v1/sandboxes/{ref}").json()["state"])
+
+
+def snapshot(server: Sandboxd, ref: str, kind: str = "memory") -> dict[str, Any]:
+    resp = server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": kind})
+    assert resp.status == 201, (resp.status, resp.body)
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def events(server: Sandboxd, ref: str) -> list[dict[str, Any]]:
+    return server.request("GET", f"/v1/sandboxes/{ref}/events").json()["events"]  # type: ignore[no-any-return]
+
+
+def test_capabilities_say_suspend_and_snapshots(server: Sandboxd) -> None:
+    caps = server.request("GET", "/v1/capabilities").json()["capabilities"]
+    assert caps["suspend"] and caps["memory_snapshot"] and caps["disk_snapshot"]
+
+
+# ---- suspend and resume ------------------------------------------------------------------------------
+
+
+def test_twenty_suspend_resume_cycles_lose_nothing(server: Sandboxd) -> None:
+    s = server.create(name="sleeper")
+    ref = s["id"]
+    text(server, ref, "sh", "-c", COUNTER)
+    last = wait_count_above(server, ref, 0)
+    for cycle in range(20):
+        # Written just before the suspend: must be there after the resume.
+        text(server, ref, "sh", "-c", f"echo {cycle} >> /sandbox/home/cycles")
+        resp = server.request("POST", f"/v1/sandboxes/{ref}/suspend")
+        assert resp.status == 200 and resp.json()["state"] == "suspended", resp.body
+        resp = server.request("POST", f"/v1/sandboxes/{ref}/resume")
+        assert resp.status == 200 and resp.json()["state"] == "running", resp.body
+        assert resp.json()["id"] == ref
+        last = wait_count_above(server, ref, last)  # the counter goes on from where it was
+    assert text(server, ref, "cat", "/sandbox/home/cycles").split() == [str(i) for i in range(20)]
+    lines = [int(x) for x in text(server, ref, "cat", "/sandbox/home/lines").split()]
+    assert lines == list(range(1, len(lines) + 1))  # no tick lost or repeated across 20 cycles
+    types = [e["type"] for e in events(server, ref)]
+    assert types.count("sandbox.suspended") == 20 and types.count("sandbox.resumed") == 20
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_a_suspended_sandbox_runs_nothing_and_refuses_work(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", COUNTER)
+    wait_count_above(server, ref, 0)
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["true"]}), 409, "conflict",
+                 "suspended")  # fmt: skip
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/suspend"), 409, "conflict", "suspended")
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"}), 409,
+                 "conflict", "suspended")  # fmt: skip
+    metrics = server.request("GET", f"/v1/sandboxes/{ref}/metrics")
+    assert metrics.status == 200
+    # PATCH of name and labels works on a suspended sandbox without waking it (rule 5).
+    resp = server.request("PATCH", f"/v1/sandboxes/{ref}", {"labels": {"held": "yes"}})
+    assert resp.status == 200 and resp.json()["state"] == "suspended"
+    assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/resume"), 409, "conflict", "not suspended")
+    assert server.request("DELETE", f"/v1/sandboxes/{ref}").status == 204
+
+
+def test_suspend_while_a_process_runs_is_409_and_changes_nothing(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    proc = server.request("POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["sleep", "30"]}).json()
+    resp = server.request("POST", f"/v1/sandboxes/{ref}/suspend")
+    expect_error(resp, 409, "conflict", f"process(es) running (pid {proc['pid']})")
+    assert state_of(server, ref) == "running"
+    assert text(server, ref, "echo", "still") == "still\n"
+    assert "sandbox.suspended" not in [e["type"] for e in events(server, ref)]
+    server.request("POST", f"/v1/sandboxes/{ref}/processes/{proc['pid']}/signal", {"signal": 9})
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_deleting_a_suspended_sandbox_terminates_it(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    assert server.request("DELETE", f"/v1/sandboxes/{ref}").status == 204
+    assert state_of(server, ref) == "terminated"
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/resume"), 409, "conflict", "terminated")
+
+
+def test_suspended_sandboxes_survive_a_restart(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", COUNTER)
+    before = wait_count_above(server, ref, 0)
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    server.signal(signal.SIGKILL)
+    server.start()
+    assert state_of(server, ref) == "suspended"
+    assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
+    wait_count_above(server, ref, before)
+
+
+# ---- snapshots and forks ------------------------------------------------------------------------------
+
+
+def test_memory_fork_resumes_with_processes_running_and_diverges(server: Sandboxd) -> None:
+    ref = server.create(cpus=1, memory_mb=512)["id"]
+    # A process the API started (still running at the snapshot) and a daemon it does not track.
+    proc = server.request("POST", f"/v1/sandboxes/{ref}/processes", {
+        "argv": ["sh", "-c", "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); echo tick $i; sleep 0.05; done"],
+    }).json()  # fmt: skip
+    text(server, ref, "sh", "-c", COUNTER)
+    wait_count_above(server, ref, 5)
+    snap = snapshot(server, ref)
+    assert (
+        snap["kind"] == "memory" and snap["sandbox"] == ref and snap["bytes"] > 0 and "scheduled" not in snap
+    )
+    # The original carries on.
+    wait_count_above(server, ref, count(server, ref))
+    forks = [server.create(snapshot_id=snap["id"]) for _ in range(2)]
+    for fork in forks:
+        assert (fork["cpus"], fork["memory_mb"], fork["image"]) == (1, 512, snap["image"])
+        f = fork["id"]
+        # The daemon runs on in the fork, from where the snapshot was: its file lines have no gap.
+        n = wait_count_above(server, f, count(server, f))
+        lines = [int(x) for x in text(server, f, "cat", "/sandbox/home/lines").split()]
+        assert lines == list(range(1, len(lines) + 1)) and lines[-1] >= n
+        # The API process is the fork's too, still running, its output going on.
+        listed = server.request("GET", f"/v1/sandboxes/{f}/processes/{proc['pid']}").json()
+        assert listed["state"] == "running", listed
+    # Forks diverge: each writes its own file, the other does not see it.
+    text(server, forks[0]["id"], "sh", "-c", "echo mine > /sandbox/home/only-0")
+    assert server.run(forks[1]["id"], ["cat", "/sandbox/home/only-0"])["exit_code"] != 0
+    # Fresh randomness in each fork, even for a process that existed before the snapshot.
+    rand = [text(server, f["id"], "python3", "-c", "import os; print(os.urandom(16).hex())") for f in forks]
+    assert rand[0] != rand[1]
+    created = [e for e in events(server, forks[0]["id"]) if e["type"] == "sandbox.created"]
+    assert created[0]["snapshot"] == snap["id"]
+    for f in [ref, *(x["id"] for x in forks)]:
+        server.request("DELETE", f"/v1/sandboxes/{f}")
+
+
+def test_forks_get_their_own_kernel_uuid(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    if server.run(ref, ["test", "-e", "/proc/sys/kernel/random/uuid"])["exit_code"] != 0:
+        server.request("DELETE", f"/v1/sandboxes/{ref}")
+        pytest.skip("needs /proc/sys/kernel/random/uuid in the guest, which this runsc (20221219) lacks")
+    snap = snapshot(server, ref)
+    forks = [server.create(snapshot_id=snap["id"])["id"] for _ in range(2)]
+    uuids = {text(server, f, "cat", "/proc/sys/kernel/random/uuid") for f in forks}
+    assert len(uuids) == 2
+
+
+def test_snapshot_of_a_busy_writer_is_consistent(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    # Appends as fast as it can: memory (its counter) and disk (the file) must agree in the fork.
+    text(server, ref, "sh", "-c", "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i >> /sandbox/home/fast; "
+         "done' >/dev/null 2>&1 &")  # fmt: skip
+    time.sleep(0.3)
+    snap = snapshot(server, ref)
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    time.sleep(0.3)
+    lines = [int(x) for x in text(server, fork, "cat", "/sandbox/home/fast").split()]
+    assert len(lines) > 10 and lines == list(range(1, len(lines) + 1))
+    for f in (ref, fork):
+        server.request("DELETE", f"/v1/sandboxes/{f}")
+
+
+def test_disk_fork_boots_afresh_with_the_files(server: Sandboxd) -> None:
+    ref = server.create(cpus=1, memory_mb=256, disk_mb=512)["id"]
+    text(server, ref, "sh", "-c", "echo kept > /sandbox/home/file; " + COUNTER)
+    snap = snapshot(server, ref, "disk")
+    assert snap["kind"] == "disk"
+    fork = server.create(snapshot_id=snap["id"], memory_mb=384, disk_mb=1024)
+    assert (fork["cpus"], fork["memory_mb"], fork["disk_mb"]) == (1, 384, 1024)  # request's, else original's
+    assert text(server, fork["id"], "cat", "/sandbox/home/file") == "kept\n"
+    # Booted afresh: the daemon of the original does not run here.
+    n = count(server, fork["id"])
+    time.sleep(0.2)
+    assert count(server, fork["id"]) == n
+    free_mb = int(text(server, fork["id"], "python3", "-c",
+                       "import os; s = os.statvfs('/sandbox/home'); print(s.f_blocks * s.f_frsize >> 20)"))  # fmt: skip
+    assert 900 < free_mb <= 1024  # the copied layer was grown to the asked disk
+    for f in (ref, fork["id"]):
+        server.request("DELETE", f"/v1/sandboxes/{f}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "status", "code", "words"),
+    [
+        (
+            "memory",
+            {"cpus": 2},
+            400,
+            "invalid_request",
+            "keeps its resources; omit cpus (snapshot 1, asked 2)",
+        ),
+        ("memory", {"memory_mb": 1024}, 400, "invalid_request", "omit memory_mb"),
+        ("memory", {"disk_mb": 2048}, 400, "invalid_request", "omit disk_mb"),
+        ("memory", {"image": "docker.io/library/alpine:3"}, 400, "invalid_request", "runs its image"),
+        ("disk", {"image": "docker.io/library/alpine:3"}, 400, "invalid_request", "runs its image"),
+        ("disk", {"disk_mb": 16}, 500, "internal", "do not fit in disk_mb 16"),
+    ],
+)
+def test_fork_rules(
+    server: Sandboxd, kind: str, fields: dict[str, Any], status: int, code: str, words: str
+) -> None:
+    ref = server.create(cpus=1, memory_mb=512, disk_mb=1024)["id"]
+    text(server, ref, "sh", "-c", "head -c 40000000 /dev/urandom > /sandbox/home/big")
+    snap = snapshot(server, ref, kind)
+    before = server.request("GET", "/v1/sandboxes").json()["sandboxes"]
+    expect_error(server.request("POST", "/v1/sandboxes", {"snapshot_id": snap["id"], **fields}), status, code,
+                 words)  # fmt: skip
+    assert server.request("GET", "/v1/sandboxes").json()["sandboxes"] == before  # nothing made
+    # The same resources as the snapshot's are fine.
+    same = server.create(snapshot_id=snap["id"], cpus=1, memory_mb=512)
+    for f in (ref, same["id"]):
+        server.request("DELETE", f"/v1/sandboxes/{f}")
+    assert server.request("DELETE", f"/v1/snapshots/{snap['id']}").status == 204
+
+
+def test_unknown_snapshot_and_bad_kind(server: Sandboxd) -> None:
+    expect_error(server.request("POST", "/v1/sandboxes", {"snapshot_id": "snap_nope"}), 404, "not_found",
+                 "no snapshot 'snap_nope'")  # fmt: skip
+    ref = server.create()["id"]
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "both"}), 400,
+                 "invalid_request", "kind must be memory or disk")  # fmt: skip
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "disk", "x": 1}), 400,
+                 "invalid_request", "x")  # fmt: skip
+    expect_error(server.request("DELETE", "/v1/snapshots/snap_nope"), 404, "not_found", "no snapshot")
+    assert [
+        s for s in server.request("GET", "/v1/snapshots").json()["snapshots"] if s["sandbox"] == ref
+    ] == []
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_one_snapshot_at_a_time_with_progress(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", "head -c 100000000 /dev/urandom > /sandbox/home/big")
+    results: list[Response] = []
+    first = threading.Thread(target=lambda: results.append(
+        server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "disk"})))  # fmt: skip
+    first.start()
+    progress = None
+    deadline = time.monotonic() + 10
+    while progress is None and time.monotonic() < deadline:
+        progress = server.request("GET", f"/v1/sandboxes/{ref}").json().get("snapshotting")
+    assert progress is not None, "snapshotting never showed"
+    assert progress["phase"] in ("capture", "store") and progress["scheduled"] is False
+    assert progress["estimated_bytes"] >= 100_000_000 and "started_at" in progress
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "disk"}), 409, "conflict",
+                 "being taken")  # fmt: skip
+    first.join()
+    assert results[0].status == 201
+    assert "snapshotting" not in server.request("GET", f"/v1/sandboxes/{ref}").json()
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_deleting_the_sandbox_does_not_cancel_its_snapshot(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", COUNTER)
+    results: list[Response] = []
+    taking = threading.Thread(target=lambda: results.append(
+        server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})))  # fmt: skip
+    taking.start()
+    while "snapshotting" not in server.request("GET", f"/v1/sandboxes/{ref}").json():
+        time.sleep(0.005)
+    started = time.monotonic()
+    assert server.request("DELETE", f"/v1/sandboxes/{ref}").status == 204
+    assert time.monotonic() - started < 5
+    taking.join()
+    listed = [s for s in server.request("GET", "/v1/snapshots").json()["snapshots"] if s["sandbox"] == ref]
+    if results[0].status == 201:  # finished: listed, and a fork of it works
+        assert [s["id"] for s in listed] == [results[0].json()["id"]]
+        fork = server.create(snapshot_id=listed[0]["id"])["id"]
+        wait_count_above(server, fork, count(server, fork))
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+    else:  # unfinished: nothing left
+        assert listed == []
+    assert state_of(server, ref) == "terminated"
+
+
+def test_snapshots_survive_a_restart(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", "echo before > /sandbox/home/f; " + COUNTER)
+    snap = snapshot(server, ref)
+    server.signal(signal.SIGKILL)
+    server.start()
+    assert [s["id"] for s in server.request("GET", "/v1/snapshots").json()["snapshots"]] == [snap["id"]]
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    assert text(server, fork, "cat", "/sandbox/home/f") == "before\n"
+    wait_count_above(server, fork, count(server, fork))
+
+
+# ---- schedules ---------------------------------------------------------------------------------------
+
+
+def test_schedule_keeps_the_newest_scheduled_and_never_a_requested_one(server: Sandboxd) -> None:
+    ref = server.create()["id"]
+    requested = snapshot(server, ref, "disk")
+    resp = server.request("PUT", f"/v1/sandboxes/{ref}/snapshot-schedule", {"every_secs": 1, "keep": 2})
+    assert resp.status == 200 and (resp.json()["snapshot_every_secs"], resp.json()["snapshot_keep"]) == (1, 2)
+    deadline = time.monotonic() + 30
+    while len([e for e in events(server, ref) if e["type"] == "snapshot.deleted"]) < 2:
+        assert time.monotonic() < deadline, "retention never removed two snapshots"
+        time.sleep(0.2)
+    resp = server.request("PUT", f"/v1/sandboxes/{ref}/snapshot-schedule", {"every_secs": 0})
+    assert resp.status == 200 and resp.json()["snapshot_every_secs"] == 0
+    time.sleep(0.5)  # a snapshot under way when the schedule stopped may still finish
+    mine = [s for s in server.request("GET", "/v1/snapshots").json()["snapshots"] if s["sandbox"] == ref]
+    scheduled = [s for s in mine if s.get("scheduled")]
+    assert len(scheduled) <= 2 + 1
+    assert requested["id"] in [s["id"] for s in mine]
+    deleted = [e for e in events(server, ref) if e["type"] == "snapshot.deleted"]
+    assert all(e["reason"] == "retention" and e["snapshot"] != requested["id"] for e in deleted)
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"every_secs": 0.5}, "every_secs"),
+        ({"every_secs": -1}, "every_secs"),
+        ({"every_secs": 10, "keep": 4}, "limits.max_snapshot_keep = 3"),
+        ({"every_secs": 10, "keep": 0}, "keep"),
+        ({"keep": 2}, "every_secs is required"),
+    ],
+)
+def test_schedule_outside_limits_is_400(server: Sandboxd, body: dict[str, Any], words: str) -> None:
+    ref = server.create()["id"]
+    expect_error(server.request("PUT", f"/v1/sandboxes/{ref}/snapshot-schedule", body), 400, "invalid_request",
+                 words)  # fmt: skip
+    assert server.request("GET", f"/v1/sandboxes/{ref}").json()["snapshot_every_secs"] == 0
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_volumes_exclude_snapshots(server: Sandboxd) -> None:
+    assert server.request("POST", "/v1/volumes", {"name": "snapvol", "size_mb": 64}).status == 201
+    expect_error(
+        server.request("POST", "/v1/sandboxes", {"volumes": [{"name": "snapvol", "path": "/data"}],
+                                                 "snapshot_every_secs": 5}),
+        409, "conflict", "cannot have a snapshot schedule",
+    )  # fmt: skip
+    ref = server.create(volumes=[{"name": "snapvol", "path": "/data"}])["id"]
+    expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "disk"}), 409, "conflict",
+                 "has volumes")  # fmt: skip
+    expect_error(server.request("PUT", f"/v1/sandboxes/{ref}/snapshot-schedule", {"every_secs": 5}), 409,
+                 "conflict", "has volumes")  # fmt: skip
+    # A suspended sandbox still holds its volumes.
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    expect_error(server.request("DELETE", "/v1/volumes/snapvol"), 409, "conflict", "")
+    assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+    other = server.create()["id"]
+    snap = snapshot(server, other, "disk")
+    expect_error(server.request("POST", "/v1/sandboxes", {"snapshot_id": snap["id"],
+                                                          "volumes": [{"name": "snapvol", "path": "/data"}]}),
+                 400, "invalid_request", "cannot mount volumes")  # fmt: skip
+    server.request("DELETE", f"/v1/sandboxes/{other}")
