@@ -819,6 +819,8 @@ async def place_create(
             excluded.add(node.name)
             last = (status, data, node.name)
             continue
+        if status == 201 and path == "/v1/sandboxes":
+            take_from_status(node, data)
         return status, data, node.name
     if last is not None and last[0] == 409:
         return last
@@ -826,6 +828,23 @@ async def place_create(
     where = f"node {pinned}" if pinned else "any node"
     raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned); "
                       "try again later or ask for fewer resources")  # fmt: skip
+
+
+def take_from_status(node: Node, created: bytes) -> None:
+    """Count a sandbox just made against the node's last status until the next poll, so creates in quick
+    succession spread out instead of all going to the node that looked emptiest a moment ago."""
+    try:
+        wire = json.loads(created)
+    except ValueError:
+        return
+    status = node.status
+    if not isinstance(status, dict) or not isinstance(status.get("free"), dict) or not isinstance(wire, dict):
+        return
+    free = dict(status["free"])
+    for key in ("cpus", "memory_mb", "disk_mb"):
+        if isinstance(free.get(key), int) and isinstance(wire.get(key), int):
+            free[key] = max(0, free[key] - wire[key])
+    node.status = {**status, "free": free, "running": int(status.get("running", 0)) + 1}
 
 
 def intersect_capabilities(caps: list[dict[str, Any]]) -> dict[str, Any]:

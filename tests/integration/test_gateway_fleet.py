@@ -1,0 +1,209 @@
+"""sandbox-gateway with three real sandboxd nodes: placement, capacity, cordon, drain, quotas, node loss and
+recovery, and forgetting sandboxes a node no longer runs."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
+from sandboxd_harness import Sandboxd
+
+CAPACITY = "[capacity]\ncpus = 4\nmemory_mb = 4096\ndisk_mb = 100000\n"
+
+
+class Fleet:
+    def __init__(self, gw: GatewayProcess, nodes: dict[str, Sandboxd], keys: dict[str, str]) -> None:
+        self.gw = gw
+        self.nodes = nodes
+        self.keys = keys
+
+    def node_of(self, sandbox_id: str) -> str:
+        return sandbox_id.split("_")[1]
+
+    def nodes_info(self) -> dict[str, dict[str, Any]]:
+        listed = self.gw.request("GET", "/v1/admin/nodes", key=self.keys["admin"]).json()["nodes"]
+        return {n["name"]: n for n in listed}
+
+    def cleanup(self) -> None:
+        """Terminate every sandbox on every node and lift every cordon (tests share the fleet)."""
+        for name, node in self.nodes.items():
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            for s in node.request("GET", "/v1/sandboxes").json()["sandboxes"]:
+                if s["state"] != "terminated":
+                    node.request("DELETE", f"/v1/sandboxes/{s['id']}")
+            self.gw.request(
+                "POST", f"/v1/admin/nodes/{name}/cordon", {"cordoned": False}, key=self.keys["admin"]
+            )
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    workdir = Path(tempfile.mkdtemp(prefix="sbxgwf-", dir="/var/tmp"))
+    nodes: dict[str, Sandboxd] = {}
+    for name in ("a", "b", "c"):
+        (workdir / name).mkdir()
+        nodes[name] = Sandboxd(workdir / name, CAPACITY, args=["--node-id", name]).start()
+    (workdir / "gw").mkdir()
+    gw = GatewayProcess(workdir / "gw", list(nodes.items()), FAST_ARGS)
+    crud = ("sandbox:read", "sandbox:create", "sandbox:delete")
+    keys = {
+        "admin": gw.create_key("root", "admin"),
+        "alice": gw.create_key("alice", *crud, tenant="acme"),
+        "bob": gw.create_key("bob", *crud, tenant="beta"),
+    }
+    gw.cli("quotas", "set", "beta", "--sandboxes", "2", "--cpus", "3")
+    gw.start()
+    fl = Fleet(gw, nodes, keys)
+    try:
+        yield fl
+    finally:
+        gw.stop()
+        for node in nodes.values():
+            node.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def clean(fleet: Fleet) -> Iterator[Fleet]:
+    yield fleet
+    fleet.cleanup()
+
+
+def test_creates_spread_least_loaded_first_and_names_are_per_user(clean: Fleet) -> None:
+    fleet = clean
+    made = [fleet.gw.create(fleet.keys["alice"], cpus=1) for _ in range(3)]
+    assert sorted(fleet.node_of(s["id"]) for s in made) == ["a", "b", "c"]
+    # Two users may use one name: the node holding alice's refuses bob's, and the gateway places it elsewhere.
+    first = fleet.gw.create(fleet.keys["alice"], name="dup")
+    second = fleet.gw.create(fleet.keys["bob"], name="dup")
+    assert fleet.node_of(first["id"]) != fleet.node_of(second["id"])
+    assert fleet.gw.request("GET", "/v1/sandboxes/dup", key=fleet.keys["bob"]).json()["id"] == second["id"]
+
+
+def test_no_node_with_room_is_503_and_creates_nothing(clean: Fleet) -> None:
+    fleet = clean
+    before = {
+        n: len(node.request("GET", "/v1/sandboxes").json()["sandboxes"]) for n, node in fleet.nodes.items()
+    }
+    resp = fleet.gw.request("POST", "/v1/sandboxes", {"cpus": 4, "memory_mb": 8192}, key=fleet.keys["alice"])
+    code, message = resp.error
+    assert (resp.status, code) == (503, "unavailable") and message.startswith("no node can take this now")
+    for name in fleet.nodes:
+        assert fleet.gw.request("POST", f"/v1/admin/nodes/{name}/cordon", {"cordoned": True},
+                                key=fleet.keys["admin"]).json()["cordoned"] is True  # fmt: skip
+    resp = fleet.gw.request("POST", "/v1/sandboxes", {}, key=fleet.keys["alice"])
+    assert (resp.status, resp.error[0]) == (503, "unavailable")
+    after = {
+        n: len(node.request("GET", "/v1/sandboxes").json()["sandboxes"]) for n, node in fleet.nodes.items()
+    }
+    assert after == before
+
+
+def test_cordon_and_drain(clean: Fleet) -> None:
+    fleet, admin = clean, clean.keys["admin"]
+    on_a = [fleet.gw.create(fleet.keys["alice"]) for _ in range(3)]
+    for name in ("b", "c"):
+        fleet.gw.request("POST", f"/v1/admin/nodes/{name}/cordon", {"cordoned": True}, key=admin)
+    assert fleet.nodes["b"].request("GET", "/v1/node").json()["cordoned"] is True
+    assert {fleet.node_of(s["id"]) for s in on_a} <= {"a", "b", "c"}
+    placed = fleet.gw.create(fleet.keys["alice"])
+    assert fleet.node_of(placed["id"]) == "a"
+    running_on_b = [s for s in fleet.nodes["b"].request("GET", "/v1/sandboxes").json()["sandboxes"]
+                    if s["state"] != "terminated"]  # fmt: skip
+    drained = fleet.gw.request("POST", "/v1/admin/nodes/b/drain", {"terminate": False}, key=admin).json()
+    assert drained == {"node": "b", "cordoned": True, "remaining": len(running_on_b), "terminated": []}
+    # Drain with terminate ends the sandboxes still there, each audited.
+    drained = fleet.gw.request("POST", "/v1/admin/nodes/a/drain", {"terminate": True}, key=admin).json()
+    assert drained["remaining"] == 0 and placed["id"] in drained["terminated"]
+    assert (
+        fleet.gw.request("GET", f"/v1/sandboxes/{placed['id']}", key=fleet.keys["alice"]).json()["state"]
+        == "terminated"
+    )
+    audit = fleet.gw.request("GET", "/v1/admin/audit?limit=1000", key=admin).json()["entries"]
+    assert {e["target"] for e in audit if e.get("type") == "drain.terminate"} == set(drained["terminated"])
+    # A drained node restarted clears its own cordon; the gateway restores it on its next poll.
+    node = fleet.nodes["a"]
+    node.stop()
+    node.start()
+    wait_for(lambda: node.request("GET", "/v1/node").json()["cordoned"], timeout_secs=10)
+    # Errors: unknown node 404; bad body 400; node file nodes cannot be removed (409).
+    resp = fleet.gw.request("POST", "/v1/admin/nodes/zz/cordon", {"cordoned": True}, key=admin)
+    assert (resp.status, resp.error) == (404, ("not_found", "no node 'zz': see GET /v1/admin/nodes"))
+    resp = fleet.gw.request("POST", "/v1/admin/nodes/a/cordon", {"cordoned": "yes"}, key=admin)
+    assert (resp.status, resp.error) == (400, ("invalid_request", "cordoned must be true or false"))
+    resp = fleet.gw.request("DELETE", "/v1/admin/nodes/a", key=admin)
+    assert (resp.status, resp.error[0]) == (409, "conflict") and "a" in fleet.nodes_info()
+
+
+def test_admin_nodes_add_rules(clean: Fleet) -> None:
+    fleet, admin = clean, clean.keys["admin"]
+    cases = [
+        ({"name": "x", "endpoint": "http://10.1.2.3:80"}, 400, "invalid_request"),
+        ({"name": "Bad Name", "endpoint": "unix:///tmp/x.sock"}, 400, "invalid_request"),
+        ({"name": "x", "endpoint": "ftp://localhost"}, 400, "invalid_request"),
+        ({"name": "x", "endpoint": "unix:///tmp/x.sock", "token_file": "/etc/passwd"}, 403, "refused"),
+        ({"name": "a", "endpoint": "unix:///tmp/x.sock"}, 409, "conflict"),
+    ]
+    for body, status, code in cases:
+        resp = fleet.gw.request("POST", "/v1/admin/nodes", body, key=admin)
+        assert (resp.status, resp.error[0]) == (status, code), body
+    assert sorted(fleet.nodes_info()) == ["a", "b", "c"]
+
+
+def test_tenant_quota(clean: Fleet) -> None:
+    fleet, bob = clean, clean.keys["bob"]
+    first = fleet.gw.create(bob, cpus=2)
+    resp = fleet.gw.request("POST", "/v1/sandboxes", {"cpus": 2}, key=bob)
+    assert (resp.status, resp.error[0]) == (403, "refused") and "over the quota of tenant beta" in resp.error[
+        1
+    ]
+    fleet.gw.create(bob, cpus=1)
+    resp = fleet.gw.request("POST", "/v1/sandboxes", {"cpus": 1}, key=bob)
+    assert (resp.status, resp.error) == (403, ("refused", "over the quota of tenant beta: 3 sandboxes of 2, 4 cpus of 3; "
+                                               "delete sandboxes or ask an admin for a larger quota"))  # fmt: skip
+    assert len(fleet.gw.request("GET", "/v1/sandboxes", key=bob).json()["sandboxes"]) == 2
+    # A sandbox its node stops running (deleted beside the gateway) is forgotten and stops counting.
+    fleet.nodes[fleet.node_of(first["id"])].request("DELETE", f"/v1/sandboxes/{first['id']}")
+    wait_for(
+        lambda: fleet.gw.request("POST", "/v1/sandboxes", {"cpus": 1}, key=bob).status == 201, timeout_secs=10
+    )
+
+
+def test_node_lost_and_back(clean: Fleet) -> None:
+    fleet, alice, admin = clean, clean.keys["alice"], clean.keys["admin"]
+    made = [fleet.gw.create(alice) for _ in range(3)]
+    victim = next(s for s in made if fleet.node_of(s["id"]) == "c")
+    node = fleet.nodes["c"]
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait()
+    wait_for(lambda: not fleet.nodes_info()["c"]["healthy"], timeout_secs=10)
+    resp = fleet.gw.request("GET", f"/v1/sandboxes/{victim['id']}", key=alice)
+    assert (resp.status, resp.error[0]) == (503, "unavailable") and "not answering" in resp.error[1]
+    listed = {s["id"] for s in fleet.gw.request("GET", "/v1/sandboxes", key=alice).json()["sandboxes"]}
+    assert victim["id"] not in listed and len(listed) >= 2
+    assert all(fleet.node_of(fleet.gw.create(alice)["id"]) != "c" for _ in range(2))
+    lost = wait_for(
+        lambda: fleet.gw.request("GET", "/v1/admin/lost", key=admin).json()["sandboxes"], timeout_secs=10
+    )
+    assert [x["id"] for x in lost] == [victim["id"]]
+    assert lost[0]["user"] == "alice" and lost[0]["tenant"] == "acme" and lost[0]["node"] == "c"
+    assert fleet.nodes_info()["c"]["lost"] is True
+    # Back: its sandboxes come back from its own listing, no longer lost.
+    node.start()
+    wait_for(lambda: fleet.nodes_info()["c"]["healthy"], timeout_secs=15)
+    assert fleet.gw.request("GET", "/v1/admin/lost", key=admin).json()["sandboxes"] == []
+    again = fleet.gw.request("GET", f"/v1/sandboxes/{victim['id']}", key=alice)
+    assert again.status == 200 and again.json()["state"] == "running"
+    assert victim["id"] in {
+        s["id"] for s in fleet.gw.request("GET", "/v1/sandboxes", key=alice).json()["sandboxes"]
+    }
+    time.sleep(0.1)
