@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from sbx.api.errors import ForbiddenOrigin, InvalidRequest, NotFound, Refused, Unauthorized
 from sbx.gateway.keys import SECRET_PREFIX, has_scope, hash_secret
 from sbx.gateway.state import DEFAULT_TENANT, KeyRecord, Store
@@ -81,6 +83,12 @@ class Principal:
         }
 
 
+#: Where the pipeline keeps the caller, the scopes the route needs, and the audit target on a request.
+PRINCIPAL_KEY: web.RequestKey[Principal] = web.RequestKey("principal", Principal)
+SCOPES_KEY: web.RequestKey[tuple[str, ...]] = web.RequestKey("scopes", tuple)
+TARGET_KEY: web.RequestKey[str] = web.RequestKey("target", str)
+
+
 def check_origin(origin: str | None, host: str, allowed: frozenset[str]) -> None:
     """An Origin other than the gateway's own host (``http(s)://<Host>``) or a ``--cors-origin`` is refused."""
     if origin is None:
@@ -137,6 +145,9 @@ def is_key_still_good(store: Store, key_id: str, needed: tuple[str, ...]) -> boo
 __all__ = [
     "DEFAULT_TENANT",
     "ORG_HEADER",
+    "PRINCIPAL_KEY",
+    "SCOPES_KEY",
+    "TARGET_KEY",
     "Principal",
     "acting_tenant",
     "check_origin",

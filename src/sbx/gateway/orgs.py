@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused
-from sbx.gateway import keys
+from sbx.gateway import auth, keys
 from sbx.gateway.state import DEFAULT_TENANT, MemberRecord, OrgRecord, now_rfc3339
 from sbx.node.http import json_response, read_json_body
 
 if TYPE_CHECKING:
-    from sbx.gateway.auth import Principal
     from sbx.gateway.server import Gateway
 
 ROLES = ("owner", "member")
@@ -54,7 +53,7 @@ def tenant_in_use(gw: Gateway, name: str) -> bool:
     return any(t.lower() == lowered for t in tenants if t)
 
 
-def membership(gw: Gateway, principal: Principal, name: str) -> tuple[OrgRecord, MemberRecord | None]:
+def membership(gw: Gateway, principal: auth.Principal, name: str) -> tuple[OrgRecord, MemberRecord | None]:
     """The organisation and the caller's membership; 404 ``no such organization`` for a non-member."""
     org = gw.store.orgs.get(name)
     member = gw.store.members.get((name, principal.user)) if org is not None else None
@@ -115,7 +114,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         await gw.write(
             store.add_org, org, MemberRecord(name, principal.user, principal.key.tenant, "owner", now)
         )
-        request["target"] = name
+        request[auth.TARGET_KEY] = name
         gw.record_audit(kind="org", type="org.created", key_id=principal.key.id, user=principal.user,
                         target=name, result="owner")  # fmt: skip
         return json_response({"name": name, "created": now, "created_by": principal.user}, status=201)
@@ -126,7 +125,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         members = [m.to_wire() for (org, _), m in sorted(store.members.items()) if org == name]
         return json_response({"members": members})
 
-    def require_owner(principal: Principal, name: str) -> None:
+    def require_owner(principal: auth.Principal, name: str) -> None:
         _, me = membership(gw, principal, name)
         if not principal.admin and (me is None or me.role != "owner"):
             raise Refused(f"only an owner of {name} may change its members")

@@ -5,7 +5,7 @@ Pipeline of every request (outermost first): ``record`` (audit line and request 
 known), ``error_middleware`` (the node's: every failure becomes the error body), ``authenticate`` (Origin, key,
 ``X-Sandbox-Org``, scope, in the spec's order, before any handler looks anything up). Handlers then resolve
 what the caller owns and relay to its node. Later issues (services, jobs, secrets, SSH) add route modules and
-read ``request["principal"]`` the same way.
+read ``request[auth.PRINCIPAL_KEY]`` the same way.
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def _only_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
 
 
 def principal_of(request: web.Request) -> auth.Principal:
-    principal = request.get("principal")
+    principal = request.get(auth.PRINCIPAL_KEY)
     assert isinstance(principal, auth.Principal)
     return principal
 
@@ -365,11 +365,11 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         finally:
             route = route_shape(request.path)
             gw.metrics.requests.labels(route, str(status)).inc()
-            principal = request.get("principal")
+            principal = request.get(auth.PRINCIPAL_KEY)
             if isinstance(principal, auth.Principal):
                 gw.record_audit(kind="api", type="api.request", key_id=principal.key.id, user=principal.user,
                                 tenant=principal.tenant or None, org=principal.org, method=request.method,
-                                route=route, status=status, target=request.get("target"))  # fmt: skip
+                                route=route, status=status, target=request.get(auth.TARGET_KEY))  # fmt: skip
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -380,9 +380,9 @@ def make_middlewares(gw: Gateway) -> list[Any]:
             return await handler(request)
         key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
         tenant, org = auth.acting_tenant(gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
-        request["principal"] = auth.Principal(key, tenant, org)
+        request[auth.PRINCIPAL_KEY] = auth.Principal(key, tenant, org)
         needed = auth.scopes_for(request.method, request.path)
-        request["scopes"] = needed
+        request[auth.SCOPES_KEY] = needed
         auth.check_scopes(key, needed)
         response = await handler(request)
         origin = request.headers.get("Origin")
@@ -474,7 +474,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
                         await node.call("DELETE", f"/v1/sandboxes/{rec.id}")
                     await gw.write(store.forget_sandboxes, [rec.id])
                     raise
-        request["target"] = rec.id
+        request[auth.TARGET_KEY] = rec.id
         gw.metrics.created.inc()
         gw.metrics.create_seconds.observe(time.monotonic() - started)
         return web.Response(status=201, body=data, content_type="application/json")
@@ -502,13 +502,13 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
     async def sandbox_call(request: web.Request) -> web.StreamResponse:
         principal = principal_of(request)
         rec = gw.resolve(principal, request.match_info["ref"])
-        request["target"] = rec.id
+        request[auth.TARGET_KEY] = rec.id
         node = gw.node_for(rec.node, f"sandbox {rec.id}")
         tail = request.match_info.get("tail", "")
         path = f"/v1/sandboxes/{rec.id}" + (f"/{tail}" if tail else "")
         op = OpenRequest(
             key_id=principal.key.id, user=principal.user, key_tenant=principal.key.tenant, tenant=principal.tenant,
-            scopes=request.get("scopes", ()), route=f"{request.method} {route_shape(request.path)}",
+            scopes=request.get(auth.SCOPES_KEY, ()), route=f"{request.method} {route_shape(request.path)}",
             sandbox=rec.id, node=node.name,
         )  # fmt: skip
         protocol = upgrade_protocol(request, tail)
@@ -895,7 +895,7 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
         scopes = keys.check_scopes(body.get("scopes"))
         key, secret = keys.new_key(user, tenant, scopes)
         await gw.write(store.add_key, key)
-        request["target"] = key.id
+        request[auth.TARGET_KEY] = key.id
         return json_response(keys.created_wire(key, secret), status=201)
 
     async def list_keys(request: web.Request) -> web.Response:
@@ -905,7 +905,7 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
 
     async def delete_key(request: web.Request) -> web.Response:
         key_id = request.match_info["id"]
-        request["target"] = key_id
+        request[auth.TARGET_KEY] = key_id
         if key_id not in store.keys:
             raise NotFound(f"no API key {key_id!r}")
         await gw.write(store.revoke_key, key_id)
@@ -942,7 +942,7 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
         await gw.write(store.add_node, definition)
         registry.add(node)
         await registry.poll(node)
-        request["target"] = definition.name
+        request[auth.TARGET_KEY] = definition.name
         return json_response(node_wire(node), status=201)
 
     async def remove_node(request: web.Request) -> web.Response:

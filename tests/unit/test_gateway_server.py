@@ -1,0 +1,249 @@
+"""The gateway against small aiohttp stand-ins for nodes: capacity retry, 503, health states, revocation of a
+request the node has not answered, plus the pure helpers (capabilities intersection, route shapes, scopes,
+audit log rotation)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from sbx.gateway import keys
+from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.auth import scopes_for
+from sbx.gateway.nodes import Registry
+from sbx.gateway.server import (
+    Gateway,
+    GatewayOptions,
+    intersect_capabilities,
+    make_middlewares,
+    route_shape,
+    routes,
+)
+from sbx.gateway.state import NodeDef, Store
+
+
+@dataclass
+class StandIn:
+    """A node stand-in: reports ``free_cpus`` and answers creates with ``create_status``."""
+
+    name: str
+    free_cpus: int
+    create_status: int = 201
+    creates: int = 0
+    sandboxes: list[dict[str, Any]] = field(default_factory=list)
+    server: TestServer | None = None
+
+    def app(self) -> web.Application:
+        async def node(request: web.Request) -> web.Response:
+            return web.json_response({
+                "name": self.name, "capabilities": {"capabilities": {"tunnel": True}, "limits": {}, "network": {}},
+                "capacity": {"cpus": 8, "memory_mb": 8192, "disk_mb": 10000},
+                "free": {"cpus": self.free_cpus, "memory_mb": 8192, "disk_mb": 10000}, "running": 0,
+                "cordoned": False,
+            })  # fmt: skip
+
+        async def create(request: web.Request) -> web.Response:
+            self.creates += 1
+            if self.create_status != 201:
+                return web.json_response({"error": {"code": "unavailable", "message": "not enough free capacity"}},
+                                         status=self.create_status)  # fmt: skip
+            wire = {"id": f"sbx_{self.name}_{self.creates:016x}", "name": None, "state": "running", "cpus": 1,
+                    "memory_mb": 512, "created_at": "2030-01-01T00:00:00Z", "labels": (await request.json())["labels"]}  # fmt: skip
+            self.sandboxes.append(wire)
+            return web.json_response(wire, status=201)
+
+        async def listing(request: web.Request) -> web.Response:
+            return web.json_response({"sandboxes": self.sandboxes})
+
+        async def slow_run(request: web.Request) -> web.Response:
+            await asyncio.sleep(30)
+            return web.json_response({})
+
+        app = web.Application()
+        app.add_routes([
+            web.get("/v1/node", node), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
+            web.post("/v1/sandboxes/{id}/run", slow_run),
+        ])  # fmt: skip
+        return app
+
+
+@dataclass
+class Setup:
+    client: TestClient  # type: ignore[type-arg]
+    gateway: Gateway
+    nodes: dict[str, StandIn]
+    admin: str
+    user: str
+    user_key_id: str
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    stand_ins = {"n1": StandIn("n1", free_cpus=8, create_status=503), "n2": StandIn("n2", free_cpus=4)}
+    for s in stand_ins.values():
+        s.server = TestServer(s.app())
+        await s.server.start_server()
+    store = Store.open(tmp_path / "gw.db")
+    admin_key, admin = keys.new_key("root", "", {"admin"})
+    user_key, user = keys.new_key("alice", "acme", {"sandbox:read", "sandbox:create", "sandbox:delete"})
+    store.add_key(admin_key)
+    store.add_key(user_key)
+    registry = Registry(poll_interval_secs=0.05, failures_unhealthy=3, lost_after_secs=0.3)
+    nodes = [NodeDef(n, f"http://127.0.0.1:{s.server.port}", from_file=True) for n, s in stand_ins.items()]  # type: ignore[union-attr]
+    gateway = Gateway(
+        store, registry, GatewayAudit(tmp_path / "audit.jsonl"), GatewayOptions(file_nodes=nodes)
+    )
+    await gateway.start()
+    app = web.Application(middlewares=make_middlewares(gateway))
+    app.add_routes(routes(gateway))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        yield Setup(client, gateway, stand_ins, admin, user, user_key.id)
+    finally:
+        await client.close()
+        await gateway.close()
+        for s in stand_ins.values():
+            assert s.server is not None
+            await s.server.close()
+        store.close()
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def test_a_node_refusing_for_capacity_is_skipped(setup: Setup) -> None:
+    resp = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    assert resp.status == 201, await resp.text()
+    created = await resp.json()
+    assert created["id"].startswith("sbx_n2_")
+    assert created["labels"] == {"gateway.owner": "alice", "gateway.tenant": "acme"}
+    assert setup.nodes["n1"].creates == 1  # tried first (emptiest), refused, then n2
+    assert setup.gateway.store.sandboxes[created["id"]].node == "n2"
+
+
+async def test_every_node_refusing_is_503(setup: Setup) -> None:
+    setup.nodes["n2"].create_status = 503
+    resp = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    body = await resp.json()
+    assert resp.status == 503 and body["error"]["code"] == "unavailable"
+    assert body["error"]["message"].startswith("no node can take this now")
+    assert setup.gateway.store.sandboxes == {}
+
+
+async def test_a_silent_node_goes_unhealthy_then_lost(setup: Setup) -> None:
+    node = setup.gateway.registry.nodes["n1"]
+    assert node.healthy
+    server = setup.nodes["n1"].server
+    assert server is not None
+    await server.close()
+    for _ in range(100):
+        if not node.healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert not node.healthy and node.failures >= 3
+    assert not node.is_lost(setup.gateway.registry.lost_after_secs)
+    await asyncio.sleep(0.35)
+    assert node.is_lost(setup.gateway.registry.lost_after_secs) and node.down_since is not None
+    candidates = {c.name: c.taking_new for c in setup.gateway.registry.candidates()}
+    assert candidates == {"n1": False, "n2": True}
+
+
+async def test_revoking_a_key_ends_its_waiting_request_with_401(setup: Setup) -> None:
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+    run = asyncio.ensure_future(
+        setup.client.post(
+            f"/v1/sandboxes/{created['id']}/run", json={"argv": ["x"]}, headers=bearer(setup.user)
+        )
+    )
+    for _ in range(100):
+        if len(setup.gateway.open):
+            break
+        await asyncio.sleep(0.01)
+    deleted = await setup.client.delete(f"/v1/admin/keys/{setup.user_key_id}", headers=bearer(setup.admin))
+    assert deleted.status == 204
+    assert run.done() or len(setup.gateway.open) == 0  # ended before DELETE returned
+    resp = await run
+    assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+    again = await setup.client.get("/v1/sandboxes", headers=bearer(setup.user))
+    assert again.status == 401
+
+
+def test_capabilities_are_the_intersection() -> None:
+    a = {"backend": "gvisor", "capabilities": {"tunnel": True, "metrics": True, "images": True},
+         "limits": {"max_cpus": 8, "max_memory_mb": 4096},
+         "network": {"default": {"mode": "allowlist", "allow": ["a.com"]}, "ceiling": "open", "may_allow": ["*.a.com", "b.com"]}}  # fmt: skip
+    b = {"backend": "gvisor", "capabilities": {"tunnel": True, "metrics": False},
+         "limits": {"max_cpus": 4, "max_memory_mb": 8192},
+         "network": {"default": {"mode": "none"}, "ceiling": "allowlist", "may_allow": ["b.com"]}}  # fmt: skip
+    merged = intersect_capabilities([a, b])
+    assert merged["capabilities"] == {"tunnel": True, "metrics": False, "images": False}
+    assert merged["limits"] == {"max_cpus": 4, "max_memory_mb": 4096}
+    assert merged["network"] == {"default": {"mode": "none"}, "ceiling": "allowlist", "may_allow": ["b.com"]}
+    assert merged["backend"] == "gvisor"
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        ("/v1/sandboxes", "/v1/sandboxes"),
+        ("/v1/sandboxes/web/run", "/v1/sandboxes/{ref}/run"),
+        ("/v1/sandboxes/sbx_a_1/processes/7/output", "/v1/sandboxes/{ref}/processes/{pid}/output"),
+        ("/v1/admin/keys/key_1", "/v1/admin/keys/{id}"),
+        ("/v1/orgs/rocket/members/bob", "/v1/orgs/{id}/members/{id}"),
+    ],
+)
+def test_route_shape_hides_names(path: str, shape: str) -> None:
+    assert route_shape(path) == shape
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "scopes"),
+    [
+        ("GET", "/v1/sandboxes/x/processes/1/attach", ("sandbox:create",)),
+        ("GET", "/v1/sandboxes/x/tunnel", ("sandbox:create",)),
+        ("GET", "/v1/sandboxes/x/files", ("sandbox:read",)),
+        ("DELETE", "/v1/sandboxes/x/files", ("sandbox:create",)),
+        ("DELETE", "/v1/sandboxes/x", ("sandbox:delete",)),
+        ("DELETE", "/v1/services/web", ("sandbox:create", "sandbox:delete")),
+        ("GET", "/v1/whoami", ()),
+        ("GET", "/v1/health", ()),
+    ],
+)
+def test_scopes_for(method: str, path: str, scopes: tuple[str, ...]) -> None:
+    assert scopes_for(method, path) == scopes
+
+
+def test_audit_rotates_keeps_five_and_reads_since(tmp_path: Path) -> None:
+    log = GatewayAudit(tmp_path / "gateway.jsonl", max_bytes=400, keep=5)
+    for i in range(60):
+        log.record(kind="api", type="api.request", route=f"/v1/x/{i}", status=200, body="never")  # type: ignore[arg-type]
+    log.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["gateway.jsonl", *(f"gateway.jsonl.{n}" for n in range(1, 6))]
+    assert all((tmp_path / n).stat().st_mode & 0o777 == 0o600 for n in names)
+    assert all(os.path.getsize(tmp_path / n) <= 400 for n in names)
+    text = "".join((tmp_path / n).read_text() for n in names)
+    assert "never" not in text and "body" not in text
+    entries, truncated = log.read(None, 1000)
+    routes_read = [e["route"] for e in entries]
+    assert (
+        routes_read == sorted(routes_read, key=lambda r: int(r.rsplit("/", 1)[1]))
+        and routes_read[-1] == "/v1/x/59"
+    )
+    assert not truncated
+    first_two, more = log.read(None, 2)
+    assert len(first_two) == 2 and more
+    assert log.read(datetime.now(UTC) + timedelta(seconds=5), 10) == ([], False)
+    assert json.loads((tmp_path / "gateway.jsonl").read_text().splitlines()[-1])["route"] == "/v1/x/59"
