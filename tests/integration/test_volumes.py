@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -214,6 +215,24 @@ def test_three_readers_share_it_and_a_fourth_writable_mount_is_refused(
     sandboxd.request("DELETE", f"/v1/sandboxes/{readers[2]['id']}")
     again = sandboxd.create(volumes=[{"name": volume, "path": "/w"}])
     assert sh(sandboxd, again["id"], "echo new > /w/f && cat /w/f")["stdout"] == b"new\n"
+
+
+def test_concurrent_requests_for_one_volume_get_one_answer_each(sandboxd: Sandboxd) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        made = list(
+            pool.map(
+                lambda _: sandboxd.request("POST", "/v1/volumes", {"name": "race", "size_mb": 8}), range(4)
+            )
+        )
+        assert sorted(r.status for r in made) == [201, 409, 409, 409]
+        body = {"volumes": [{"name": "race", "path": "/data"}]}
+        creates = list(pool.map(lambda _: sandboxd.request("POST", "/v1/sandboxes", body), range(3)))
+    assert sorted(r.status for r in creates) == [201, 409, 409], [r.body for r in creates]
+    winner = next(r.json()["id"] for r in creates if r.status == 201)
+    assert volumes(sandboxd)["race"]["attached_to"] == winner
+    assert all(f"mounted writable by sandbox {winner}" in r.error[1] for r in creates if r.status == 409)
+    _cleanup(sandboxd, "race")
+    assert "race" not in volumes(sandboxd)
 
 
 # --- mount rule 2 and the create request ------------------------------------------------------------------

@@ -275,7 +275,7 @@ class VolumeStore:
             os.chown(mnt, SANDBOX_UID, SANDBOX_GID)
             os.chmod(mnt, 0o755)
         finally:
-            await self._unmount(directory.name, mnt)
+            await run_tool("umount", str(mnt))  # nothing else has seen it: never busy
         # The record written next is durable; the file system it names must be too.
         fd = os.open(image, os.O_RDONLY)
         try:
