@@ -12,8 +12,10 @@ import pytest
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError
 from sbx.api.models import VolumeMount
+from sbx.api.network_policy import NetworkPolicy
 from sbx.api.validation import validate_volume_name
 from sbx.node import volumes as vol
+from sbx.node.records import SandboxRecord, SandboxState
 from sbx.node.volumes import VolumeStore, check_mount_points, holder_conflict
 
 RO, RW = True, False
@@ -233,3 +235,20 @@ def test_duplicate_create_is_409_before_anything_is_made(tmp_path: Path) -> None
     with pytest.raises(Conflict, match="a volume named 'data' exists"):
         asyncio.run(store.create("data", 16))
     assert sorted(os.listdir(tmp_path / "volumes" / "data")) == before
+
+
+def test_sandbox_record_keeps_its_volumes_on_disk() -> None:
+    record = SandboxRecord(
+        id="sbx_1", state=SandboxState.RUNNING, image="default", cpus=1, memory_mb=512, disk_mb=1024,
+        network=NetworkPolicy("none"), idle_timeout_secs=0, created_at="2026-01-01T00:00:00.000Z",
+        volumes=(VolumeMount("a", "/a", True), VolumeMount("b", "/data/b")),
+    )  # fmt: skip
+    on_disk = json.loads(json.dumps(record.to_disk()))
+    assert on_disk["volumes"] == [
+        {"name": "a", "path": "/a", "read_only": True},
+        {"name": "b", "path": "/data/b", "read_only": False},
+    ]
+    assert SandboxRecord.from_disk(on_disk) == record
+    del on_disk["volumes"]  # a record written before volumes existed
+    assert SandboxRecord.from_disk(on_disk).volumes == ()
+    assert "volumes" not in record.to_wire()  # the spec's Sandbox has no such field
