@@ -3,8 +3,11 @@ recovery, and forgetting sandboxes a node no longer runs."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -209,3 +212,45 @@ def test_node_lost_and_back(clean: Fleet) -> None:
         s["id"] for s in fleet.gw.request("GET", "/v1/sandboxes", key=alice).json()["sandboxes"]
     }
     time.sleep(0.1)
+
+
+def test_sandbox_cli_gateway_commands(clean: Fleet) -> None:
+    fleet = clean
+    env = {
+        **os.environ,
+        "SANDBOX_URL": f"http://127.0.0.1:{fleet.gw.port}",
+        "SANDBOX_TOKEN": fleet.keys["admin"],
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sbx.cli.main", "gateway", *args], env=env,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+
+    listed = cli("nodes")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "HEALTH", "CORDONED", "RUNNING"]
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["a", "up", "no"],
+        ["b", "up", "no"],
+        ["c", "up", "no"],
+    ]
+    assert cli("cordon", "b").stdout == "b: cordoned\n"
+    assert fleet.nodes_info()["b"]["cordoned"] is True
+    assert cli("uncordon", "b").stdout == "b: uncordoned\n"
+    assert fleet.nodes_info()["b"]["cordoned"] is False
+    s = fleet.gw.create(fleet.keys["alice"])
+    node = fleet.node_of(s["id"])
+    assert cli("drain", node).stdout == f"{node}: cordoned; 1 sandboxes still running\n"
+    assert (
+        cli("drain", node, "--terminate").stdout
+        == f"{node}: cordoned; 0 sandboxes still running\nterminated: 1\n"
+    )
+    assert cli("lost").stdout.split() == ["ID", "USER", "TENANT", "NODE", "NODE", "DOWN", "SINCE"]
+    audit = cli("audit", "--since", "10m", "--limit", "1000")
+    assert audit.returncode == 0 and "drain.terminate" in audit.stdout and s["id"] in audit.stdout
+    missing = cli("cordon", "zz")
+    assert missing.returncode == 1 and missing.stderr == "not_found: no node 'zz': see GET /v1/admin/nodes\n"
+    denied = subprocess.run([sys.executable, "-m", "sbx.cli.main", "gateway", "nodes"],
+                            env={**env, "SANDBOX_TOKEN": fleet.keys["alice"]}, capture_output=True, text=True)  # fmt: skip
+    assert denied.returncode == 1 and denied.stderr.startswith("refused: this API key lacks the scope admin")

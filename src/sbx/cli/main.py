@@ -16,7 +16,7 @@ import sys
 import click
 
 from sbx.api.errors import InvalidRequest
-from sbx.cli import files, forward, images, node, processes, sandboxes, shell
+from sbx.cli import files, forward, gateway, images, node, processes, sandboxes, shell
 from sbx.cli._common import Options
 from sbx.client import resolve_endpoint
 
@@ -55,6 +55,7 @@ for command in (
     node.node,
     node.capabilities,
     images.images,
+    gateway.gateway,
 ):
     main.add_command(command)
 
