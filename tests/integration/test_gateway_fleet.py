@@ -252,5 +252,5 @@ def test_sandbox_cli_gateway_commands(clean: Fleet) -> None:
     missing = cli("cordon", "zz")
     assert missing.returncode == 1 and missing.stderr == "not_found: no node 'zz': see GET /v1/admin/nodes\n"
     denied = subprocess.run([sys.executable, "-m", "sbx.cli.main", "gateway", "nodes"],
-                            env={**env, "SANDBOX_TOKEN": fleet.keys["alice"]}, capture_output=True, text=True)  # fmt: skip
+                            env={**env, "SANDBOX_TOKEN": fleet.keys["alice"]}, capture_output=True, text=True, check=False)  # fmt: skip
     assert denied.returncode == 1 and denied.stderr.startswith("refused: this API key lacks the scope admin")
