@@ -32,6 +32,7 @@ APT_PACKAGES=(
     e2fsprogs               # mkfs.ext4 for each sandbox's writable layer
     util-linux mount        # losetup, mount, setsid, flock
     iproute2                # ip, for sandbox networking
+    nftables                # nft: sandbox egress rules (docs/network.md)
     procps                  # ps, pkill used by tests and diagnostics
     passwd                  # groupadd/useradd --root for the image's sandbox user
     gcc libc6-dev           # the guest agent is C, linked statically

@@ -30,6 +30,8 @@ from sbx.api.network_policy import (
     normalise_pattern,
     parse_mode,
 )
+from sbx.net.dns import parse_server
+from sbx.net.egress import MIN_SUBNET_PREFIX, EgressConfig
 
 __all__ = [
     "AuditConfig",
@@ -178,6 +180,8 @@ class NodeConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     defaults: DefaultsConfig = field(default_factory=DefaultsConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    #: How egress is enforced (``[network]`` subnet, upstream_dns; docs/network.md).
+    egress: EgressConfig = field(default_factory=EgressConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -266,6 +270,7 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     )
 
     network = _network(sections["network"])
+    egress = _egress(sections["network"])
 
     cap = sections["capacity"]
     _no_unknown(cap, _fields(CapacityConfig), "capacity.")
@@ -299,8 +304,8 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     pools = _pools(raw.get("pools", []), images, defaults.image)
 
     return NodeConfig(
-        limits=limits, defaults=defaults, network=network, capacity=capacity, server=server, paths=paths,
-        audit=audit, images=images, pools=pools, source=source,
+        limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
+        paths=paths, audit=audit, images=images, pools=pools, source=source,
     )  # fmt: skip
 
 
@@ -420,8 +425,31 @@ def image_pattern_matches(pattern: str, reference: str) -> bool:
     return ref_tag is not None and re.fullmatch(_glob(tag_glob, slash=True), ref_tag) is not None
 
 
+def _egress(sec: Mapping[str, Any]) -> EgressConfig:
+    """``subnet`` (IPv4, /MIN_SUBNET_PREFIX or larger) and ``upstream_dns`` (``"ip"`` or ``"ip:port"``)."""
+    subnet = EgressConfig.subnet
+    if "subnet" in sec:
+        raw = sec["subnet"]
+        if not isinstance(raw, str):
+            raise ConfigError(f'network.subnet: expected a string such as "10.200.0.0/16", got {_kind(raw)}')
+        try:
+            subnet = ipaddress.IPv4Network(raw)
+        except ValueError as exc:
+            raise ConfigError(f"network.subnet {raw!r}: {exc}; give an IPv4 network such as 10.200.0.0/16") from None
+        if subnet.prefixlen > MIN_SUBNET_PREFIX:
+            raise ConfigError(f"network.subnet {raw} is too small; give a /{MIN_SUBNET_PREFIX} or larger")
+
+    def server(value: str, key: str) -> tuple[str, int]:
+        try:
+            return parse_server(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key} {value!r}: {exc}; give \"ip\" or \"ip:port\"") from None
+
+    return EgressConfig(subnet, _str_list(sec, "network.upstream_dns", server))
+
+
 def _network(sec: Mapping[str, Any]) -> NetworkConfig:
-    _no_unknown(sec, ("default", "ceiling", "may_allow"), "network.")
+    _no_unknown(sec, ("default", "ceiling", "may_allow", "subnet", "upstream_dns"), "network.")
     ceiling = _wrap(lambda: parse_mode(sec.get("ceiling", "none"), "network.ceiling"))
     may_allow = _str_list(sec, "network.may_allow", lambda v, k: _wrap(lambda: normalise_pattern(v, k)))
     raw_default = sec.get("default", {"mode": "none"})
