@@ -336,3 +336,28 @@ def test_a_pooled_sandbox_never_takes_a_request_with_volumes(
     assert created["volumes"] == [{"name": "p", "path": "/p", "read_only": False}]
     assert sum(server.request("GET", "/v1/node").json()["pooled"].values()) == 1
     assert sh(server, box["id"], "echo x > /p/x && cat /p/x")["stdout"] == b"x\n"
+
+
+def test_a_suspended_sandbox_still_holds_its_volumes(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory()
+    if not server.request("GET", "/v1/capabilities").json()["capabilities"]["suspend"]:
+        pytest.skip("needs capability suspend (checkpoint/restore in the backend)")
+    assert server.request("POST", "/v1/volumes", {"name": "held", "size_mb": 16}).status == 201
+    box = server.create(volumes=[{"name": "held", "path": "/data"}])
+    sh(server, box["id"], "echo one > /data/f")
+    assert server.request("POST", f"/v1/sandboxes/{box['id']}/suspend").status == 200
+    assert volumes(server)["held"]["attached_to"] == box["id"]
+    refused(server, "POST", "/v1/sandboxes", {"volumes": [{"name": "held", "path": "/d", "read_only": True}]},
+            409, "conflict", f"mounted writable by sandbox {box['id']}")  # fmt: skip
+    refused(server, "DELETE", "/v1/volumes/held", None, 409, "conflict", f"mounted by sandbox {box['id']}")
+
+    # As after a host reboot: sandboxd gone and the volume's host mount with it. The restart mounts it
+    # again for its suspended holder, so the resume sees the volume, not an empty directory.
+    server.signal(signal.SIGKILL)
+    subprocess.run(["umount", str(server.state_dir / "volumes" / "held" / "mnt")], check=True, timeout=30)
+    server.start()
+    assert volumes(server)["held"]["attached_to"] == box["id"]
+    assert host_mounted(server, "held")
+    assert server.request("POST", f"/v1/sandboxes/{box['id']}/resume").status == 200
+    assert sh(server, box["id"], "echo two >> /data/f; cat /data/f")["stdout"] == b"one\ntwo\n"
+    assert (server.state_dir / "volumes" / "held" / "mnt" / "f").read_bytes() == b"one\ntwo\n"

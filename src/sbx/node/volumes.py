@@ -204,12 +204,22 @@ class VolumeStore:
             log.info("unfinished volume removed", extra={"volume": entry.name})
 
     async def settle(self) -> None:
-        """After a restart has taken back its sandboxes: unmount volumes that no sandbox uses any more."""
+        """After a restart has taken back its sandboxes: unmount volumes that no sandbox uses any more, and
+        mount those that live sandboxes hold but the host lost (after a reboot a suspended sandbox resumes
+        with its volumes bound from the host's mount, never from an empty directory)."""
         for name in sorted(self._records):
-            if not self._users.get(name) and is_mounted(self.mount_point(name)):
-                async with self._lock(name):
-                    if not self._users.get(name):
-                        await self._unmount(name, self.mount_point(name))
+            mnt = self.mount_point(name)
+            async with self._lock(name):
+                mounted = is_mounted(mnt)
+                if not self._users.get(name) and mounted:
+                    await self._unmount(name, mnt)
+                elif self._holders.get(name) and not mounted:
+                    try:
+                        await self._mount(name, mnt)
+                    except BackendError as exc:  # the holder's resume then fails; create retries the mount
+                        log.error(
+                            "volume could not be mounted again", extra={"volume": name, "error": str(exc)}
+                        )
 
     # -- the API ----------------------------------------------------------------------------------------
 
