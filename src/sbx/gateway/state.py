@@ -14,8 +14,9 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
 
 Later issues (services, jobs, secrets, SSH keys) add tables through new migrations.
 
-Durability: ``synchronous=FULL`` in WAL mode, so a commit has reached the disk before a call returns; a
-SIGKILL at any moment loses nothing acknowledged. The whole database is small (keys, records), so every table
+Durability: WAL mode; every commit is in the WAL file before a call returns, so a SIGKILL at any moment loses
+nothing acknowledged. Keys, nodes, orgs and quotas are also fsynced (``synchronous=FULL``) so a power cut keeps
+them; ownership records are not (see ``Store._write``). The whole database is small (keys, records), so every table
 the request path reads is also held in memory: the process holding the lock is the only writer, and each
 write updates memory only after its commit. Methods are synchronous; the server calls the writing ones through
 ``asyncio.to_thread`` (a commit is an fsync) and reads memory directly.
@@ -223,6 +224,7 @@ class Store:
         self.path = path
         self._conn = conn
         self._lock = threading.Lock()
+        self._full = True
         self.keys: dict[str, KeyRecord] = {}
         self.keys_by_hash: dict[str, KeyRecord] = {}
         self.nodes: dict[str, NodeDef] = {}
@@ -285,14 +287,27 @@ class Store:
         for row in c.execute("SELECT tenant, max_cpus, max_memory_mb, max_sandboxes FROM quotas"):
             self.quotas[row[0]] = Quota(row[1], row[2], row[3])
 
-    def _write(self, sql: str, params: tuple[Any, ...] = ()) -> int:
-        """One statement in its own durable transaction; returns the number of rows changed."""
+    def _sync(self, full: bool) -> None:
+        if full != self._full:
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+            self._full = full
+
+    def _write(self, sql: str, params: tuple[Any, ...] = (), full: bool = True) -> int:
+        """One statement in its own transaction; returns the number of rows changed.
+
+        ``full`` (keys, nodes, orgs, quotas) fsyncs the commit. Ownership records use ``full=False``: the
+        commit is in the WAL file (the OS has it, so a SIGKILL loses nothing) without waiting for the disk,
+        since a create's latency matters and a record lost to a power cut is taken back from the node's
+        ``gateway.owner`` label at the next reconcile. A later full commit syncs the earlier ones too.
+        """
         with self._lock:
+            self._sync(full)
             cur = self._conn.execute(sql, params)
             return cur.rowcount
 
-    def _write_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+    def _write_many(self, statements: list[tuple[str, tuple[Any, ...]]], full: bool = True) -> None:
         with self._lock:
+            self._sync(full)
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in statements:
@@ -367,13 +382,14 @@ class Store:
             "INSERT OR REPLACE INTO sandboxes (id, user, tenant, node, name, cpus, memory_mb, created) "
             "VALUES (?,?,?,?,?,?,?,?)",
             (rec.id, rec.user, rec.tenant, rec.node, rec.name, rec.cpus, rec.memory_mb, rec.created),
+            full=False,
         )
         self.sandboxes[rec.id] = rec
 
     def forget_sandboxes(self, ids: list[str]) -> None:
         if not ids:
             return
-        self._write_many([("DELETE FROM sandboxes WHERE id = ?", (i,)) for i in ids])
+        self._write_many([("DELETE FROM sandboxes WHERE id = ?", (i,)) for i in ids], full=False)
         for i in ids:
             self.sandboxes.pop(i, None)
 
