@@ -8,10 +8,12 @@ last test checks that.
 from __future__ import annotations
 
 import base64
+import contextlib
 import ipaddress
 import json
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -57,8 +59,10 @@ def world() -> Iterator[World]:
         w.close()
 
 
-@pytest.fixture(scope="module")
-def node(world: World, request: pytest.FixtureRequest) -> Iterator[Sandboxd]:
+@contextlib.contextmanager
+def started_node(world: World, request: pytest.FixtureRequest) -> Iterator[Sandboxd]:
+    """A sandboxd with every mode, its own subnet and the test internet's DNS upstream; whatever it made is
+    removed afterwards (sandboxes, namespaces, interfaces, its nftables table), even when a test failed."""
     workdir = Path(tempfile.mkdtemp(prefix="sbxd-net-", dir="/var/tmp"))
     config = (
         "[network]\n"
@@ -73,12 +77,19 @@ def node(world: World, request: pytest.FixtureRequest) -> Iterator[Sandboxd]:
         server.start()
         yield server
     finally:
-        _delete_all(server)
+        if server.proc is not None and server.proc.poll() is None:
+            _delete_all(server)
         server.teardown()
         if request.session.testsfailed:
             server.save_evidence(Path("test-artifacts") / "test_network_egress" / workdir.name)
         _remove_network_leftovers(server)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node(world: World, request: pytest.FixtureRequest) -> Iterator[Sandboxd]:
+    with started_node(world, request) as server:
+        yield server
 
 
 def _delete_all(server: Sandboxd) -> None:
@@ -103,9 +114,15 @@ def _tag(server: Sandboxd) -> str:
 
 
 def _remove_network_leftovers(server: Sandboxd) -> None:
-    """Whatever a failed test left: the sandboxes' namespaces, veths and the nftables table."""
+    """Whatever a failed test left: the sandboxes (runsc inside their namespaces), the namespaces, veths and
+    the nftables table."""
     gvisor = server.state_dir / "gvisor"
     for directory in gvisor.glob("sbx_*") if gvisor.is_dir() else []:
+        netns = Path(f"/var/run/netns/sbx-{directory.name}")
+        if netns.exists():
+            runsc = ["nsenter", f"--net={netns}", "runsc", "--root", str(gvisor / "runsc")]
+            subprocess.run([*runsc, "kill", directory.name, "KILL"], capture_output=True, check=False)
+            subprocess.run([*runsc, "delete", "-force", directory.name], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False)
     tag = _tag(server)
     for name in leftovers((f"sx{tag}",)):
@@ -384,3 +401,43 @@ def test_delete_removes_the_namespace_and_the_interface(node: Sandboxd) -> None:
         time.sleep(0.1)
     assert not Path(f"/var/run/netns/sbx-{box}").exists()
     assert interface not in leftovers((interface,))
+
+
+# -- restarts ----------------------------------------------------------------------------------------------
+
+
+def test_a_restart_takes_networks_back_and_clears_those_of_sandboxes_that_ended(
+    world: World, request: pytest.FixtureRequest
+) -> None:
+    with started_node(world, request) as server:
+        kept = create(server, mode="allowlist", allow=["allowed.test"])
+        ended = create(server, mode="open")
+        server.signal(signal.SIGKILL)
+        # While sandboxd is down, one sandbox ends behind its back.
+        netns = f"/var/run/netns/sbx-{ended}"
+        runsc = ["nsenter", f"--net={netns}", "runsc", "--root", str(server.state_dir / "gvisor" / "runsc")]
+        subprocess.run([*runsc, "kill", ended, "KILL"], capture_output=True, check=True)
+        server.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(netns).exists():
+            time.sleep(0.1)
+        assert not Path(netns).exists()
+        assert server.request("GET", f"/v1/sandboxes/{ended}").json()["state"] == "terminated"
+        # The kept one works under its policy, through the new proxy and resolver ports.
+        got = probe(server, kept, op="http", host="allowed.test", port=443, tls=True, ca=world.ca_pem)
+        assert got["ok"] and got["body"] == ZONE["allowed.test"], got
+        got = probe(server, kept, op="http", host="other.test", addr=ZONE["other.test"], port=80)
+        assert not got["ok"] and "ConnectionResetError" in got["error"], got
+        assert probe(server, kept, op="dns", name="other.test", qtype=A) == {"rcode": 3, "answers": 0}
+
+
+def test_nothing_is_left_behind(world: World, request: pytest.FixtureRequest) -> None:
+    with started_node(world, request) as server:
+        tag = _tag(server)
+        box = create(server, mode="open")
+        assert leftovers((f"sx{tag}", f"sbx_{tag}"))  # an interface and the table while a sandbox runs
+        assert server.request("DELETE", f"/v1/sandboxes/{box}").status == 204
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and leftovers((f"sx{tag}", f"sbx_{tag}", f"sbx-{box}")):
+            time.sleep(0.1)
+        assert leftovers((f"sx{tag}", f"sbx_{tag}", f"sbx-{box}")) == []

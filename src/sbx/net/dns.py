@@ -119,7 +119,10 @@ class Upstream:
         if cached is not None and cached[0] > now:
             return cached[1]
         query = DNSRecord.question(name, "A")
-        answer = DNSRecord.parse(await self.exchange(query.pack()))
+        try:
+            answer = DNSRecord.parse(await self.exchange(query.pack()))
+        except DNSError as exc:
+            raise LookupFailed(f"{name}: the upstream answer is malformed: {exc}") from None
         if answer.header.id != query.header.id:
             raise LookupFailed(f"{name}: upstream answered another query")
         if answer.header.rcode != RCODE.NOERROR:
@@ -177,6 +180,8 @@ class Resolver:
         self.attachment_of = attachment_of
         self.port = 0
         self._udp: asyncio.DatagramTransport | None = None
+        #: Queries being answered (kept referenced until done).
+        self._pending: set[asyncio.Task[None]] = set()
         self._tcp: asyncio.Server | None = None
 
     async def start(self, port: int = 0) -> None:
@@ -189,7 +194,9 @@ class Resolver:
 
             def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
                 source = str(addr[0])
-                loop.create_task(resolver._answer_datagram(data, source, addr))
+                task = loop.create_task(resolver._answer_datagram(data, source, addr))
+                resolver._pending.add(task)
+                task.add_done_callback(resolver._pending.discard)
 
         udp, _ = await loop.create_datagram_endpoint(_Server, local_addr=("0.0.0.0", port))
         self._udp = udp

@@ -115,6 +115,9 @@ class EgressProxy:
             relay.cut()
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             relay.cut()
+        except Exception:  # a bug must cost one connection, never the listener
+            log.exception("egress proxy failure", extra={"sandbox": attachment.sandbox_id, "port": port})
+            relay.cut()
         finally:
             attachment.relays.discard(relay)
 
