@@ -1,0 +1,142 @@
+"""Benchmark suspend, resume and forks from a memory snapshot against raw runsc, in one run on one machine.
+
+    sudo .venv/bin/python bench/bench_snapshots.py [--samples 15]
+
+Starts sandboxd and times, per sample:
+
+- suspend (POST .../suspend) and resume (POST .../resume, then a `true` run: back and answering),
+- fork from a memory snapshot to the first run result (POST /v1/sandboxes with snapshot_id, then run `true`),
+
+and, on the same image root, raw `runsc checkpoint` and `runsc restore` of a sandbox running `sleep`.
+Prints p50/p95 of each with ratios, and checks the target: fork to first result p50 under 300 ms.
+Exit status 1 when the target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_sandboxd import RawRunsc, summary
+from sandboxd_harness import IMAGES_DIR, Sandboxd, UnixHTTPConnection, missing_requirements
+
+from sbx.images.store import ImageStore
+
+#: The target of the snapshots issue: fork from a memory snapshot to the first run result, p50.
+TARGET_FORK_P50_MS = 300.0
+
+
+class Client:
+    """One keep-alive connection, as a client would use."""
+
+    def __init__(self, server: Sandboxd) -> None:
+        self.conn = UnixHTTPConnection(server.socket_path)
+
+    def call(self, method: str, path: str, body: object = None) -> dict[str, object]:
+        data = None if body is None else json.dumps(body).encode()
+        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        raw = response.read()
+        assert response.status in (200, 201, 204), (response.status, raw)
+        return json.loads(raw) if raw else {}
+
+    def timed(self, method: str, path: str, body: object = None) -> tuple[float, dict[str, object]]:
+        started = time.monotonic()
+        result = self.call(method, path, body)
+        return time.monotonic() - started, result
+
+
+def raw_checkpoints(raw: RawRunsc, workdir: Path, samples: int) -> tuple[list[float], list[float]]:
+    raw.write_spec(["sleep", "1000000"])
+    checkpoints, restores = [], []
+    name = "bench-ckpt"
+    raw.cleanup(name)
+    subprocess.run(raw.argv("run", "--detach", "--bundle", str(raw.bundle), name), check=True)
+    for i in range(samples):
+        image = workdir / f"raw-image-{i}"
+        started = time.monotonic()
+        subprocess.run(raw.argv("checkpoint", "--image-path", str(image), name), check=True)
+        checkpoints.append(time.monotonic() - started)
+        subprocess.run(raw.argv("delete", "--force", name), check=True)
+        started = time.monotonic()
+        subprocess.run(raw.argv("restore", "--detach", "--image-path", str(image), "--bundle", str(raw.bundle),
+                                name), check=True)  # fmt: skip
+        restores.append(time.monotonic() - started)
+        shutil.rmtree(image, ignore_errors=True)
+    raw.cleanup(name)
+    return checkpoints, restores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--samples", type=int, default=15, help="samples of each measurement (default 15)")
+    args = parser.parse_args()
+    missing = missing_requirements()
+    if missing:
+        sys.exit(f"cannot benchmark: {missing}")
+    workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
+    (workdir / "server").mkdir()
+    server = Sandboxd(workdir / "server").start()
+    try:
+        client = Client(server)
+        ref = str(client.call("POST", "/v1/sandboxes", {})["id"])
+        suspends, resumes = [], []
+        for _ in range(args.samples):
+            took, _ = client.timed("POST", f"/v1/sandboxes/{ref}/suspend")
+            suspends.append(took)
+            started = time.monotonic()
+            client.call("POST", f"/v1/sandboxes/{ref}/resume")
+            client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["true"]})
+            resumes.append(time.monotonic() - started)
+        # A sandbox with a little state: a background process and a file.
+        client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["sh", "-c", "echo x > /sandbox/home/f; "
+                    "nohup sleep 1000000 >/dev/null 2>&1 &"]})  # fmt: skip
+        took, snap = client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})
+        snapshot_secs = [took]
+        forks = []
+        for _ in range(args.samples):
+            started = time.monotonic()
+            fork = client.call("POST", "/v1/sandboxes", {"snapshot_id": snap["id"]})
+            result = client.call("POST", f"/v1/sandboxes/{fork['id']}/run", {"argv": ["true"]})
+            forks.append(time.monotonic() - started)
+            assert result["exit_code"] == 0
+            client.call("DELETE", f"/v1/sandboxes/{fork['id']}")
+            while (server.state_dir / "gvisor" / str(fork["id"])).exists():
+                time.sleep(0.02)  # teardown is in the background: let it end before the next sample
+        for _ in range(3):
+            snapshot_secs.append(client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})[0])
+        client.call("DELETE", f"/v1/sandboxes/{ref}")
+        image_root = ImageStore(IMAGES_DIR).get("default")
+        assert image_root is not None
+        raw = RawRunsc(workdir / "raw", image_root.rootfs)
+        raw_ckpt, raw_restore = raw_checkpoints(raw, workdir, args.samples)
+    finally:
+        server.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(summary("raw runsc checkpoint", raw_ckpt))
+    print(summary("raw runsc restore", raw_restore))
+    print(summary("suspend", suspends, raw_ckpt))
+    print(summary("resume + first run", resumes, raw_restore))
+    print(summary("memory snapshot", snapshot_secs))
+    print(summary("fork (memory) + first run", forks, raw_restore))
+    fork_p50_ms = sorted(forks)[len(forks) // 2] * 1000
+    verdict = "met" if fork_p50_ms < TARGET_FORK_P50_MS else "MISSED"
+    print(f"target: fork to first result p50 under {TARGET_FORK_P50_MS:.0f} ms: {fork_p50_ms:.0f} ms, {verdict}")
+    sys.exit(0 if verdict == "met" else 1)
+
+
+if __name__ == "__main__":
+    main()
