@@ -441,3 +441,18 @@ def test_nothing_is_left_behind(world: World, request: pytest.FixtureRequest) ->
         while time.monotonic() < deadline and leftovers((f"sx{tag}", f"sbx_{tag}", f"sbx-{box}")):
             time.sleep(0.1)
         assert leftovers((f"sx{tag}", f"sbx_{tag}", f"sbx-{box}")) == []
+
+
+def test_suspend_and_resume_keep_the_network(node: Sandboxd, world: World) -> None:
+    if not node.request("GET", "/v1/capabilities").json()["capabilities"].get("suspend"):
+        pytest.skip("this node has no suspend capability (checkpoints)")
+    box = create(node, mode="allowlist", allow=["allowed.test"])
+    assert probe(node, box, op="http", host="allowed.test", port=80)["ok"]
+    for action, state in (("suspend", "suspended"), ("resume", "running")):
+        resp = node.request("POST", f"/v1/sandboxes/{box}/{action}")
+        assert resp.status == 200 and resp.json()["state"] == state, resp.body
+    # The restored sandbox has its address and route again, and the same policy.
+    got = probe(node, box, op="http", host="allowed.test", port=443, tls=True, ca=world.ca_pem)
+    assert got["ok"] and got["body"] == ZONE["allowed.test"], got
+    got = probe(node, box, op="http", host="other.test", addr=ZONE["other.test"], port=80)
+    assert not got["ok"] and "ConnectionResetError" in got["error"], got
