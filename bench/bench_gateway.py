@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/bench_gateway.py [--creates 30] [--runs 200] [--clients 200] [--secs 60]
 
 - create round trip p50/p95 through the gateway vs straight to the node (same node, same run, alternating);
-- run (`true`) round trip p50/p95 the same way;
+- GET of a sandbox and run (`true`) round trips the same way, each over one kept-alive connection;
 - load: N concurrent clients for S seconds through the gateway (each loops: GET a sandbox four times, then a
   `run` of `true`), reporting requests, rate, latency percentiles and errors (target: none).
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import json
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -27,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from bench_sandboxd import pct
 from gateway_harness import GatewayProcess
-from sandboxd_harness import Sandboxd, missing_requirements
+from sandboxd_harness import Sandboxd, UnixHTTPConnection, missing_requirements
 
 
 def timed(fn: object, n: int) -> list[float]:
@@ -37,6 +40,15 @@ def timed(fn: object, n: int) -> list[float]:
         fn()  # type: ignore[operator]
         out.append(time.perf_counter() - start)
     return out
+
+
+def call(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, headers: dict[str, str]
+) -> None:
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 200, resp.status
 
 
 def line(name: str, direct: list[float], through: list[float]) -> str:
@@ -117,15 +129,28 @@ def main() -> None:
         print(line("create", direct_c, through_c))
 
         target = gw.create(key)["id"]
-        direct_r: list[float] = []
-        through_r: list[float] = []
-        for _ in range(args.runs):
-            direct_r += timed(
-                lambda: node.request("POST", f"/v1/sandboxes/{target}/run", {"argv": ["true"]}), 1
-            )
-            through_r += timed(lambda: gw.request("POST", f"/v1/sandboxes/{target}/run", {"argv": ["true"]},
-                                                  key=key), 1)  # fmt: skip
-        print(line("run", direct_r, through_r))
+        # One kept-alive connection each way, so connection set-up is not counted on either side.
+        direct_conn = UnixHTTPConnection(node.socket_path)
+        gw_conn = gw.connection()
+        gw_conn.connect()
+        # http.client writes the head and the body in two sends: without TCP_NODELAY, Nagle holds the body
+        # until the head is acknowledged (a unix socket, as used directly, has no such delay).
+        assert gw_conn.sock is not None
+        gw_conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        plain = {"Content-Type": "application/json"}
+        run_body = json.dumps({"argv": ["true"]}).encode()
+        cases = [
+            ("get", "GET", f"/v1/sandboxes/{target}", None),
+            ("run", "POST", f"/v1/sandboxes/{target}/run", run_body),
+        ]
+        for name, method, path, body in cases:
+            direct_t: list[float] = []
+            through_t: list[float] = []
+            for _ in range(args.runs):
+                direct_t += timed(lambda m=method, p=path, b=body: call(direct_conn, m, p, b, plain), 1)
+                through_t += timed(lambda m=method, p=path, b=body: call(gw_conn, m, p, b, auth), 1)
+            print(line(name, direct_t, through_t))
 
         ids = [target, *(gw.create(key)["id"] for _ in range(3))]
         asyncio.run(load(gw, key, ids, args.clients, args.secs))
