@@ -45,7 +45,9 @@ def text(server: Sandboxd, ref: str, *argv: str) -> str:
 
 def count(server: Sandboxd, ref: str) -> int:
     """The daemon's counter (0 before it wrote one); a read between its truncate and its write is retried."""
-    while not (value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()):
+    while not (
+        value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()
+    ):
         time.sleep(0.005)
     return int(value)
 
@@ -419,3 +421,43 @@ def test_volumes_exclude_snapshots(server: Sandboxd) -> None:
                                                           "volumes": [{"name": "snapvol", "path": "/data"}]}),
                  400, "invalid_request", "cannot mount volumes")  # fmt: skip
     server.request("DELETE", f"/v1/sandboxes/{other}")
+
+
+def test_sdk_suspends_snapshots_and_forks(server: Sandboxd) -> None:
+    from sbx.client.sync import Client
+
+    with Client(f"unix://{server.socket_path}") as client:
+        sandbox = client.sandboxes.create()
+        sandbox.files.write("/sandbox/home/f", "sdk")
+        assert sandbox.suspend().info["state"] == "suspended"
+        assert sandbox.resume().info["state"] == "running"
+        snap = sandbox.snapshot("memory")
+        assert snap["id"] in [s["id"] for s in client.snapshots.list()]
+        fork = client.sandboxes.create(snapshot_id=snap["id"])
+        assert fork.files.read_text("/sandbox/home/f") == "sdk"
+        assert sandbox.set_snapshot_schedule(0).info["snapshot_every_secs"] == 0
+        for s in (sandbox, fork):
+            s.delete()
+        client.snapshots.delete(snap["id"])
+        assert snap["id"] not in [s["id"] for s in client.snapshots.list()]
+
+
+def test_closing_the_connection_does_not_cancel_a_snapshot(server: Sandboxd) -> None:
+    import socket
+
+    ref = server.create()["id"]
+    body = b'{"kind": "memory"}'
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(server.socket_path))
+        sock.sendall(b"POST /v1/sandboxes/%s/snapshots HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (ref.encode(), len(body), body))  # fmt: skip
+        while "snapshotting" not in server.request("GET", f"/v1/sandboxes/{ref}").json():
+            time.sleep(0.005)
+    # The client is gone; the snapshot is finished and listed anyway.
+    deadline = time.monotonic() + 30
+    while not [s for s in server.request("GET", "/v1/snapshots").json()["snapshots"] if s["sandbox"] == ref]:
+        assert time.monotonic() < deadline, "the snapshot was cancelled with its connection"
+        time.sleep(0.05)
+    assert text(server, ref, "echo", "ok") == "ok\n"
+    server.request("DELETE", f"/v1/sandboxes/{ref}")

@@ -75,6 +75,8 @@ def test_exported_names() -> None:
         "Files",
         "Process",
         "Images",
+        "Snapshots",
+        "Volumes",
         "Attachment",
         "Tunnel",
         "Frame",
@@ -194,6 +196,43 @@ async def test_calls_build_the_spec_requests() -> None:
         ),
         ("POST", "/v1/sandboxes", {"name": "n", "cpus": 2}, None),
         ("POST", "/v1/node/cordon", {"cordoned": False}, None),
+    ]
+
+
+async def test_state_calls_build_the_spec_requests() -> None:
+    seen: list[tuple[str, str, Any, Any]] = []
+
+    def handler(method: str, path: str, body: Any, params: Params | None) -> tuple[int, Any]:
+        seen.append((method, path, body, params))
+        if method == "DELETE":
+            return 204, None
+        if path in ("/v1/snapshots", "/v1/volumes") and method == "GET":
+            return 200, {path.rsplit("/", 1)[1]: [{"id": "x"}]}
+        return 200, {"id": "sbx_1", "state": "suspended"}
+
+    async with AsyncClient(transport=HandlerTransport(handler)) as client:
+        sandbox = Sandbox(client, {"id": "sbx_1"})
+        assert (await sandbox.suspend()).info["state"] == "suspended"
+        await sandbox.resume()
+        assert await sandbox.snapshot("disk") == {"id": "sbx_1", "state": "suspended"}
+        await sandbox.set_snapshot_schedule(60, keep=2)
+        assert await client.snapshots.list() == [{"id": "x"}]
+        await client.snapshots.delete("snap_1")
+        await client.volumes.create("data", size_mb=64)
+        await client.volumes.create("other")
+        assert await client.volumes.list() == [{"id": "x"}]
+        await client.volumes.delete("data")
+    assert seen == [
+        ("POST", "/v1/sandboxes/sbx_1/suspend", None, None),
+        ("POST", "/v1/sandboxes/sbx_1/resume", None, None),
+        ("POST", "/v1/sandboxes/sbx_1/snapshots", {"kind": "disk"}, None),
+        ("PUT", "/v1/sandboxes/sbx_1/snapshot-schedule", {"every_secs": 60, "keep": 2}, None),
+        ("GET", "/v1/snapshots", None, None),
+        ("DELETE", "/v1/snapshots/snap_1", None, None),
+        ("POST", "/v1/volumes", {"name": "data", "size_mb": 64}, None),
+        ("POST", "/v1/volumes", {"name": "other"}, None),
+        ("GET", "/v1/volumes", None, None),
+        ("DELETE", "/v1/volumes/data", None, None),
     ]
 
 

@@ -30,6 +30,7 @@ from sbx.client._images import Images
 from sbx.client._models import DirEntry, EventList, OutputEvent, RunResult
 from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
+from sbx.client._storage import Snapshots, Volumes
 from sbx.client._streams import Attachment, Tunnel
 
 __all__ = [
@@ -56,9 +57,11 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "Sandboxes",
+    "Snapshots",
     "Tunnel",
     "Unauthorized",
     "Unavailable",
     "Unsupported",
+    "Volumes",
     "resolve_endpoint",
 ]

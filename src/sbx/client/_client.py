@@ -19,6 +19,7 @@ from sbx.api.errors import Internal
 from sbx.client._endpoint import Params, error_for, resolve_endpoint
 from sbx.client._images import Images
 from sbx.client._sandbox import Sandboxes
+from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
 from sbx.client._upgrade import Upgraded
 
@@ -31,7 +32,8 @@ class AsyncClient:
     no limit, as a run lasts as long as its command; streams and upgrades are never bounded once
     connected). ``transport`` replaces the network (tests).
 
-    Namespaces: ``client.sandboxes`` (create, list, get, delete) and ``client.images``.
+    Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``
+    and ``client.volumes``.
     """
 
     def __init__(
@@ -45,6 +47,8 @@ class AsyncClient:
         self._transport = transport or AiohttpTransport(resolve_endpoint(url, token), timeout_secs)
         self.sandboxes = Sandboxes(self)
         self.images = Images(self)
+        self.snapshots = Snapshots(self)
+        self.volumes = Volumes(self)
 
     async def __aenter__(self) -> Self:
         return self

@@ -141,6 +141,40 @@ class Sandbox:
         """Terminate the sandbox: its processes stop and its disk is discarded (idempotent)."""
         await self._client.request("DELETE", self._path)
 
+    async def _post_state(self, action: str) -> Self:
+        info = await self._client.request("POST", f"{self._path}/{action}")
+        if not isinstance(info, dict):
+            raise Internal("the server answered a sandbox that is not an object")
+        self.info = info
+        return self
+
+    async def suspend(self) -> Self:
+        """Save and stop the sandbox (memory, processes, disk kept; capability ``suspend``); Conflict while a
+        process runs. Returns itself with ``info`` updated."""
+        return await self._post_state("suspend")
+
+    async def resume(self) -> Self:
+        """Bring a suspended sandbox back as it was. Returns itself with ``info`` updated."""
+        return await self._post_state("resume")
+
+    async def snapshot(self, kind: str = "memory") -> dict[str, Any]:
+        """Take a ``memory`` (everything, processes running) or ``disk`` (files only) snapshot; returns the
+        Snapshot. Fork it with ``client.sandboxes.create(snapshot_id=...)``."""
+        body = await self._client.request("POST", f"{self._path}/snapshots", json={"kind": kind})
+        if not isinstance(body, dict):
+            raise Internal("the server answered a snapshot that is not an object")
+        return body
+
+    async def set_snapshot_schedule(self, every_secs: int, keep: int = 1) -> Self:
+        """Snapshot every ``every_secs`` seconds keeping the newest ``keep``; ``every_secs`` 0 stops it."""
+        info = await self._client.request(
+            "PUT", f"{self._path}/snapshot-schedule", json={"every_secs": every_secs, "keep": keep}
+        )
+        if not isinstance(info, dict):
+            raise Internal("the server answered a sandbox that is not an object")
+        self.info = info
+        return self
+
     async def run(
         self,
         argv: Sequence[str],
