@@ -7,6 +7,8 @@ copy of it. Copies are sparse (holes stay holes), so a 10 GiB layer holding 50 M
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from pathlib import Path
 
 from sbx.backends.base import BackendError
@@ -15,9 +17,34 @@ from sbx.backends.layers import run_tool
 MIB = 1024 * 1024
 
 
+def _copy_sparse(source: Path, dest: Path) -> None:
+    with open(source, "rb") as src, open(dest, "wb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        dst.truncate(size)
+        offset = 0
+        while offset < size:
+            try:
+                data = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            hole = os.lseek(src.fileno(), data, os.SEEK_HOLE)
+            while data < hole:
+                copied = os.copy_file_range(src.fileno(), dst.fileno(), hole - data, data, data)
+                if copied == 0:
+                    raise OSError(errno.EIO, f"{source} ended early while being copied")
+                data += copied
+            offset = hole
+
+
 async def copy_sparse(source: Path, dest: Path) -> None:
-    """Copy ``source`` to ``dest`` keeping holes (``cp --sparse=always``); ``dest`` is replaced."""
-    await run_tool("cp", "--sparse=always", "--", str(source), str(dest))
+    """Copy ``source`` to ``dest`` keeping holes (data extents only, copied in the kernel with
+    copy_file_range); ``dest`` is replaced. In-process: a ``cp`` process costs milliseconds per copy."""
+    try:
+        await asyncio.to_thread(_copy_sparse, source, dest)
+    except OSError as exc:
+        raise BackendError(f"cannot copy {source} to {dest}: {exc.strerror or exc}") from exc
 
 
 async def copy_frozen(mount_point: Path, image_file: Path, dest: Path) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -86,9 +88,72 @@ async def make_ext4_image(image_file: Path, size_mb: int, journal: bool) -> None
     )  # fmt: skip
 
 
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A
+_LO_FLAGS_AUTOCLEAR = 4
+
+
+class _LoopInfo64(ctypes.Structure):
+    _fields_ = [
+        ("lo_device", ctypes.c_uint64), ("lo_inode", ctypes.c_uint64), ("lo_rdevice", ctypes.c_uint64),
+        ("lo_offset", ctypes.c_uint64), ("lo_sizelimit", ctypes.c_uint64), ("lo_number", ctypes.c_uint32),
+        ("lo_encrypt_type", ctypes.c_uint32), ("lo_encrypt_key_size", ctypes.c_uint32),
+        ("lo_flags", ctypes.c_uint32), ("lo_file_name", ctypes.c_uint8 * 64),
+        ("lo_crypt_name", ctypes.c_uint8 * 64), ("lo_encrypt_key", ctypes.c_uint8 * 32),
+        ("lo_init", ctypes.c_uint64 * 2),
+    ]  # fmt: skip
+
+
+class _LoopConfig(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_uint32), ("block_size", ctypes.c_uint32), ("info", _LoopInfo64),
+                ("reserved", ctypes.c_uint64 * 8)]  # fmt: skip
+
+
+def _attach_loop(image_file: Path) -> int:
+    """An open loop device backed by ``image_file``, detached by the kernel once its last user (the mount)
+    goes (autoclear, as ``mount -o loop`` does). Retries when another process takes the free device first."""
+    control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    backing = os.open(image_file, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for _ in range(20):
+            number = fcntl.ioctl(control, _LOOP_CTL_GET_FREE)
+            device = os.open(f"/dev/loop{number}", os.O_RDWR | os.O_CLOEXEC)
+            config = _LoopConfig(fd=backing)
+            config.info.lo_flags = _LO_FLAGS_AUTOCLEAR
+            try:
+                fcntl.ioctl(device, _LOOP_CONFIGURE, config)
+            except OSError as exc:
+                os.close(device)
+                if exc.errno == errno.EBUSY:
+                    continue  # taken between GET_FREE and CONFIGURE
+                raise
+            return device
+        raise OSError(errno.EBUSY, "no free loop device after 20 tries")
+    finally:
+        os.close(backing)
+        os.close(control)
+
+
+def _mount_loop(image_file: Path, target: Path) -> None:
+    device = _attach_loop(image_file)
+    try:
+        source = os.readlink(f"/proc/self/fd/{device}").encode()
+        if _libc.mount(source, str(target).encode(), b"ext4", _MS_NODEV | _MS_NOSUID, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount of {image_file} on {target}: {os.strerror(err)}")
+    finally:
+        os.close(device)  # the mount holds the device now; with autoclear it goes with the unmount
+
+
 async def mount_loop(image_file: Path, target: Path) -> None:
-    """Mount the ext4 image ``image_file`` on ``target`` through a loop device (nodev, nosuid)."""
-    await run_tool("mount", "-o", "loop,nodev,nosuid", str(image_file), str(target))
+    """Mount the ext4 image ``image_file`` on ``target`` through a loop device (nodev, nosuid).
+
+    With ioctl and mount(2) directly: a ``mount`` process costs 10 to 30 ms per call here (measured).
+    """
+    try:
+        await asyncio.to_thread(_mount_loop, image_file, target)
+    except OSError as exc:
+        raise BackendError(f"cannot mount {image_file} on {target}: {exc.strerror or exc}") from exc
 
 
 class WritableLayer:
