@@ -633,3 +633,63 @@ def test_audit_log_and_metrics(fleet: Fleet) -> None:
     )
     for name in ("alice", "bob", "acme", "beta", "sbx_a_"):
         assert name not in metrics
+
+
+def test_revocation_closes_attach_and_tunnel_on_both_sides(fleet: Fleet) -> None:
+    gw = fleet.gw
+    doomed = _api_key(fleet, "frank")
+    s = gw.create(doomed["secret"])
+    try:
+        proc = gw.request(
+            "POST", f"/v1/sandboxes/{s['id']}/processes", {"argv": ["cat"]}, key=doomed["secret"]
+        ).json()
+        hold = "import socket,time\ns=socket.socket();s.bind(('127.0.0.1',7001));s.listen(1);print('up',flush=True)\nc,_=s.accept();time.sleep(60)\n"
+        gw.request(
+            "PUT",
+            f"/v1/sandboxes/{s['id']}/files?path=/tmp/hold.py",
+            body=hold.encode(),
+            key=doomed["secret"],
+        )
+        server = gw.request(
+            "POST",
+            f"/v1/sandboxes/{s['id']}/processes",
+            {"argv": ["python3", "/tmp/hold.py"]},
+            key=doomed["secret"],
+        ).json()
+        events = gw.follow(doomed["secret"], s["id"], server["pid"])
+        for event in events:
+            if "data" in event:
+                break
+        events.close()  # closes the followed stream, so only attach and tunnel stay open
+        attach, _ = _upgrade(
+            gw, doomed["secret"], f"/v1/sandboxes/{s['id']}/processes/{proc['pid']}/attach", "sbx-stream/1"
+        )
+        tunnel, _ = _upgrade(
+            gw, doomed["secret"], f"/v1/sandboxes/{s['id']}/tunnel?port=7001", "sbx-tunnel/1"
+        )
+        attach.sendall(_frame(b"i", b"ping\n"))
+        seen = b""
+        while _frame(b"o", b"ping\n") not in seen:
+            chunk = attach.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        assert gw.request("DELETE", f"/v1/admin/keys/{doomed['id']}", key=fleet.keys["admin"]).status == 204
+        for sock in (attach, tunnel):
+            sock.settimeout(2)
+            try:
+                rest = _read_all(sock)
+            except ConnectionResetError:
+                rest = b""
+            assert not rest.endswith(_frame(b"x", struct.pack(">i", 0)))  # cut off, not a clean exit
+            sock.close()
+        # The process itself was not touched: detaching never stops it.
+        processes = fleet.node.request("GET", f"/v1/sandboxes/{s['id']}/processes").json()
+        listed = processes["processes"] if isinstance(processes, dict) else processes
+        assert [p["state"] for p in listed if p["pid"] == proc["pid"]] == ["running"]
+        audit = gw.request("GET", "/v1/admin/audit?limit=1000", key=fleet.keys["admin"]).json()["entries"]
+        routes = sorted(
+            e["route"] for e in audit if e.get("type") == "api.revoked" and e.get("key_id") == doomed["id"]
+        )
+        assert routes == ["GET /v1/sandboxes/{ref}/processes/{pid}/attach", "GET /v1/sandboxes/{ref}/tunnel"]
+    finally:
+        gw.request("DELETE", f"/v1/sandboxes/{s['id']}", key=fleet.keys["admin"])

@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -247,3 +247,50 @@ def test_audit_rotates_keeps_five_and_reads_since(tmp_path: Path) -> None:
     assert len(first_two) == 2 and more
     assert log.read(datetime.now(UTC) + timedelta(seconds=5), 10) == ([], False)
     assert json.loads((tmp_path / "gateway.jsonl").read_text().splitlines()[-1])["route"] == "/v1/x/59"
+
+
+async def test_recheck_ends_a_request_whose_key_lost_its_scope(setup: Setup) -> None:
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+    run = asyncio.ensure_future(
+        setup.client.post(
+            f"/v1/sandboxes/{created['id']}/run", json={"argv": ["x"]}, headers=bearer(setup.user)
+        )
+    )
+    for _ in range(100):
+        if len(setup.gateway.open):
+            break
+        await asyncio.sleep(0.01)
+    await setup.gateway.recheck()
+    assert len(setup.gateway.open) == 1  # still good: nothing ended
+    store = setup.gateway.store
+    key = store.keys[setup.user_key_id]
+    # The state changed under the open request (as an offline edit would): the key lost sandbox:create.
+    weaker = replace(key, scopes=frozenset({"sandbox:read"}))
+    store.keys[key.id] = weaker
+    store.keys_by_hash[key.secret_sha256] = weaker
+    await setup.gateway.recheck()
+    resp = await run
+    assert resp.status == 401
+    assert len(setup.gateway.open) == 0
+
+
+async def test_made_up_paths_do_not_grow_the_route_label(setup: Setup) -> None:
+    for i in range(3):
+        await setup.client.get(f"/v1/sandboxes/x/made-up-{i}", headers=bearer(setup.user))
+        await setup.client.get(f"/v1/nothing-{i}/here", headers=bearer(setup.user))
+    await setup.client.get("/v1/sandboxes/x/run", headers=bearer(setup.user))
+    text = setup.gateway.metrics.render()[0].decode()
+    assert "made-up" not in text and "nothing-" not in text
+    assert 'route="/v1/sandboxes/{ref}/{tail}"' in text and 'route="unmatched"' in text
+    assert 'route="/v1/sandboxes/{ref}/run"' in text
+
+
+async def test_cors_preflight(tmp_path: Path, setup: Setup) -> None:
+    setup.gateway.options.cors_origins = frozenset({"https://console.example"})
+    ok = await setup.client.options("/v1/sandboxes", headers={"Origin": "https://console.example"})
+    assert ok.status == 204 and ok.headers["Access-Control-Allow-Origin"] == "https://console.example"
+    assert "X-Sandbox-Org" in ok.headers["Access-Control-Allow-Headers"]
+    denied = await setup.client.options("/v1/sandboxes", headers={"Origin": "https://evil.example"})
+    assert denied.status == 403 and (await denied.json())["error"]["code"] == "forbidden_origin"
+    error = await setup.client.get("/v1/sandboxes", headers={"Origin": "https://console.example"})
+    assert error.status == 401 and error.headers["Access-Control-Allow-Origin"] == "https://console.example"

@@ -228,7 +228,9 @@ async def _serve(
     app = web.Application(middlewares=make_middlewares(gateway), client_max_size=1024 * 1024)
     app.add_routes(routes(gateway))
     await gateway.start()
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
+    # of a quiet process would otherwise stay open until the process writes again.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     if socket_path is not None:
         await web.SockSite(runner, _unix_socket(socket_path)).start()

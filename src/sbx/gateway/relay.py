@@ -95,7 +95,10 @@ async def forward(
                 op.answered = True
             try:
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    try:
+                        await out.write(chunk)
+                    except (ConnectionError, OSError):
+                        return out  # the client went away; leaving releases the node's connection too
             except (aiohttp.ClientError, OSError) as exc:
                 # The node went away mid-stream: cut the client's stream too rather than end it cleanly.
                 log.warning("stream from node cut", extra={"node": node.name, "error": describe(exc)})

@@ -354,6 +354,37 @@ def path_qs(request: web.Request, path: str) -> str:
 # -- middlewares --------------------------------------------------------------------------------
 
 
+#: Sandbox sub-routes kept as their own metric label; any other tail is counted under the route's pattern, so
+#: made-up paths cannot grow the label set.
+_SUBROUTE_TAILS = (
+    "run", "processes", "processes/{pid}", "processes/{pid}/output", "processes/{pid}/stdin",
+    "processes/{pid}/signal", "processes/{pid}/attach", "tunnel", "files", "dirs", "events", "metrics",
+    "suspend", "resume", "snapshots", "snapshot-schedule", "ssh-access",
+)  # fmt: skip
+SANDBOX_SUBROUTES = frozenset("/v1/sandboxes/{ref}/" + tail for tail in _SUBROUTE_TAILS)
+
+
+def metric_route(request: web.Request, shape: str) -> str:
+    """A bounded route label: the path shape for known routes, else the matched pattern, else ``unmatched``."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unmatched"
+    canonical = resource.canonical
+    if "{tail}" not in canonical or shape in SANDBOX_SUBROUTES:
+        return shape
+    return canonical
+
+
+def preflight(origin: str) -> web.Response:
+    """A CORS preflight: no key is sent with one; the Origin check already passed."""
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": "GET, POST, PUT, PATCH, DELETE",
+        "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Sandbox-Org",
+        "Access-Control-Max-Age": "600",
+    })  # fmt: skip
+
+
 def make_middlewares(gw: Gateway) -> list[Any]:
     @web.middleware
     async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -361,10 +392,14 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         try:
             response = await handler(request)
             status = response.status
+            origin = request.headers.get("Origin")
+            if origin is not None and origin in gw.options.cors_origins and not response.prepared:
+                # Errors too, so a browser console can read why a call failed.
+                response.headers["Access-Control-Allow-Origin"] = origin
             return response
         finally:
             route = route_shape(request.path)
-            gw.metrics.requests.labels(route, str(status)).inc()
+            gw.metrics.requests.labels(metric_route(request, route), str(status)).inc()
             principal = request.get(auth.PRINCIPAL_KEY)
             if isinstance(principal, auth.Principal):
                 gw.record_audit(kind="api", type="api.request", key_id=principal.key.id, user=principal.user,
@@ -376,6 +411,9 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         auth.check_origin(
             request.headers.get("Origin"), request.headers.get("Host", ""), gw.options.cors_origins
         )
+        origin = request.headers.get("Origin")
+        if request.method == "OPTIONS" and origin is not None:
+            return preflight(origin)
         if request.method == "GET" and request.path == "/v1/health":
             return await handler(request)
         key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
@@ -384,11 +422,7 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         needed = auth.scopes_for(request.method, request.path)
         request[auth.SCOPES_KEY] = needed
         auth.check_scopes(key, needed)
-        response = await handler(request)
-        origin = request.headers.get("Origin")
-        if origin is not None and origin in gw.options.cors_origins and not response.prepared:
-            response.headers["Access-Control-Allow-Origin"] = origin
-        return response
+        return await handler(request)
 
     return [record, error_middleware, authenticate]
 
