@@ -8,7 +8,7 @@ import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -24,19 +24,43 @@ _MAX_NAMES: Final = 1024
 
 @dataclass(eq=False)
 class Relay:
-    """One relayed connection: the name it was admitted under (None: nameless), the kind of address it
-    went to, and the two sockets' writers (to cut it)."""
+    """One relayed connection: the name it was admitted under (None: nameless), the kind of address it goes
+    to, its two sockets, and how to stop it: ``on_cut`` (stops the kernel relay) once relaying, else ``task``
+    (the task serving it, whose cleanup resets the sockets once its pending socket waits are cancelled)."""
 
     name: str | None
     kind: Kind
-    client: asyncio.StreamWriter
-    upstream: asyncio.StreamWriter | None = None
+    client: socket.socket
+    upstream: socket.socket | None = None
+    task: asyncio.Task[None] | None = None
+    on_cut: Callable[[], None] | None = None
 
     def cut(self) -> None:
-        """Reset both sides at once."""
-        for writer in (self.client, self.upstream):
-            if writer is not None:
-                reset(writer)
+        """Reset both sides at once (idempotent)."""
+        if self.on_cut is not None:
+            self.on_cut()
+        elif self.task is not None and not self.task.done() and self.task is not _current_task():
+            # A socket wait may be registered with the event loop: cancel it first, then the task resets.
+            self.task.cancel()
+            return
+        for sock in (self.client, self.upstream):
+            if sock is not None:
+                reset(sock)
+
+    def close(self) -> None:
+        """Close both sides normally (after both directions ended)."""
+        if self.on_cut is not None:
+            self.on_cut()
+        for sock in (self.client, self.upstream):
+            if sock is not None:
+                sock.close()
+
+
+def _current_task() -> asyncio.Task[object] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
 
 
 @dataclass
@@ -80,12 +104,10 @@ def still_permitted(policy: NetworkPolicy, relay: Relay) -> bool:
     return address_permitted(policy, relay.kind, named=relay.name is not None)
 
 
-def reset(writer: asyncio.StreamWriter) -> None:
+def reset(sock: socket.socket) -> None:
     """Close with a TCP reset (SO_LINGER 0), not a FIN: the peer learns at once that nothing is there."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-    writer.transport.abort()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass  # already closed
+    sock.close()
