@@ -96,3 +96,35 @@ def test_rm_and_errors(sandboxd: Sandboxd) -> None:
     assert gone.stderr.startswith(b"not_found: ")
     usage = cli(sandboxd, "cp", "a", "b")
     assert usage.returncode == 2
+
+
+def test_suspend_resume_snapshot_fork_and_volumes(sandboxd: Sandboxd) -> None:
+    def ok(*args: str) -> str:
+        done = cli(sandboxd, *args)
+        assert done.returncode == 0, (args, done.stderr)
+        return done.stdout.decode()
+
+    assert ok("volumes", "create", "cli-vol", "--size-mb", "32").split()[:4] == [
+        "name:",
+        "cli-vol",
+        "size_mb:",
+        "32",
+    ]
+    ref = ok("create", "--volume", "cli-vol:/data").strip()
+    assert "cli-vol" in ok("volumes", "ls") and ref in ok("volumes", "ls")
+    refused = cli(sandboxd, "snapshot", ref)
+    assert refused.returncode == 1 and b"conflict: " in refused.stderr and b"has volumes" in refused.stderr
+    assert ok("suspend", ref) == f"{ref}: suspended\n"
+    assert ok("resume", ref) == f"{ref}: running\n"
+    ok("rm", ref)
+    ok("volumes", "rm", "cli-vol")
+    source = ok("create").strip()
+    ok("run", source, "--", "sh", "-c", "echo forked > /sandbox/home/f")
+    snap = ok("snapshot", source, "--disk").strip()
+    assert snap.startswith("snap_") and snap in ok("snapshots", "ls")
+    fork = ok("create", "--from-snapshot", snap).strip()
+    assert ok("run", fork, "--", "cat", "/sandbox/home/f") == "forked\n"
+    ok("rm", fork, source)
+    assert ok("snapshots", "rm", snap) == f"{snap}\n"
+    bad = cli(sandboxd, "create", "--volume", "nopath")
+    assert bad.returncode == 2 and b"NAME:PATH" in bad.stderr

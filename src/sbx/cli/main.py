@@ -1,7 +1,8 @@
 """``sandbox-cli``: the command line of the sandbox service, over the async SDK.
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
-``shell``, ``files`` (cp), ``forward``, ``node`` (node, capabilities, events), ``images``.
+``shell``, ``files`` (cp), ``forward``, ``node`` (node, capabilities, events), ``images``, ``state``
+(suspend, resume, snapshot, snapshots, volumes), ``gateway``.
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
 Errors are printed as ``code: message`` on stderr. Exit status: 0 on success, 1 for a failed
@@ -16,7 +17,7 @@ import sys
 import click
 
 from sbx.api.errors import InvalidRequest
-from sbx.cli import files, forward, gateway, images, node, processes, sandboxes, shell
+from sbx.cli import files, forward, gateway, images, node, processes, sandboxes, shell, state
 from sbx.cli._common import Options
 from sbx.client import resolve_endpoint
 
@@ -55,6 +56,11 @@ for command in (
     node.node,
     node.capabilities,
     images.images,
+    state.suspend,
+    state.resume,
+    state.snapshot,
+    state.snapshots,
+    state.volumes,
     gateway.gateway,
 ):
     main.add_command(command)

@@ -26,6 +26,10 @@ LIST_COLUMNS = ("id", "name", "state", "image", "cpus", "memory_mb", "disk_mb", 
     type=click.IntRange(min=0),
     help="Seconds without activity before it is terminated. Default: the server's.",
 )
+@click.option("--from-snapshot", "snapshot_id", metavar="ID", help="Fork this snapshot (see `snapshots ls`).")
+@click.option(
+    "--volume", "volumes", multiple=True, metavar="NAME:PATH[:ro]", help="Mount a volume; repeatable."
+)
 @pass_options
 def create(
     opts: Options,
@@ -37,6 +41,8 @@ def create(
     labels: tuple[str, ...],
     env: tuple[str, ...],
     idle_timeout_secs: int | None,
+    snapshot_id: str | None,
+    volumes: tuple[str, ...],
 ) -> None:
     """Create a sandbox and print its id."""
     given = {
@@ -46,17 +52,31 @@ def create(
         "memory_mb": memory_mb,
         "disk_mb": disk_mb,
         "idle_timeout_secs": idle_timeout_secs,
+        "snapshot_id": snapshot_id,
     }
     fields: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
     if labels:
         fields["labels"] = pairs(labels, "--label")
     if env:
         fields["env"] = pairs(env, "--env")
+    if volumes:
+        fields["volumes"] = [mount_entry(v) for v in volumes]
     sandbox = call(opts, lambda client: client.sandboxes.create(**fields))
     if opts.as_json:
         print_json(sandbox.info)
     else:
         click.echo(sandbox.id)
+
+
+def mount_entry(value: str) -> dict[str, Any]:
+    """``NAME:PATH`` or ``NAME:PATH:ro`` as a create request's mount entry; bad usage otherwise."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1] or (len(parts) == 3 and parts[2] != "ro"):
+        raise click.BadParameter(f"{value!r} is not NAME:PATH or NAME:PATH:ro", param_hint="'--volume'")
+    entry: dict[str, Any] = {"name": parts[0], "path": parts[1]}
+    if len(parts) == 3:
+        entry["read_only"] = True
+    return entry
 
 
 @click.command(name="ls")

@@ -1,0 +1,133 @@
+"""``suspend``, ``resume``, ``snapshot``, ``snapshots ls|rm`` and ``volumes ls|create|rm``: state that outlives
+a run (see docs/snapshots.md and docs/volumes.md). Forks: ``create --from-snapshot ID``."""
+
+from __future__ import annotations
+
+import click
+
+from sbx.cli._common import Options, call, cell, pass_options, print_fields, print_json, print_table
+from sbx.client import AsyncClient, Sandbox
+
+SNAPSHOT_COLUMNS = ("id", "sandbox", "kind", "bytes", "created_at", "scheduled")
+VOLUME_COLUMNS = ("name", "size_mb", "attached_to", "created_at")
+
+
+def _show_sandbox(opts: Options, sandbox: Sandbox) -> None:
+    if opts.as_json:
+        print_json(sandbox.info)
+    else:
+        click.echo(f"{sandbox.id}: {sandbox.info.get('state')}")
+
+
+@click.command()
+@click.argument("ref")
+@pass_options
+def suspend(opts: Options, ref: str) -> None:
+    """Save and stop sandbox REF: memory, processes and disk kept, no CPU or memory used.
+
+    Refused while a process started through the API runs.
+    """
+
+    async def go(client: AsyncClient) -> Sandbox:
+        return await (await client.sandboxes.get(ref)).suspend()
+
+    _show_sandbox(opts, call(opts, go))
+
+
+@click.command()
+@click.argument("ref")
+@pass_options
+def resume(opts: Options, ref: str) -> None:
+    """Bring suspended sandbox REF back as it was."""
+
+    async def go(client: AsyncClient) -> Sandbox:
+        return await (await client.sandboxes.get(ref)).resume()
+
+    _show_sandbox(opts, call(opts, go))
+
+
+@click.command()
+@click.argument("ref")
+@click.option("--disk", "kind", flag_value="disk", help="Files only (the sandbox keeps running meanwhile).")
+@click.option(
+    "--memory", "kind", flag_value="memory", default=True, help="Everything, processes included (default)."
+)
+@pass_options
+def snapshot(opts: Options, ref: str, kind: str) -> None:
+    """Snapshot sandbox REF and print the snapshot's id; fork it with `create --from-snapshot ID`."""
+
+    async def go(client: AsyncClient) -> dict[str, object]:
+        return await (await client.sandboxes.get(ref)).snapshot(kind)
+
+    taken = call(opts, go)
+    if opts.as_json:
+        print_json(taken)
+    else:
+        click.echo(str(taken["id"]))
+
+
+@click.group()
+def snapshots() -> None:
+    """List and delete snapshots."""
+
+
+@snapshots.command(name="ls")
+@pass_options
+def list_snapshots(opts: Options) -> None:
+    """List the server's snapshots, newest first."""
+    found = call(opts, lambda client: client.snapshots.list())
+    if opts.as_json:
+        print_json({"snapshots": found})
+    else:
+        print_table(SNAPSHOT_COLUMNS, [[cell(s.get(c)) for c in SNAPSHOT_COLUMNS] for s in found])
+
+
+@snapshots.command(name="rm")
+@click.argument("ids", metavar="ID...", nargs=-1, required=True)
+@pass_options
+def remove_snapshots(opts: Options, ids: tuple[str, ...]) -> None:
+    """Delete snapshots; prints each ID as it goes, stops at the first failure."""
+    for snapshot_id in ids:
+        call(opts, lambda client, i=snapshot_id: client.snapshots.delete(i))  # type: ignore[misc]
+        click.echo(snapshot_id)
+
+
+@click.group()
+def volumes() -> None:
+    """Create, list and delete volumes; mount them with `create --volume NAME:PATH[:ro]`."""
+
+
+@volumes.command(name="ls")
+@pass_options
+def list_volumes(opts: Options) -> None:
+    """List the server's volumes."""
+    found = call(opts, lambda client: client.volumes.list())
+    if opts.as_json:
+        print_json({"volumes": found})
+    else:
+        print_table(VOLUME_COLUMNS, [[cell(v.get(c)) for c in VOLUME_COLUMNS] for v in found])
+
+
+@volumes.command(name="create")
+@click.argument("name")
+@click.option(
+    "--size-mb", type=click.IntRange(min=1), help="Size in MiB. Default: the server's default disk."
+)
+@pass_options
+def create_volume(opts: Options, name: str, size_mb: int | None) -> None:
+    """Create an empty volume NAME."""
+    made = call(opts, lambda client: client.volumes.create(name, size_mb))
+    if opts.as_json:
+        print_json(made)
+    else:
+        print_fields(made)
+
+
+@volumes.command(name="rm")
+@click.argument("names", metavar="NAME...", nargs=-1, required=True)
+@pass_options
+def remove_volumes(opts: Options, names: tuple[str, ...]) -> None:
+    """Delete volumes with their contents (refused while mounted); stops at the first failure."""
+    for name in names:
+        call(opts, lambda client, n=name: client.volumes.delete(n))  # type: ignore[misc]
+        click.echo(name)
