@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -66,6 +67,12 @@ def expect_error(resp: Response, status: int, code: str, words: str) -> None:
     assert got_code == code and words in message, message
 
 
+def host_processes(sandbox_id: str) -> int:
+    """Host processes whose command line names the sandbox (runsc's sandbox, gofer and their children)."""
+    found = subprocess.run(["pgrep", "-f", sandbox_id], capture_output=True, text=True, check=False)
+    return len(found.stdout.split())
+
+
 def state_of(server: Sandboxd, ref: str) -> str:
     return str(server.request("GET", f"/v1/sandboxes/{ref}").json()["state"])
 
@@ -114,7 +121,9 @@ def test_a_suspended_sandbox_runs_nothing_and_refuses_work(server: Sandboxd) -> 
     ref = server.create()["id"]
     text(server, ref, "sh", "-c", COUNTER)
     wait_count_above(server, ref, 0)
+    assert host_processes(ref) > 0
     assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    assert host_processes(ref) == 0  # no CPU, no memory: nothing of it runs on the host
     expect_error(server.request("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["true"]}), 409, "conflict",
                  "suspended")  # fmt: skip
     expect_error(server.request("POST", f"/v1/sandboxes/{ref}/suspend"), 409, "conflict", "suspended")
@@ -461,3 +470,33 @@ def test_closing_the_connection_does_not_cancel_a_snapshot(server: Sandboxd) -> 
         time.sleep(0.05)
     assert text(server, ref, "echo", "ok") == "ok\n"
     server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+@pytest.mark.parametrize(
+    ("moved_to", "state_after"), [("suspend-image", "suspended"), ("capture-image", "running")]
+)
+def test_a_kill_between_checkpoint_and_record_loses_nothing(
+    sandboxd_factory: Callable[..., Sandboxd], moved_to: str, state_after: str
+) -> None:
+    """sandboxd killed right after a checkpoint, before it wrote the new state (suspend) or restored the
+    sandbox (memory snapshot): the next start finishes the job from the checkpoint on disk."""
+    import json
+
+    server = sandboxd_factory()
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", COUNTER)
+    before = wait_count_above(server, ref, 0)
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    server.signal(signal.SIGKILL)
+    # Make the disk look as it would have at the kill: the checkpoint made, the record still "running".
+    directory = server.state_dir / "sandboxes" / ref
+    (directory / "suspend-image").rename(directory / moved_to)
+    record = json.loads((directory / "sandbox.json").read_text())
+    record["state"] = "running"
+    (directory / "sandbox.json").write_text(json.dumps(record))
+    server.start()
+    assert state_of(server, ref) == state_after
+    if state_after == "suspended":
+        assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
+    wait_count_above(server, ref, before)
+    assert not (directory / "capture-image").exists()

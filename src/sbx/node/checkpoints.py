@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_SECS = 0.1
 #: Where a suspended sandbox's checkpoint lives, inside its state directory.
 SUSPEND_IMAGE = "suspend-image"
+#: Where a memory snapshot's checkpoint is made, inside the sandbox's state directory, until it is stored.
+CAPTURE_IMAGE = "capture-image"
+#: The file runsc writes last into a checkpoint directory.
+CHECKPOINT_FILE = "checkpoint.img"
 #: How long a quiesced agent may take to close its connection, in seconds.
 QUIESCE_TIMEOUT_SECS = 10.0
 #: How long a restored agent may take to listen again, in seconds.
@@ -165,6 +170,29 @@ class Checkpoints:
             await asyncio.to_thread(shutil.rmtree, image, True)
             return record
 
+    async def take_back_stopped(self, sandbox: Sandbox) -> bool:
+        """At start, for a sandbox the record says runs but the backend does not: if sandboxd was killed
+        between a checkpoint and what follows it, finish that (a suspend becomes suspended; a capture
+        restores the sandbox from its checkpoint). False when there is no checkpoint to go on from."""
+        record = sandbox.record
+        if (sandbox.directory / SUSPEND_IMAGE / CHECKPOINT_FILE).is_file():
+            record.state = SandboxState.SUSPENDED
+            sandbox.save()
+            sandbox.processes.load()
+            sandbox.processes.paused_reason = "suspended"
+            self.manager.audit.record("sandbox.suspended", record.id)
+            log.info("an interrupted suspend was finished", extra={"sandbox": record.id})
+            return True
+        image = sandbox.directory / CAPTURE_IMAGE
+        if (image / CHECKPOINT_FILE).is_file():
+            sandbox.processes.load()
+            await self.backend.restore(record.id, image)
+            await self._reconnect(sandbox)
+            await asyncio.to_thread(shutil.rmtree, image, True)
+            log.info("restored after an interrupted snapshot", extra={"sandbox": record.id})
+            return True
+        return False
+
     def discard_suspend_image(self, sandbox: Sandbox) -> None:
         """Remove a terminated sandbox's checkpoint (it may be as large as its memory)."""
         shutil.rmtree(sandbox.directory / SUSPEND_IMAGE, ignore_errors=True)
@@ -244,8 +272,12 @@ class Checkpoints:
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox {record.id} is {record.state.value}; the snapshot was not taken")
             await self._quiesce(sandbox, "being snapshotted")
+            # In the sandbox's own directory first: a sandboxd killed before the restore below finds it there
+            # and restores the sandbox from it at its next start (take_back_stopped).
+            image = sandbox.directory / CAPTURE_IMAGE
+            shutil.rmtree(image, ignore_errors=True)
             try:
-                await self.backend.checkpoint(record.id, staging / "memory")
+                await self.backend.checkpoint(record.id, image)
             except BackendError:
                 await self._recover(sandbox)
                 raise
@@ -253,8 +285,12 @@ class Checkpoints:
                 # Complete up to the quiesce: the agent sent everything before it closed the connection.
                 await asyncio.to_thread(shutil.copytree, sandbox.processes.directory, staging / "processes")
                 await self.backend.copy_disk(record.id, staging / "disk.img")
-            finally:
-                await asyncio.shield(self._restart(sandbox, staging / "memory"))
+            except BaseException:
+                await asyncio.shield(self._restart(sandbox, image))
+                shutil.rmtree(image, ignore_errors=True)
+                raise
+            await asyncio.shield(self._restart(sandbox, image))
+            os.rename(image, staging / "memory")  # the same file system: the state directory
             return sandbox.processes.next_pid
 
     async def _restart(self, sandbox: Sandbox, image: Path) -> None:

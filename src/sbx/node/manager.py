@@ -204,7 +204,11 @@ class SandboxManager:
             sandbox.processes.paused_reason = "suspended"
             log.info("suspended sandbox taken back", extra={"sandbox": record.id})
             return
-        if record.state is SandboxState.PENDING or not await self.backend.is_running(record.id):
+        if record.state is SandboxState.PENDING:
+            raise BackendError("the sandbox was still starting when sandboxd stopped")
+        if not await self.backend.is_running(record.id):
+            if self.checkpoints is not None and await self.checkpoints.take_back_stopped(sandbox):
+                return
             raise BackendError("the sandbox stopped while sandboxd was not running")
         agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
         sandbox.processes.load()
