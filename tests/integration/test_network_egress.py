@@ -456,3 +456,18 @@ def test_suspend_and_resume_keep_the_network(node: Sandboxd, world: World) -> No
     assert got["ok"] and got["body"] == ZONE["allowed.test"], got
     got = probe(node, box, op="http", host="other.test", addr=ZONE["other.test"], port=80)
     assert not got["ok"] and "ConnectionResetError" in got["error"], got
+
+
+def test_metrics_count_the_sandbox_interface(node: Sandboxd) -> None:
+    box = create(node, mode="allowlist", allow=["allowed.test"])
+    got = probe(node, box, op="http", host="allowed.test", port=80, path="/bytes/3000000")
+    assert got["ok"], got
+    deadline = time.monotonic() + 12  # two sampling intervals and a bit
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        samples = node.request("GET", f"/v1/sandboxes/{box}/metrics").json()["samples"]
+        last = samples[-1] if samples else {}
+        if last.get("net_rx_bytes", 0) >= 3_000_000:
+            break
+        time.sleep(0.5)
+    assert last["net_rx_bytes"] >= 3_000_000 and 0 < last["net_tx_bytes"] < 1_000_000, last
