@@ -3,6 +3,10 @@ a run (see docs/snapshots.md and docs/volumes.md). Forks: ``create --from-snapsh
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import click
 
 from sbx.cli._common import Options, call, cell, pass_options, print_fields, print_json, print_table
@@ -10,6 +14,34 @@ from sbx.client import AsyncClient, Sandbox
 
 SNAPSHOT_COLUMNS = ("id", "sandbox", "kind", "bytes", "created_at", "scheduled")
 VOLUME_COLUMNS = ("name", "size_mb", "attached_to", "created_at")
+
+
+def _list(
+    opts: Options,
+    key: str,
+    columns: tuple[str, ...],
+    fetch: Callable[[AsyncClient], Awaitable[list[dict[str, Any]]]],
+) -> None:
+    found = call(opts, fetch)
+    if opts.as_json:
+        print_json({key: found})
+    else:
+        print_table(columns, [[cell(item.get(c)) for c in columns] for item in found])
+
+
+def _remove_each(
+    opts: Options, names: tuple[str, ...], remove: Callable[[AsyncClient, str], Awaitable[None]]
+) -> None:
+    """Remove one by one, printing each name once removed; the first failure ends the command."""
+    for name in names:
+        call(opts, functools.partial(_remove_one, remove=remove, name=name))
+        click.echo(name)
+
+
+async def _remove_one(
+    client: AsyncClient, remove: Callable[[AsyncClient, str], Awaitable[None]], name: str
+) -> None:
+    await remove(client, name)
 
 
 def _show_sandbox(opts: Options, sandbox: Sandbox) -> None:
@@ -75,11 +107,7 @@ def snapshots() -> None:
 @pass_options
 def list_snapshots(opts: Options) -> None:
     """List the server's snapshots, newest first."""
-    found = call(opts, lambda client: client.snapshots.list())
-    if opts.as_json:
-        print_json({"snapshots": found})
-    else:
-        print_table(SNAPSHOT_COLUMNS, [[cell(s.get(c)) for c in SNAPSHOT_COLUMNS] for s in found])
+    _list(opts, "snapshots", SNAPSHOT_COLUMNS, lambda client: client.snapshots.list())
 
 
 @snapshots.command(name="rm")
@@ -87,9 +115,7 @@ def list_snapshots(opts: Options) -> None:
 @pass_options
 def remove_snapshots(opts: Options, ids: tuple[str, ...]) -> None:
     """Delete snapshots; prints each ID as it goes, stops at the first failure."""
-    for snapshot_id in ids:
-        call(opts, lambda client, i=snapshot_id: client.snapshots.delete(i))  # type: ignore[misc]
-        click.echo(snapshot_id)
+    _remove_each(opts, ids, lambda client, snapshot_id: client.snapshots.delete(snapshot_id))
 
 
 @click.group()
@@ -101,11 +127,7 @@ def volumes() -> None:
 @pass_options
 def list_volumes(opts: Options) -> None:
     """List the server's volumes."""
-    found = call(opts, lambda client: client.volumes.list())
-    if opts.as_json:
-        print_json({"volumes": found})
-    else:
-        print_table(VOLUME_COLUMNS, [[cell(v.get(c)) for c in VOLUME_COLUMNS] for v in found])
+    _list(opts, "volumes", VOLUME_COLUMNS, lambda client: client.volumes.list())
 
 
 @volumes.command(name="create")
@@ -128,6 +150,4 @@ def create_volume(opts: Options, name: str, size_mb: int | None) -> None:
 @pass_options
 def remove_volumes(opts: Options, names: tuple[str, ...]) -> None:
     """Delete volumes with their contents (refused while mounted); stops at the first failure."""
-    for name in names:
-        call(opts, lambda client, n=name: client.volumes.delete(n))  # type: ignore[misc]
-        click.echo(name)
+    _remove_each(opts, names, lambda client, name: client.volumes.delete(name))
