@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
+from gateway_harness import FAST_ARGS, GatewayProcess, free_port, wait_for
 from sandboxd_harness import Sandboxd
 
 CAPACITY = "[capacity]\ncpus = 4\nmemory_mb = 4096\ndisk_mb = 100000\n"
@@ -55,7 +56,12 @@ def fleet() -> Iterator[Fleet]:
         (workdir / name).mkdir()
         nodes[name] = Sandboxd(workdir / name, CAPACITY, args=["--node-id", name]).start()
     (workdir / "gw").mkdir()
-    gw = GatewayProcess(workdir / "gw", list(nodes.items()), FAST_ARGS)
+    (workdir / "gw" / "nodefiles").mkdir()
+    gw = GatewayProcess(
+        workdir / "gw",
+        list(nodes.items()),
+        [*FAST_ARGS, "--node-files-dir", str(workdir / "gw" / "nodefiles")],
+    )
     crud = ("sandbox:read", "sandbox:create", "sandbox:delete")
     keys = {
         "admin": gw.create_key("root", "admin"),
@@ -254,3 +260,110 @@ def test_sandbox_cli_gateway_commands(clean: Fleet) -> None:
     denied = subprocess.run([sys.executable, "-m", "sbx.cli.main", "gateway", "nodes"],
                             env={**env, "SANDBOX_TOKEN": fleet.keys["alice"]}, capture_output=True, text=True, check=False)  # fmt: skip
     assert denied.returncode == 1 and denied.stderr.startswith("refused: this API key lacks the scope admin")
+
+
+def test_volumes_one_namespace_and_pinned_placement(clean: Fleet) -> None:
+    fleet, alice, bob, admin = clean, clean.keys["alice"], clean.keys["bob"], clean.keys["admin"]
+    made = fleet.gw.request("POST", "/v1/volumes", {"name": "data", "size_mb": 64}, key=alice)
+    assert made.status == 201, made.body
+    holder = next(n for n, node in fleet.nodes.items()
+                  if any(v["name"] == "data" for v in node.request("GET", "/v1/volumes").json()["volumes"]))  # fmt: skip
+    try:
+        # One name space across the gateway: bob cannot take the name, nor see, nor delete alice's volume.
+        taken = fleet.gw.request("POST", "/v1/volumes", {"name": "data"}, key=bob)
+        assert (taken.status, taken.error[0]) == (
+            409,
+            "conflict",
+        ) and "volume names are shared" in taken.error[1]
+        assert sum(len(n.request("GET", "/v1/volumes").json()["volumes"]) for n in fleet.nodes.values()) == 1
+        assert fleet.gw.request("GET", "/v1/volumes", key=bob).json() == {"volumes": []}
+        assert [v["name"] for v in fleet.gw.request("GET", "/v1/volumes", key=alice).json()["volumes"]] == [
+            "data"
+        ]
+        gone = fleet.gw.request("DELETE", "/v1/volumes/data", key=bob)
+        assert (gone.status, gone.error) == (404, ("not_found", "no volume 'data' among yours"))
+        assert err_code(fleet.gw.request("POST", "/v1/sandboxes", {"volumes": [{"name": "data", "path": "/data"}]},
+                                         key=bob)) == (404, "not_found")  # fmt: skip
+        # Mounting it pins the sandbox to the volume's node, whatever placement would prefer.
+        mounted = [fleet.gw.create(alice, volumes=[{"name": "data", "path": "/data", "read_only": True}])
+                   for _ in range(2)]  # fmt: skip
+        assert {fleet.node_of(s["id"]) for s in mounted} == {holder}
+        for s in mounted:
+            fleet.gw.request("DELETE", f"/v1/sandboxes/{s['id']}", key=alice)
+        # Two volumes on two nodes cannot be mounted together.
+        fleet.gw.request("POST", f"/v1/admin/nodes/{holder}/cordon", {"cordoned": True}, key=admin)
+        assert (
+            fleet.gw.request("POST", "/v1/volumes", {"name": "other", "size_mb": 64}, key=alice).status == 201
+        )
+        fleet.gw.request("POST", f"/v1/admin/nodes/{holder}/cordon", {"cordoned": False}, key=admin)
+        both = [{"name": "data", "path": "/data"}, {"name": "other", "path": "/other"}]
+        split = fleet.gw.request("POST", "/v1/sandboxes", {"volumes": both}, key=alice)
+        assert (split.status, split.error[0]) == (409, "conflict") and "different nodes" in split.error[1]
+        assert fleet.gw.request("DELETE", "/v1/volumes/other", key=alice).status == 204
+    finally:
+        fleet.gw.request("DELETE", "/v1/volumes/data", key=alice)
+    assert fleet.gw.request("GET", "/v1/volumes", key=alice).json() == {"volumes": []}
+
+
+def err_code(resp: Any) -> tuple[int, str]:
+    return resp.status, resp.error[0]
+
+
+def test_a_node_over_https_with_a_token(clean: Fleet, tmp_path: Path) -> None:
+    """A node added through the admin API at an https endpoint, with token and CA files from --node-files-dir:
+    plain calls, streams and an upgrade all go over TLS with the token."""
+    fleet, alice, admin = clean, clean.keys["alice"], clean.keys["admin"]
+    files = fleet.gw.workdir / "nodefiles"
+    cert, key = files / "cert.pem", files / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (files / "token").write_text("node-d-token\n")
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="sbxgwd-", dir="/var/tmp"))
+    node = Sandboxd(workdir, CAPACITY, args=[
+        "--socket", str(workdir / "d.sock"), "--node-id", "d", "--listen", f"127.0.0.1:{port}",
+        "--token-file", str(files / "token"), "--tls-cert", str(cert), "--tls-key", str(key)])  # fmt: skip
+    node.socket_path = workdir / "d.sock"
+    node.token = "node-d-token"
+    node.start()
+    try:
+        body = {"name": "d", "endpoint": f"https://127.0.0.1:{port}", "token_file": str(files / "token"),
+                "ca_file": str(cert)}  # fmt: skip
+        added = fleet.gw.request("POST", "/v1/admin/nodes", body, key=admin)
+        assert added.status == 201 and added.json()["healthy"] is True, added.body
+        for name in ("a", "b", "c"):
+            fleet.gw.request("POST", f"/v1/admin/nodes/{name}/cordon", {"cordoned": True}, key=admin)
+        s = fleet.gw.create(alice)
+        assert fleet.node_of(s["id"]) == "d"
+        run = fleet.gw.request("POST", f"/v1/sandboxes/{s['id']}/run", {"argv": ["echo", "tls"]}, key=alice)
+        assert run.status == 200 and run.json()["stdout"] == "dGxzCg=="
+        proc = fleet.gw.request(
+            "POST", f"/v1/sandboxes/{s['id']}/processes", {"argv": ["cat"]}, key=alice
+        ).json()
+        sock = socket.create_connection(("127.0.0.1", fleet.gw.port), timeout=30)
+        sock.sendall(f"GET /v1/sandboxes/{s['id']}/processes/{proc['pid']}/attach HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {alice}\r\nConnection: Upgrade\r\nUpgrade: sbx-stream/1\r\n\r\n".encode())  # fmt: skip
+        data = b""
+        while b"\r\n\r\n" not in data:  # frames go only after the 101 has been read
+            data += sock.recv(4096)
+        sock.sendall(b"i\x00\x00\x00\x03hi\ne\x00\x00\x00\x00")
+        while chunk := sock.recv(65536):
+            data += chunk
+        sock.close()
+        assert data.startswith(b"HTTP/1.1 101") and b"o\x00\x00\x00\x03hi\n" in data
+        assert fleet.gw.request("DELETE", f"/v1/sandboxes/{s['id']}", key=alice).status == 204
+        # Files outside --node-files-dir are refused; the node is removed again (its owners kept).
+        outside = fleet.gw.request("POST", "/v1/admin/nodes", {**body, "name": "e", "token_file": str(tmp_path / "t")},
+                                   key=admin)  # fmt: skip
+        assert (outside.status, outside.error[0]) == (403, "refused") and "--node-files-dir" in outside.error[
+            1
+        ]
+        assert fleet.gw.request("DELETE", "/v1/admin/nodes/d", key=admin).status == 204
+        assert sorted(fleet.nodes_info()) == ["a", "b", "c"]
+    finally:
+        fleet.gw.request("DELETE", "/v1/admin/nodes/d", key=admin)
+        node.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
