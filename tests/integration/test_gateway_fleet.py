@@ -367,3 +367,31 @@ def test_a_node_over_https_with_a_token(clean: Fleet, tmp_path: Path) -> None:
         fleet.gw.request("DELETE", "/v1/admin/nodes/d", key=admin)
         node.teardown()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_snapshots_belong_to_the_owner_and_pin_forks(clean: Fleet) -> None:
+    fleet, alice, bob = clean, clean.keys["alice"], clean.keys["bob"]
+    caps = fleet.gw.request("GET", "/v1/capabilities", key=alice).json()["capabilities"]
+    if not caps.get("disk_snapshot"):
+        pytest.skip("the nodes' backend takes no disk snapshots (capability disk_snapshot)")
+    s = fleet.gw.create(alice)
+    fleet.gw.request(
+        "POST", f"/v1/sandboxes/{s['id']}/run", {"argv": ["sh", "-c", "echo kept > /tmp/mark"]}, key=alice
+    )
+    taken = fleet.gw.request("POST", f"/v1/sandboxes/{s['id']}/snapshots", {"kind": "disk"}, key=alice)
+    assert taken.status == 201, taken.body
+    snap = taken.json()
+    try:
+        assert [x["id"] for x in fleet.gw.request("GET", "/v1/snapshots", key=alice).json()["snapshots"]] == [
+            snap["id"]
+        ]
+        assert fleet.gw.request("GET", "/v1/snapshots", key=bob).json() == {"snapshots": []}
+        resp = fleet.gw.request("DELETE", f"/v1/snapshots/{snap['id']}", key=bob)
+        assert (resp.status, resp.error) == (404, ("not_found", f"no snapshot {snap['id']!r} among yours"))
+        resp = fleet.gw.request("POST", "/v1/sandboxes", {"snapshot_id": snap["id"]}, key=bob)
+        assert err_code(resp) == (404, "not_found")
+        forks = [fleet.gw.create(alice, snapshot_id=snap["id"]) for _ in range(2)]
+        assert {fleet.node_of(f["id"]) for f in forks} == {fleet.node_of(s["id"])}
+    finally:
+        assert fleet.gw.request("DELETE", f"/v1/snapshots/{snap['id']}", key=alice).status == 204
+    assert fleet.gw.request("GET", "/v1/snapshots", key=alice).json() == {"snapshots": []}
