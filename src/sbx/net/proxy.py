@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -42,6 +43,9 @@ NAME_WAIT_SECS: Final = 10.0
 OPEN_FIRST_BYTES_WAIT_SECS: Final = 0.5
 #: How long connecting to the destination may take, seconds.
 CONNECT_TIMEOUT_SECS: Final = 10.0
+#: Connections one sandbox may have through the proxy at once (each holds six host file descriptors while
+#: relaying); more are reset, so that one sandbox cannot exhaust sandboxd's descriptors.
+MAX_CONNECTIONS_PER_SANDBOX: Final = 512
 _SO_ORIGINAL_DST: Final = 80
 
 
@@ -50,6 +54,17 @@ def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, in
     raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
     port, packed = struct.unpack("!2xH4s8x", raw)
     return ipaddress.IPv4Address(packed), port
+
+
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft limit on open files to the hard one: relays hold descriptors (systemd
+    starts services with a soft limit of 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open file limit", extra={"soft": soft, "hard": hard})
 
 
 class Refusal(Exception):
@@ -75,11 +90,14 @@ class EgressProxy:
         self.sandbox_subnet = sandbox_subnet
         self.host_addresses = host_addresses or HostAddresses()
         self.port = 0
+        #: See NAME_WAIT_SECS (an attribute so that tests need not wait that long).
+        self.name_wait_secs = NAME_WAIT_SECS
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self, port: int = 0) -> None:
+        raise_descriptor_limit()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("0.0.0.0", port))
@@ -97,6 +115,10 @@ class EgressProxy:
         await asyncio.gather(*self._connections, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
+
+    def dialled(self, conn: socket.socket) -> tuple[ipaddress.IPv4Address, int]:
+        """Where the client connected to (see :func:`original_destination`)."""
+        return original_destination(conn)
 
     def kind_of(self, address: Address) -> Kind:
         return classify(address, (self.sandbox_subnet,), self.host_addresses.get())
@@ -118,12 +140,15 @@ class EgressProxy:
     async def _serve(self, conn: socket.socket, peer: str) -> None:
         relay = Relay(None, "forbidden", conn, task=asyncio.current_task())
         attachment = self.attachment_of(peer)
-        if attachment is None:
+        if attachment is None or attachment.connections >= MAX_CONNECTIONS_PER_SANDBOX:
+            if attachment is not None:
+                log.warning("egress connection limit reached", extra={"sandbox": attachment.sandbox_id})
             relay.cut()
             return
+        attachment.connections += 1
         port = 0
         try:
-            dialled, port = original_destination(conn)
+            dialled, port = self.dialled(conn)
             await self._admit(attachment, relay, dialled, port)
         except Refusal as exc:
             log.info(
@@ -138,6 +163,7 @@ class EgressProxy:
         except Exception:  # a bug must cost one connection, never the listener
             log.exception("egress proxy failure", extra={"sandbox": attachment.sandbox_id, "port": port})
         finally:
+            attachment.connections -= 1
             attachment.relays.discard(relay)
             relay.cut()  # a reset when still open (refusals, failures); after a clean end it only closes
 
@@ -146,7 +172,7 @@ class EgressProxy:
     ) -> None:
         loop = asyncio.get_running_loop()
         conn = relay.client
-        wait = OPEN_FIRST_BYTES_WAIT_SECS if attachment.policy.mode == "open" else NAME_WAIT_SECS
+        wait = OPEN_FIRST_BYTES_WAIT_SECS if attachment.policy.mode == "open" else self.name_wait_secs
         try:
             first = await asyncio.wait_for(loop.sock_recv(conn, MAX_SNIFF_BYTES), wait)
         except TimeoutError:
@@ -159,7 +185,7 @@ class EgressProxy:
             return
         if not first:
             return  # the client gave up
-        buffered, found = await _read_until_named(conn, first)
+        buffered, found = await _read_until_named(conn, first, self.name_wait_secs)
         if found.verdict is Verdict.MALFORMED:
             raise Refusal(f"a malformed {found.protocol} request")
         if found.verdict is Verdict.NAME:
@@ -266,7 +292,7 @@ class EgressProxy:
             await asyncio.gather(forward, return_exceptions=True)
         if not first:
             return None
-        buffered, found = await _read_until_named(relay.client, first)
+        buffered, found = await _read_until_named(relay.client, first, self.name_wait_secs)
         if found.verdict is Verdict.MALFORMED:
             raise Refusal(f"a malformed {found.protocol} request")
         if found.verdict is Verdict.NAME:
@@ -279,12 +305,12 @@ class EgressProxy:
         return buffered
 
 
-async def _read_until_named(conn: socket.socket, first: bytes) -> tuple[bytes, Sniffed]:
-    """Read on until :func:`sniff` decides (at most 4 x MAX_SNIFF_BYTES in all, NAME_WAIT_SECS)."""
+async def _read_until_named(conn: socket.socket, first: bytes, wait_secs: float) -> tuple[bytes, Sniffed]:
+    """Read on until :func:`sniff` decides (at most 4 x MAX_SNIFF_BYTES in all, for ``wait_secs``)."""
     loop = asyncio.get_running_loop()
     buffered = first
     found = sniff(buffered)
-    deadline = loop.time() + NAME_WAIT_SECS
+    deadline = loop.time() + wait_secs
     while found.verdict is Verdict.MORE and len(buffered) < 4 * MAX_SNIFF_BYTES:
         try:
             chunk = await asyncio.wait_for(
