@@ -6,7 +6,8 @@ Probes (``op``):
   SNI ``sni`` (default ``host``) when ``tls``, verifying against ``ca`` (PEM); GET ``path`` with Host ``host``.
   ``delay``: seconds to wait between connecting and sending. Out: ``{ok, status, body}`` or
   ``{ok: false, error, secs}``.
-- ``dns``: one UDP query (``name``, ``qtype`` number) to the resolv.conf server: ``{rcode, answers}``.
+- ``dns``: one query (``name``, ``qtype`` number; over TCP when ``tcp``) to the resolv.conf server (or
+  ``server``): ``{rcode, answers}``.
 - ``hold``: like http to ``/hold``, then reads until the connection ends: ``{ok: false, error, read, secs}``.
 - ``tcp``: a plain connect to ``addr``:``port``, then a read: ``{ok, error?, secs}``.
 - ``udp``: send a datagram to ``addr``:``port`` and wait for an answer: ``{ok, error?}``.
@@ -93,11 +94,19 @@ def dns(args):
     ident = random.randrange(65536)
     qname = b"".join(bytes([len(p)]) + p.encode() for p in args["name"].split(".")) + b"\0"
     packet = struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + qname + struct.pack("!HH", args["qtype"], 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.settimeout(args.get("timeout", 5))
     try:
-        sock.sendto(packet, (args.get("server", server), 53))
-        answer = sock.recv(4096)
+        if args.get("tcp"):
+            sock = socket.create_connection((args.get("server", server), 53), timeout=args.get("timeout", 5))
+            sock.sendall(struct.pack("!H", len(packet)) + packet)
+            length = struct.unpack("!H", sock.recv(2))[0]
+            answer = b""
+            while len(answer) < length:
+                answer += sock.recv(length - len(answer))
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.settimeout(args.get("timeout", 5))
+            sock.sendto(packet, (args.get("server", server), 53))
+            answer = sock.recv(4096)
     except Exception as exc:  # noqa: BLE001
         out(error=repr(exc))
         return

@@ -255,6 +255,16 @@ def test_dns_for_permitted_names(node: Sandboxd, world: World, allow_box: str) -
     # IPv4 only: an empty AAAA answer, so clients use the A record at once.
     assert probe(node, allow_box, op="dns", name="allowed.test", qtype=AAAA) == {"rcode": 0, "answers": 0}
     assert probe(node, allow_box, op="dns", name="allowed.test", qtype=TXT) == {"rcode": 0, "answers": 1}
+    # Over TCP too, with the same answers.
+    assert probe(node, allow_box, op="dns", name="allowed.test", qtype=A, tcp=True) == {
+        "rcode": 0,
+        "answers": 1,
+    }
+    assert probe(node, allow_box, op="dns", name="other.test", qtype=TXT, tcp=True) == {
+        "rcode": 3,
+        "answers": 0,
+    }
+    assert world.asked("other.test") == 0
     # Any server address: port 53 always reaches our resolver.
     got = probe(node, allow_box, op="dns", name="allowed.test", qtype=A, server=ZONE["other.test"])
     assert got == {"rcode": 0, "answers": 1}
