@@ -372,6 +372,13 @@ def test_patch_open_to_none_cuts_an_open_connection(node: Sandboxd, world: World
     events_body = node.request("GET", f"/v1/sandboxes/{box}/events").json()
     updates = [e for e in events_body["events"] if e["type"] == "sandbox.network_updated"]
     assert [u["network"] for u in updates] == [{"mode": "none", "deny": []}]
+    # Narrowed to none, it keeps its interface: widening it again works.
+    patched = node.request(
+        "PATCH", f"/v1/sandboxes/{box}", {"network": {"mode": "open", "deny": ["denied.test"]}}
+    )
+    assert patched.status == 200, patched.body
+    assert probe(node, box, op="http", host="allowed.test", port=80)["ok"]
+    assert not probe(node, box, op="http", host="denied.test", addr=ZONE["denied.test"], port=80)["ok"]
 
 
 def test_patch_allowlist_narrowing_cuts_only_what_it_no_longer_permits(node: Sandboxd, world: World) -> None:
