@@ -395,3 +395,27 @@ def test_snapshots_belong_to_the_owner_and_pin_forks(clean: Fleet) -> None:
     finally:
         assert fleet.gw.request("DELETE", f"/v1/snapshots/{snap['id']}", key=alice).status == 204
     assert fleet.gw.request("GET", "/v1/snapshots", key=alice).json() == {"snapshots": []}
+
+
+def test_sigkilled_gateway_keeps_everything_it_acknowledged(clean: Fleet) -> None:
+    fleet, admin = clean, clean.keys["admin"]
+    gw = fleet.gw
+    # While it serves, the offline commands refuse and change nothing.
+    refused = gw.cli("keys", "create", "--user", "x", "--scope", "admin", check=False)
+    assert refused.returncode == 1 and "another process holds the state file lock" in refused.stderr
+    made = gw.request(
+        "POST", "/v1/admin/keys", {"user": "gina", "scopes": ["sandbox:read", "sandbox:create"]}, key=admin
+    )
+    secret = made.json()["secret"]
+    s = gw.create(secret, name="survivor")
+    gw.request("POST", "/v1/admin/nodes/b/drain", {"terminate": False}, key=admin)
+    revoked = gw.request(
+        "POST", "/v1/admin/keys", {"user": "hal", "scopes": ["sandbox:read"]}, key=admin
+    ).json()
+    assert gw.request("DELETE", f"/v1/admin/keys/{revoked['id']}", key=admin).status == 204
+    gw.kill()
+    gw.start()
+    assert gw.request("GET", "/v1/sandboxes/survivor", key=secret).json()["id"] == s["id"]
+    assert gw.request("GET", "/v1/whoami", key=revoked["secret"]).status == 401
+    assert fleet.nodes_info()["b"]["cordoned"] is True
+    assert all(fleet.node_of(gw.create(secret)["id"]) != "b" for _ in range(2))
