@@ -17,7 +17,7 @@ import sys
 import click
 
 from sbx.api.errors import InvalidRequest
-from sbx.cli import files, forward, gateway, images, node, processes, sandboxes, shell, state
+from sbx.cli import files, forward, gateway, images, network, node, processes, sandboxes, shell, state
 from sbx.cli._common import Options
 from sbx.client import resolve_endpoint
 
@@ -61,6 +61,7 @@ for command in (
     state.snapshot,
     state.snapshots,
     state.volumes,
+    network.network,
     gateway.gateway,
 ):
     main.add_command(command)

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from sbx.cli._common import Options, call, cell, pairs, pass_options, print_fields, print_json, print_table
+from sbx.cli.network import MODES, policy_options
 from sbx.client import AsyncClient
 
 LIST_COLUMNS = ("id", "name", "state", "image", "cpus", "memory_mb", "disk_mb", "created_at")
@@ -30,6 +31,9 @@ LIST_COLUMNS = ("id", "name", "state", "image", "cpus", "memory_mb", "disk_mb", 
 @click.option(
     "--volume", "volumes", multiple=True, metavar="NAME:PATH[:ro]", help="Mount a volume; repeatable."
 )
+@click.option("--network", "network_mode", type=click.Choice(MODES), help="none, allowlist or open.")
+@click.option("--allow", "allow", multiple=True, metavar="NAME", help="Allowed name or *.domain; repeatable.")
+@click.option("--deny", "deny", multiple=True, metavar="NAME", help="Denied name or *.domain; repeatable.")
 @pass_options
 def create(
     opts: Options,
@@ -43,6 +47,9 @@ def create(
     idle_timeout_secs: int | None,
     snapshot_id: str | None,
     volumes: tuple[str, ...],
+    network_mode: str | None,
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
 ) -> None:
     """Create a sandbox and print its id."""
     given = {
@@ -61,6 +68,9 @@ def create(
         fields["env"] = pairs(env, "--env")
     if volumes:
         fields["volumes"] = [mount_entry(v) for v in volumes]
+    network = policy_options(network_mode, allow, deny)
+    if network is not None:
+        fields["network"] = network
     sandbox = call(opts, lambda client: client.sandboxes.create(**fields))
     if opts.as_json:
         print_json(sandbox.info)
