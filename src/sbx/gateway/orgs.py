@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused
-from sbx.gateway import auth, keys
+from sbx.gateway import auth, bodies, keys
 from sbx.gateway.state import DEFAULT_TENANT, MemberRecord, OrgRecord, now_rfc3339
 from sbx.node.http import json_response, read_json_body
 
@@ -22,24 +22,6 @@ if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
 
 ROLES = ("owner", "member")
-
-
-def _json(raw: bytes) -> dict[str, Any]:
-    import json
-
-    try:
-        obj = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return obj
-
-
-def _only(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(obj) - set(allowed))
-    if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(allowed)}")
 
 
 def tenant_in_use(gw: Gateway, name: str) -> bool:
@@ -87,8 +69,8 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
 
     async def create_org(request: web.Request) -> web.Response:
         principal = principal_of(request)
-        body = _json(await read_json_body(request))
-        _only(body, ("name",))
+        body = bodies.json_object(await read_json_body(request))
+        bodies.only_fields(body, ("name",))
         name = body.get("name")
         problem = keys.org_name_problem(name)
         if problem is not None:
@@ -134,8 +116,8 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         principal = principal_of(request)
         name = request.match_info["name"]
         require_owner(principal, name)
-        body = _json(await read_json_body(request))
-        _only(body, ("user", "tenant", "role"))
+        body = bodies.json_object(await read_json_body(request))
+        bodies.only_fields(body, ("user", "tenant", "role"))
         user = keys.check_user(body.get("user"))
         tenant = keys.check_tenant(body["tenant"]) if "tenant" in body else principal.key.tenant
         role = body.get("role", "member")

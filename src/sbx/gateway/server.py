@@ -34,11 +34,12 @@ from sbx.api.errors import (
     Unavailable,
     Unsupported,
 )
+from sbx.api.network_policy import mode_rank
 from sbx.api.validation import validate_labels
-from sbx.gateway import auth, keys, orgs
+from sbx.gateway import auth, bodies, keys, orgs
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
-from sbx.gateway.nodes import Node, Registry, connect_node
+from sbx.gateway.nodes import Node, Registry, connect_node, parse_endpoint
 from sbx.gateway.placement import Resources, choose_node
 from sbx.gateway.relay import forward, guarded, relay_upgrade
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
@@ -118,6 +119,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.snapshot)
         self._user_locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tenant_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        #: Volume creates one at a time: their names are one name space across every node.
+        self.volume_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
@@ -325,22 +328,6 @@ def _int_field(body: dict[str, Any], name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return obj
-
-
-def _only_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(obj) - set(allowed))
-    if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(allowed)}")
-
-
 def principal_of(request: web.Request) -> auth.Principal:
     principal = request.get(auth.PRINCIPAL_KEY)
     assert isinstance(principal, auth.Principal)
@@ -464,7 +451,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         principal = principal_of(request)
         started = time.monotonic()
         raw = await read_json_body(request)
-        body = _json_object(raw)
+        body = bodies.json_object(raw)
         labels = body.get("labels", {})
         if labels is None:
             labels = {}
@@ -553,7 +540,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         body: bytes | AsyncIterator[bytes] | None = None
         if not tail and request.method == "PATCH":
             body = json.dumps(
-                patch_body(gw, principal, rec, _json_object(await read_json_body(request)))
+                patch_body(gw, principal, rec, bodies.json_object(await read_json_body(request)))
             ).encode()
         elif tail == "files" and request.method == "PUT" or tail.endswith("/stdin"):
             body = stream_body(request, FILE_BODY_CAP)
@@ -590,11 +577,11 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
     async def create_volume(request: web.Request) -> web.Response:
         principal = principal_of(request)
         raw = await read_json_body(request)
-        body = _json_object(raw)
+        body = bodies.json_object(raw)
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequest("name is required: a volume name")
-        async with gw._user_locks[("", "volumes")]:
+        async with gw.volume_lock:
             if name in store.volumes:
                 raise Conflict(f"a volume named {name!r} exists: volume names are shared across the gateway")
             wanted = Resources(disk_mb=body["size_mb"] if isinstance(body.get("size_mb"), int) else 0)
@@ -695,12 +682,9 @@ def check_client_labels(labels: dict[str, Any]) -> None:
         raise InvalidRequest(
             f"labels: {len(labels)} labels given; at most {MAX_CLIENT_LABELS} through a gateway"
         )
-    validate_labels({str(k): v for k, v in labels.items()} if all(isinstance(v, str) for v in labels.values())
-                    else _bad_label_values())  # fmt: skip
-
-
-def _bad_label_values() -> dict[str, str]:
-    raise InvalidRequest("labels must be an object of strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise InvalidRequest("labels must be an object of strings")
+    validate_labels(labels)
 
 
 def patch_body(
@@ -884,8 +868,6 @@ def take_from_status(node: Node, created: bytes) -> None:
 def intersect_capabilities(caps: list[dict[str, Any]]) -> dict[str, Any]:
     """What every answering node offers: a flag only if all have it, the smallest limits, the strictest
     network ceiling and default, the ``may_allow`` patterns all share. Images are never offered."""
-    from sbx.api.network_policy import mode_rank
-
     flags: dict[str, bool] = {}
     for name in set().union(*(c.get("capabilities", {}).keys() for c in caps)):
         flags[name] = all(bool(c.get("capabilities", {}).get(name)) for c in caps)
@@ -922,8 +904,8 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
     registry = gw.registry
 
     async def create_key(request: web.Request) -> web.Response:
-        body = _json_object(await read_json_body(request))
-        _only_fields(body, ("user", "tenant", "scopes"))
+        body = bodies.json_object(await read_json_body(request))
+        bodies.only_fields(body, ("user", "tenant", "scopes"))
         user = keys.check_user(body.get("user"))
         tenant = keys.check_tenant(body.get("tenant"))
         scopes = keys.check_scopes(body.get("scopes"))
@@ -961,9 +943,9 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
         )
 
     async def add_node(request: web.Request) -> web.Response:
-        body = _json_object(await read_json_body(request))
+        body = bodies.json_object(await read_json_body(request))
         fields = ("name", "endpoint", "token_file", "ca_file", "cert_file", "key_file")
-        _only_fields(body, fields)
+        bodies.only_fields(body, fields)
         definition = node_def_from(body, gw.options.node_files_dir)
         if any(d.name == definition.name for d in gw.options.file_nodes):
             raise Conflict(f"node {definition.name!r} is defined in the node file: edit the file and restart")
@@ -993,8 +975,8 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
     async def cordon(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         node = known(name)
-        body = _json_object(await read_json_body(request))
-        _only_fields(body, ("cordoned",))
+        body = bodies.json_object(await read_json_body(request))
+        bodies.only_fields(body, ("cordoned",))
         wanted = body.get("cordoned")
         if not isinstance(wanted, bool):
             raise InvalidRequest("cordoned must be true or false")
@@ -1006,8 +988,8 @@ def admin_routes(gw: Gateway) -> list[web.RouteDef]:
     async def drain(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         node = known(name)
-        body = _json_object(await read_json_body(request))
-        _only_fields(body, ("terminate",))
+        body = bodies.json_object(await read_json_body(request))
+        bodies.only_fields(body, ("terminate",))
         terminate = body.get("terminate", False)
         if not isinstance(terminate, bool):
             raise InvalidRequest("terminate must be true or false")
@@ -1105,8 +1087,6 @@ def node_def_from(body: dict[str, Any], files_dir: Path | None) -> NodeDef:
     endpoint = body.get("endpoint")
     if not isinstance(endpoint, str):
         raise InvalidRequest("endpoint is required: https://HOST:PORT, unix:///PATH or http://127.0.0.1:PORT")
-    from sbx.gateway.nodes import parse_endpoint
-
     parse_endpoint(endpoint)
     files: dict[str, str | None] = {}
     for field_name in ("token_file", "ca_file", "cert_file", "key_file"):
