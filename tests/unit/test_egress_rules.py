@@ -318,3 +318,24 @@ def test_ceiling_lowered_to_what_a_backend_enforces() -> None:
     strict = NodeConfig(network=NetworkConfig(NetworkPolicy("open"), "open"))
     with pytest.raises(BackendError, match="not enforced by this backend"):
         within_backend(strict, frozenset({"none"}))
+
+
+def test_a_host_that_refuses_the_rules_offers_mode_none_only(tmp_path: Path) -> None:
+    from sbx.backends.gvisor_net import SandboxNetworks
+
+    refusing = tmp_path / "nft"
+    refusing.write_text("#!/bin/sh\necho 'Error: Could not process rule: No such file or directory' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    networks = SandboxNetworks(tmp_path, Egress(EgressConfig(), "abcde", nft_binary=str(refusing)))
+    assert networks.usable() is False and networks.enabled is False
+    with pytest.raises(BackendError, match="not available on this host"):
+        import asyncio
+
+        asyncio.run(networks.create("sbx_x", OPEN))
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="nft (nftables) is not installed")
+def test_this_host_takes_the_rules(tmp_path: Path) -> None:
+    from sbx.backends.gvisor_net import SandboxNetworks
+
+    assert SandboxNetworks(tmp_path, Egress(EgressConfig(), "abcde")).usable() is True

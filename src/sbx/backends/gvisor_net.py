@@ -21,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Final
 
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendError
 from sbx.backends.layers import run_tool
+from sbx.net import nft
 from sbx.net.egress import Egress, Slot
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,33 @@ class SandboxNetworks:
     def __init__(self, base: Path, egress: Egress) -> None:
         self.base = base
         self.egress = egress
+        #: False when this host cannot enforce egress (see :meth:`usable`): no new sandbox gets a network,
+        #: while namespaces left by an earlier run are still entered and removed.
+        self.enabled = True
+
+    def usable(self) -> bool:
+        """Whether the tools are installed and the kernel takes our nftables rules (``nft --check``, which
+        changes nothing). When not, the reason is logged and :attr:`enabled` turns false."""
+        problem = None
+        missing = [tool for tool in ("nft", "ip", "nsenter", "unshare") if shutil.which(tool) is None]
+        if missing:
+            problem = f"{', '.join(missing)} not found (install nftables, iproute2 and util-linux)"
+        else:
+            script = nft.ruleset(nft.RulesetParams(self.egress.table, self.egress.prefix, 1, 2))
+            try:
+                check = subprocess.run(
+                    [self.egress.nft_binary, "--check", "-f", "-"],
+                    input=script.encode(), capture_output=True, timeout=10, check=False,
+                )  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as exc:
+                problem = f"nft could not be run: {exc}"
+            else:
+                if check.returncode != 0:
+                    problem = f"the kernel refuses the egress rules: {check.stderr.decode(errors='replace').strip()}"
+        if problem is not None:
+            log.warning("network modes allowlist and open are not available", extra={"reason": problem})
+            self.enabled = False
+        return self.enabled
 
     @staticmethod
     def netns_name(sandbox_id: str) -> str:
@@ -117,6 +147,8 @@ class SandboxNetworks:
 
     async def start(self) -> None:
         """Take back the networks of sandboxes a previous sandboxd made (their namespace still exists)."""
+        if not self.enabled:
+            return
         await self.egress.start()
         for path in sorted(self.base.glob(f"*/{NETWORK_FILE}")):
             sandbox_id = path.parent.name
@@ -135,11 +167,16 @@ class SandboxNetworks:
         await self.egress.settle()
 
     async def close(self) -> None:
-        await self.egress.close()
+        if self.enabled:
+            await self.egress.close()
 
     async def create(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """The sandbox's namespace, veth pair, addresses, route and resolv.conf; admitted under ``policy``.
         On failure whatever was made is removed again (by the caller's destroy)."""
+        if not self.enabled:
+            raise BackendError(
+                "network modes allowlist and open are not available on this host (see the log)"
+            )
         slot = self.egress.free_slot()
         self._save(sandbox_id, slot, policy)
         self.resolv_conf(sandbox_id).write_text(
@@ -207,7 +244,8 @@ class SandboxNetworks:
                 pass  # already gone with the namespace
         if self.has_netns(sandbox_id):
             await run_tool("ip", "netns", "del", self.netns_name(sandbox_id))
-        await self.egress.detach(sandbox_id)
+        if self.enabled:
+            await self.egress.detach(sandbox_id)
         self._file(sandbox_id).unlink(missing_ok=True)
 
     def _save(self, sandbox_id: str, slot: Slot, policy: NetworkPolicy) -> None:
