@@ -419,3 +419,24 @@ def test_sigkilled_gateway_keeps_everything_it_acknowledged(clean: Fleet) -> Non
     assert gw.request("GET", "/v1/whoami", key=revoked["secret"]).status == 401
     assert fleet.nodes_info()["b"]["cordoned"] is True
     assert all(fleet.node_of(gw.create(secret)["id"]) != "b" for _ in range(2))
+
+
+def test_a_stop_cuts_open_streams_within_seconds(clean: Fleet) -> None:
+    fleet, alice = clean, clean.keys["alice"]
+    gw = fleet.gw
+    s = gw.create(alice)
+    pid = gw.request(
+        "POST", f"/v1/sandboxes/{s['id']}/processes", {"argv": ["sleep", "600"]}, key=alice
+    ).json()["pid"]
+    conn = gw.connection(30)
+    conn.request(
+        "GET", f"/v1/sandboxes/{s['id']}/processes/{pid}/output", headers={"Authorization": f"Bearer {alice}"}
+    )
+    assert conn.getresponse().status == 200
+    started = time.monotonic()
+    gw.stop()
+    assert gw.proc is not None and gw.proc.returncode == 0
+    assert time.monotonic() - started < 10
+    conn.close()
+    gw.start()
+    assert gw.request("GET", f"/v1/sandboxes/{s['id']}", key=alice).status == 200

@@ -230,7 +230,10 @@ async def _serve(
     await gateway.start()
     # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
     # of a quiet process would otherwise stay open until the process writes again.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    # A stop gives open requests (followed streams, attach, tunnel) 5 s, then cuts them.
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, handler_cancellation=True, shutdown_timeout=5.0
+    )
     await runner.setup()
     if socket_path is not None:
         await web.SockSite(runner, _unix_socket(socket_path)).start()
@@ -246,6 +249,7 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
+    gateway.open.cancel_all()
     await runner.cleanup()
     if metrics_runner is not None:
         await metrics_runner.cleanup()

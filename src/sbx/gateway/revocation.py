@@ -57,6 +57,15 @@ class OpenRequests:
     def __len__(self) -> int:
         return len(self._open)
 
+    def cancel_all(self) -> None:
+        """Cancel every open relay (the gateway is stopping): clients see their streams cut, not a 401."""
+        for op in list(self._open):
+            for close in op.closers:
+                with contextlib.suppress(Exception):
+                    close()
+            if op.task is not None:
+                op.task.cancel()
+
     async def end_where(self, predicate: Callable[[OpenRequest], bool]) -> list[OpenRequest]:
         """End every open request ``predicate`` selects and wait until each has finished."""
         chosen = [op for op in list(self._open) if not op.ended and predicate(op)]
