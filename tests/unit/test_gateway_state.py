@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -179,3 +180,49 @@ def test_offline_nodes_and_quotas(tmp_path: Path) -> None:
     )
     assert runner.invoke(main, ["nodes", "remove", "--state", state, "n1"]).exit_code == 0
     assert runner.invoke(main, ["nodes", "remove", "--state", state, "n1"]).exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--listen", "0.0.0.0:7443"], "without TLS"),
+        (["--metrics-listen", "0.0.0.0:9464"], "--metrics-listen must be loopback"),
+        (["--tls-cert", __file__], "--tls-cert and --tls-key go together"),
+        (["--node-lost-after", "soon"], "is not a duration"),
+    ],
+)
+def test_serve_refuses_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["serve", "--state", str(tmp_path / "gw.db"), *args])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "gw.db").exists()
+
+
+def test_serve_refuses_a_locked_state(tmp_path: Path) -> None:
+    state = tmp_path / "gw.db"
+    fd = acquire_lock(state)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "sbx.gateway.main", "serve", "--state", str(state), "--listen", "127.0.0.1:1"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    assert result.returncode == 1 and "another process holds the state file lock" in result.stderr
+
+
+def test_node_file(tmp_path: Path) -> None:
+    from sbx.gateway.main import load_node_file
+
+    (tmp_path / "t").write_text("x")
+    path = tmp_path / "nodes.toml"
+    path.write_text('[[node]]\nname = "n1"\nendpoint = "unix:///run/a.sock"\ntoken_file = "t"\n')
+    [node] = load_node_file(path)
+    assert node == NodeDef("n1", "unix:///run/a.sock", token_file=str(tmp_path / "t"), from_file=True)
+    path.write_text('[[node]]\nname = "n1"\nendpoint = "http://192.0.2.1:80"\n')
+    with pytest.raises(click.BadParameter, match="loopback only"):
+        load_node_file(path)
+    path.write_text(
+        '[[node]]\nname = "n1"\nendpoint = "unix:///a"\n[[node]]\nname = "n1"\nendpoint = "unix:///b"\n'
+    )
+    with pytest.raises(click.BadParameter, match="appears twice"):
+        load_node_file(path)
