@@ -324,7 +324,9 @@ def test_a_host_that_refuses_the_rules_offers_mode_none_only(tmp_path: Path) -> 
     from sbx.backends.gvisor_net import SandboxNetworks
 
     refusing = tmp_path / "nft"
-    refusing.write_text("#!/bin/sh\necho 'Error: Could not process rule: No such file or directory' >&2\nexit 1\n")
+    refusing.write_text(
+        "#!/bin/sh\necho 'Error: Could not process rule: No such file or directory' >&2\nexit 1\n"
+    )
     refusing.chmod(0o755)
     networks = SandboxNetworks(tmp_path, Egress(EgressConfig(), "abcde", nft_binary=str(refusing)))
     assert networks.usable() is False and networks.enabled is False
@@ -338,4 +340,21 @@ def test_a_host_that_refuses_the_rules_offers_mode_none_only(tmp_path: Path) -> 
 def test_this_host_takes_the_rules(tmp_path: Path) -> None:
     from sbx.backends.gvisor_net import SandboxNetworks
 
-    assert SandboxNetworks(tmp_path, Egress(EgressConfig(), "abcde")).usable() is True
+    config = EgressConfig(ipaddress.IPv4Network("10.251.0.0/16"))  # a subnet nothing here routes
+    assert SandboxNetworks(tmp_path, Egress(config, "abcde")).usable() is True
+
+
+def test_a_subnet_the_host_routes_elsewhere_is_refused(tmp_path: Path) -> None:
+    import json as json_module
+
+    from sbx.backends.gvisor_net import SandboxNetworks
+
+    routes = json_module.loads(
+        subprocess.run(["ip", "-4", "-j", "route", "show"], capture_output=True, check=True).stdout
+    )
+    taken = [r for r in routes if r.get("dst", "default") != "default" and "/" in r["dst"]]
+    if not taken:
+        pytest.skip("no routed IPv4 network on this host (ip route shows none)")
+    clash = ipaddress.IPv4Network(taken[0]["dst"], strict=False).supernet(new_prefix=16)
+    networks = SandboxNetworks(tmp_path, Egress(EgressConfig(clash), "abcde"))
+    assert networks.usable() is False

@@ -19,6 +19,7 @@ takes the sandbox's network back (:meth:`SandboxNetworks.start`).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import shutil
@@ -84,6 +85,8 @@ class SandboxNetworks:
             else:
                 if check.returncode != 0:
                     problem = f"the kernel refuses the egress rules: {check.stderr.decode(errors='replace').strip()}"
+        if problem is None:
+            problem = self._subnet_clash()
         if problem is not None:
             log.warning("network modes allowlist and open are not available", extra={"reason": problem})
             self.enabled = False
@@ -144,6 +147,36 @@ class SandboxNetworks:
         )
 
     # -- lifecycle -------------------------------------------------------------------------------------
+
+    def _subnet_clash(self) -> str | None:
+        """Why the configured subnet cannot be ours: a route of this host into it through an interface that is
+        not one of our sandbox interfaces (the host's own network, or another sandboxd using the same subnet)."""
+        subnet = self.egress.config.subnet
+        try:
+            routes = json.loads(
+                subprocess.run(
+                    ["ip", "-4", "-j", "route", "show", "table", "all"],
+                    capture_output=True,
+                    timeout=10,
+                    check=True,
+                ).stdout
+            )
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            return f"the host's routes could not be read: {exc}"
+        for route in routes:
+            dst, dev = route.get("dst", ""), route.get("dev", "")
+            if dst == "default" or dev.startswith(self.egress.prefix):
+                continue
+            try:
+                network = ipaddress.IPv4Network(dst, strict=False)
+            except ValueError:
+                continue
+            if network.overlaps(subnet) and network.prefixlen > 0:
+                return (
+                    f"[network] subnet {subnet} overlaps the route to {dst} via {dev}; "
+                    "give sandboxd a subnet of its own"
+                )
+        return None
 
     async def start(self) -> None:
         """Take back the networks of sandboxes a previous sandboxd made (their namespace still exists)."""

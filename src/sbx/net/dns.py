@@ -211,7 +211,11 @@ class Resolver:
             await self._tcp.wait_closed()
 
     async def _answer_datagram(self, data: bytes, source: str, addr: tuple[str | object, int]) -> None:
-        answer = await self.answer(data, source)
+        try:
+            answer = await self.answer(data, source)
+        except Exception:  # a bug must cost one query, never the resolver
+            log.exception("resolver failure", extra={"source": source})
+            return
         if answer is not None and self._udp is not None and not self._udp.is_closing():
             self._udp.sendto(answer, addr)
 
