@@ -392,6 +392,16 @@ def test_snapshots_belong_to_the_owner_and_pin_forks(clean: Fleet) -> None:
         assert err_code(resp) == (404, "not_found")
         forks = [fleet.gw.create(alice, snapshot_id=snap["id"]) for _ in range(2)]
         assert {fleet.node_of(f["id"]) for f in forks} == {fleet.node_of(s["id"])}
+        # One taken beside the gateway (as a schedule would) belongs to the owner of its sandbox.
+        node = fleet.nodes[fleet.node_of(s["id"])]
+        beside = node.request("POST", f"/v1/sandboxes/{s['id']}/snapshots", {"kind": "disk"}).json()
+        mine = {x["id"] for x in fleet.gw.request("GET", "/v1/snapshots", key=alice).json()["snapshots"]}
+        assert mine == {snap["id"], beside["id"]}
+        resp = fleet.gw.request("DELETE", f"/v1/snapshots/{beside['id']}", key=bob)
+        assert (resp.status, resp.error[0]) == (404, "not_found")
+        fork = fleet.gw.create(alice, snapshot_id=beside["id"])
+        assert fleet.node_of(fork["id"]) == fleet.node_of(s["id"])
+        assert fleet.gw.request("DELETE", f"/v1/snapshots/{beside['id']}", key=alice).status == 204
     finally:
         assert fleet.gw.request("DELETE", f"/v1/snapshots/{snap['id']}", key=alice).status == 204
     assert fleet.gw.request("GET", "/v1/snapshots", key=alice).json() == {"snapshots": []}

@@ -465,7 +465,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         wanted = Resources(
             _int_field(body, "cpus"), _int_field(body, "memory_mb"), _int_field(body, "disk_mb")
         )
-        pinned = pinned_node(gw, principal, body)
+        pinned = await pinned_node(gw, principal, body)
         name = body.get("name") if isinstance(body.get("name"), str) and body.get("name") else None
         quota = store.quotas.get(principal.tenant)
         user_lock = gw._user_locks[(principal.user, principal.tenant)] if name else None
@@ -615,10 +615,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
     async def snapshot_call(request: web.Request) -> web.StreamResponse:
         principal = principal_of(request)
         snapshot_id = request.match_info["id"]
-        rec = store.snapshots.get(snapshot_id)
-        if rec is None or not principal.owns(rec.user, rec.tenant):
-            raise NotFound(f"no snapshot {snapshot_id!r} among yours")
-        node = gw.node_for(rec.node, f"snapshot {snapshot_id}")
+        node = gw.node_for(await snapshot_node(gw, principal, snapshot_id), f"snapshot {snapshot_id}")
         response = await forward(request, node, request.method, path_qs(request, request.path), None, None)
         if request.method == "DELETE" and response.status == 204:
             await gw.write(store.forget_snapshot, snapshot_id)
@@ -756,15 +753,39 @@ def snapshot_owner(gw: Gateway, principal: auth.Principal, snap: dict[str, Any],
     return sandbox is not None and sandbox.node == node and principal.owns(sandbox.user, sandbox.tenant)
 
 
-def pinned_node(gw: Gateway, principal: auth.Principal, body: dict[str, Any]) -> str | None:
+async def snapshot_node(gw: Gateway, principal: auth.Principal, snapshot_id: str) -> str:
+    """The node holding the caller's snapshot ``snapshot_id``; 404 when it is not theirs or does not exist.
+
+    A snapshot taken through the gateway is recorded; a scheduled one is found in the answering nodes'
+    listings and belongs to whoever owns its sandbox."""
+    rec = gw.store.snapshots.get(snapshot_id)
+    if rec is not None:
+        if principal.owns(rec.user, rec.tenant):
+            return rec.node
+        raise NotFound(f"no snapshot {snapshot_id!r} among yours")
+    for node in gw.registry.healthy():
+        try:
+            listing = await node.call("GET", "/v1/snapshots")
+        except SandboxError:
+            continue
+        if not isinstance(listing, dict):
+            continue
+        for snap in listing.get("snapshots") or []:
+            if (
+                isinstance(snap, dict)
+                and snap.get("id") == snapshot_id
+                and snapshot_owner(gw, principal, snap, node.name)
+            ):
+                return node.name
+    raise NotFound(f"no snapshot {snapshot_id!r} among yours")
+
+
+async def pinned_node(gw: Gateway, principal: auth.Principal, body: dict[str, Any]) -> str | None:
     """The node a create must go to: the one holding its snapshot or volumes (409 when they are on two)."""
     nodes: set[str] = set()
     snapshot_id = body.get("snapshot_id")
     if isinstance(snapshot_id, str):
-        snap = gw.store.snapshots.get(snapshot_id)
-        if snap is None or not principal.owns(snap.user, snap.tenant):
-            raise NotFound(f"no snapshot {snapshot_id!r} among yours")
-        nodes.add(snap.node)
+        nodes.add(await snapshot_node(gw, principal, snapshot_id))
     volumes = body.get("volumes")
     if isinstance(volumes, list):
         for mount in volumes:
