@@ -40,6 +40,7 @@ class StandIn:
     free_cpus: int
     create_status: int = 201
     creates: int = 0
+    uploaded: int = -1
     sandboxes: list[dict[str, Any]] = field(default_factory=list)
     server: TestServer | None = None
 
@@ -65,14 +66,18 @@ class StandIn:
         async def listing(request: web.Request) -> web.Response:
             return web.json_response({"sandboxes": self.sandboxes})
 
+        async def put_file(request: web.Request) -> web.Response:
+            self.uploaded = len(await request.read())
+            return web.Response(status=204)
+
         async def slow_run(request: web.Request) -> web.Response:
             await asyncio.sleep(30)
             return web.json_response({})
 
-        app = web.Application()
+        app = web.Application(client_max_size=128 << 20)
         app.add_routes([
             web.get("/v1/node", node), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
-            web.post("/v1/sandboxes/{id}/run", slow_run),
+            web.post("/v1/sandboxes/{id}/run", slow_run), web.put("/v1/sandboxes/{id}/files", put_file),
         ])  # fmt: skip
         return app
 
@@ -294,3 +299,29 @@ async def test_cors_preflight(tmp_path: Path, setup: Setup) -> None:
     assert denied.status == 403 and (await denied.json())["error"]["code"] == "forbidden_origin"
     error = await setup.client.get("/v1/sandboxes", headers={"Origin": "https://console.example"})
     assert error.status == 401 and error.headers["Access-Control-Allow-Origin"] == "https://console.example"
+
+
+async def test_file_uploads_are_streamed_and_capped(setup: Setup) -> None:
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+    path = f"/v1/sandboxes/{created['id']}/files?path=/tmp/x"
+    ok = await setup.client.put(path, data=b"x" * (3 << 20), headers=bearer(setup.user))
+    assert ok.status == 204 and setup.nodes["n2"].uploaded == 3 << 20
+    setup.nodes["n2"].uploaded = -1
+    too_big = await setup.client.put(path, data=b"x" * ((64 << 20) + 1), headers=bearer(setup.user))
+    body = await too_big.json()
+    assert too_big.status == 413 and body["error"]["code"] == "invalid_request"
+    assert "over the 67108864-byte limit" in body["error"]["message"]
+    assert setup.nodes["n2"].uploaded == -1  # the node got nothing
+
+
+async def test_chunked_upload_over_the_cap_is_cut(setup: Setup) -> None:
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(65):
+            yield b"x" * (1 << 20)
+
+    resp = await setup.client.put(f"/v1/sandboxes/{created['id']}/files?path=/tmp/x", data=chunks(),
+                                  headers=bearer(setup.user))  # fmt: skip
+    assert resp.status == 413
+    assert setup.nodes["n2"].uploaded == -1

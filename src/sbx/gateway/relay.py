@@ -19,10 +19,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from sbx.api.errors import BadGateway, Unauthorized
+from sbx.api.errors import BadGateway, PayloadTooLarge, Unauthorized
 from sbx.client._upgrade import READ_LIMIT_BYTES, parse_head
 from sbx.gateway.nodes import CONNECT_TIMEOUT_SECS, Node, describe
 from sbx.gateway.revocation import OpenRequest, OpenRequests
+from sbx.node.http import stream_body
 from sbx.node.upgrade import finished_response, upgrade
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,29 @@ MAX_ERROR_BODY_BYTES = 1 << 20
 #: Bytes copied per read in an upgraded connection.
 COPY_CHUNK_BYTES = 64 * 1024
 
-Body = bytes | AsyncIterator[bytes] | None
+
+class CappedBody:
+    """A request body streamed to the node, cut at ``cap`` bytes; keeps the 413 it raised, since the HTTP
+    client reports a failing body as its own connection error."""
+
+    def __init__(self, request: web.Request, cap: int) -> None:
+        if request.content_length is not None and request.content_length > cap:
+            raise PayloadTooLarge(
+                f"request body of {request.content_length} bytes is over the {cap}-byte limit"
+            )
+        self._chunks = stream_body(request, cap)
+        self.error: PayloadTooLarge | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._chunks:
+                yield chunk
+        except PayloadTooLarge as exc:
+            self.error = exc
+            raise
+
+
+Body = bytes | CappedBody | None
 
 
 async def guarded(
@@ -82,6 +105,8 @@ async def forward(
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS),
         )  # fmt: skip
     except (aiohttp.ClientError, OSError) as exc:
+        if isinstance(body, CappedBody) and body.error is not None:
+            raise body.error from None
         raise BadGateway(f"node {node.name} did not answer: {describe(exc)}") from exc
     async with resp:
         content_type = resp.headers.get("Content-Type", "")

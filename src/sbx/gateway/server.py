@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +41,7 @@ from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node, parse_endpoint
 from sbx.gateway.placement import Resources, choose_node
-from sbx.gateway.relay import forward, guarded, relay_upgrade
+from sbx.gateway.relay import Body, CappedBody, forward, guarded, relay_upgrade
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.state import (
     NodeDef,
@@ -58,7 +58,6 @@ from sbx.node.http import (
     error_middleware,
     json_response,
     read_json_body,
-    stream_body,
 )
 
 log = logging.getLogger(__name__)
@@ -537,13 +536,13 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
             return await guarded(
                 request, op, gw.open, relay_upgrade(request, node, path_qs(request, path), protocol, op)
             )
-        body: bytes | AsyncIterator[bytes] | None = None
+        body: Body = None
         if not tail and request.method == "PATCH":
             body = json.dumps(
                 patch_body(gw, principal, rec, bodies.json_object(await read_json_body(request)))
             ).encode()
         elif tail == "files" and request.method == "PUT" or tail.endswith("/stdin"):
-            body = stream_body(request, FILE_BODY_CAP)
+            body = CappedBody(request, FILE_BODY_CAP)
         elif request.method in ("POST", "PUT", "PATCH"):
             body = await read_json_body(request)
         response = await guarded(
