@@ -69,6 +69,8 @@ def fleet() -> Iterator[Fleet]:
         "bob": gw.create_key("bob", *crud, tenant="beta"),
     }
     gw.cli("quotas", "set", "beta", "--sandboxes", "2", "--cpus", "3")
+    keys["greta"] = gw.create_key("greta", *crud, tenant="gamma")
+    gw.cli("quotas", "set", "gamma", "--cpus", "1")
     gw.start()
     fl = Fleet(gw, nodes, keys)
     try:
@@ -450,3 +452,18 @@ def test_a_stop_cuts_open_streams_within_seconds(clean: Fleet) -> None:
     conn.close()
     gw.start()
     assert gw.request("GET", f"/v1/sandboxes/{s['id']}", key=alice).status == 200
+
+
+def test_quota_passed_by_node_defaults_is_undone(clean: Fleet) -> None:
+    fleet, greta = clean, clean.keys["greta"]
+    first = fleet.gw.create(greta, cpus=1)
+    # The request names no cpus: only the node's answer (its default, 1) shows the quota is passed.
+    resp = fleet.gw.request("POST", "/v1/sandboxes", {}, key=greta)
+    assert (resp.status, resp.error) == (
+        403, ("refused", "over the quota of tenant gamma: 2 cpus of 1; delete sandboxes or ask an admin for a larger quota"))  # fmt: skip
+    assert [s["id"] for s in fleet.gw.request("GET", "/v1/sandboxes", key=greta).json()["sandboxes"]] == [
+        first["id"]
+    ]
+    live = [s for node in fleet.nodes.values() for s in node.request("GET", "/v1/sandboxes").json()["sandboxes"]
+            if s["labels"].get("gateway.tenant") == "gamma" and s["state"] != "terminated"]  # fmt: skip
+    assert [s["id"] for s in live] == [first["id"]]
