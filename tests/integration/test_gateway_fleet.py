@@ -67,6 +67,7 @@ def fleet() -> Iterator[Fleet]:
         "admin": gw.create_key("root", "admin"),
         "alice": gw.create_key("alice", *crud, tenant="acme"),
         "bob": gw.create_key("bob", *crud, tenant="beta"),
+        "dora": gw.create_key("dora", *crud, tenant="delta"),
     }
     gw.cli("quotas", "set", "beta", "--sandboxes", "2", "--cpus", "3")
     keys["greta"] = gw.create_key("greta", *crud, tenant="gamma")
@@ -94,9 +95,9 @@ def test_creates_spread_least_loaded_first_and_names_are_per_user(clean: Fleet) 
     assert sorted(fleet.node_of(s["id"]) for s in made) == ["a", "b", "c"]
     # Two users may use one name: the node holding alice's refuses bob's, and the gateway places it elsewhere.
     first = fleet.gw.create(fleet.keys["alice"], name="dup")
-    second = fleet.gw.create(fleet.keys["bob"], name="dup")
+    second = fleet.gw.create(fleet.keys["dora"], name="dup")
     assert fleet.node_of(first["id"]) != fleet.node_of(second["id"])
-    assert fleet.gw.request("GET", "/v1/sandboxes/dup", key=fleet.keys["bob"]).json()["id"] == second["id"]
+    assert fleet.gw.request("GET", "/v1/sandboxes/dup", key=fleet.keys["dora"]).json()["id"] == second["id"]
 
 
 def test_no_node_with_room_is_503_and_creates_nothing(clean: Fleet) -> None:
