@@ -538,10 +538,19 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
             )
         body: Body = None
         if not tail and request.method == "PATCH":
-            body = json.dumps(
-                patch_body(gw, principal, rec, bodies.json_object(await read_json_body(request)))
-            ).encode()
-        elif tail == "files" and request.method == "PUT" or tail.endswith("/stdin"):
+            raw = await read_json_body(request)
+            # Renames of one user run one at a time with their creates, so two cannot take one name together.
+            async with gw._user_locks[(principal.user, principal.tenant)]:
+                body = json.dumps(patch_body(gw, principal, rec, bodies.json_object(raw))).encode()
+                response = await guarded(
+                    request,
+                    op,
+                    gw.open,
+                    forward(request, node, request.method, path_qs(request, path), body, op),
+                )
+                await after_sandbox_call(gw, request, principal, rec, tail, response)
+            return response
+        if tail == "files" and request.method == "PUT" or tail.endswith("/stdin"):
             body = CappedBody(request, FILE_BODY_CAP)
         elif request.method in ("POST", "PUT", "PATCH"):
             body = await read_json_body(request)
