@@ -29,7 +29,7 @@ from sbx.gateway.server import (
     route_shape,
     routes,
 )
-from sbx.gateway.state import NodeDef, Store
+from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord, Store
 
 
 @dataclass
@@ -325,3 +325,35 @@ async def test_chunked_upload_over_the_cap_is_cut(setup: Setup) -> None:
                                   headers=bearer(setup.user))  # fmt: skip
     assert resp.status == 413
     assert setup.nodes["n2"].uploaded == -1
+
+
+async def test_removing_a_member_ends_their_requests_in_the_org_only(setup: Setup) -> None:
+    store = setup.gateway.store
+    store.add_org(OrgRecord("rocket", "2030-01-01T00:00:00Z", "alice", "acme"),
+                  MemberRecord("rocket", "alice", "acme", "owner", "2030-01-01T00:00:00Z"))  # fmt: skip
+    store.put_member(MemberRecord("rocket", "bob", "beta", "member", "2030-01-01T00:00:00Z"))
+    bob_key, bob = keys.new_key("bob", "beta", {"sandbox:read", "sandbox:create"})
+    store.add_key(bob_key)
+    in_org = {**bearer(bob), "X-Sandbox-Org": "rocket"}
+    org_sandbox = await (await setup.client.post("/v1/sandboxes", json={}, headers=in_org)).json()
+    own_sandbox = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(bob))).json()
+    in_org_run = asyncio.ensure_future(
+        setup.client.post(f"/v1/sandboxes/{org_sandbox['id']}/run", json={"argv": ["x"]}, headers=in_org)
+    )
+    own_run = asyncio.ensure_future(
+        setup.client.post(f"/v1/sandboxes/{own_sandbox['id']}/run", json={"argv": ["x"]}, headers=bearer(bob))
+    )
+    for _ in range(100):
+        if len(setup.gateway.open) == 2:
+            break
+        await asyncio.sleep(0.01)
+    removed = await setup.client.delete("/v1/orgs/rocket/members/bob", headers=bearer(setup.user))
+    assert removed.status == 204
+    assert (await in_org_run).status == 401
+    assert not own_run.done() and len(setup.gateway.open) == 1  # their own tenant is untouched
+    own_run.cancel()
+    entries, _ = setup.gateway.audit.read(None, 100) if setup.gateway.audit else ([], False)
+    assert [e["type"] for e in entries if e.get("kind") in ("org", "revocation")] == [
+        "api.revoked",
+        "org.member_removed",
+    ]
