@@ -357,3 +357,11 @@ async def test_removing_a_member_ends_their_requests_in_the_org_only(setup: Setu
         "api.revoked",
         "org.member_removed",
     ]
+
+
+async def test_audit_call_is_501_without_a_log(setup: Setup) -> None:
+    setup.gateway.audit = None
+    resp = await setup.client.get("/v1/admin/audit", headers=bearer(setup.admin))
+    body = await resp.json()
+    assert resp.status == 501 and body["error"] == {
+        "code": "unsupported", "message": "this gateway keeps no audit log (started with --audit-log none)"}  # fmt: skip
