@@ -234,7 +234,7 @@ def test_system_servers(tmp_path: Path) -> None:
 
 # -- nftables and the address plan -------------------------------------------------------------------------
 
-PARAMS = nft.RulesetParams("sbx_abcde", "sxabcde", 40001, 40002)
+PARAMS = nft.RulesetParams("sbx_abcde", "sxabcde", 40001, 40002, "10.200.0.0/16")
 
 
 def test_ruleset_confines_sandbox_interfaces() -> None:
@@ -247,9 +247,18 @@ def test_ruleset_confines_sandbox_interfaces() -> None:
     assert 'iifname "sxabcde*" meta nfproto ipv4 tcp dport 53 redirect to :40002' in lines
     assert 'iifname "sxabcde*" meta nfproto ipv4 meta l4proto tcp redirect to :40001' in lines
     assert 'iifname "sxabcde*" ct status dnat tcp dport { 40001, 40002 } accept' in lines
-    assert 'iifname "sxabcde*" meta l4proto tcp reject with tcp reset' in lines
     assert 'iifname "sxabcde*" drop' in lines
     assert 'oifname "sxabcde*" drop' in lines
+    # Destinations no policy reaches go to a port admit resets: refused at the SYN, not via the proxy.
+    never = 'iifname "sxabcde*" ip daddr { 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, 240.0.0.0/4, 10.200.0.0/16 } meta l4proto tcp redirect to :1'
+    assert never in lines
+    assert lines.index(never) < lines.index(
+        'iifname "sxabcde*" meta nfproto ipv4 meta l4proto tcp redirect to :40001'
+    )
+    assert lines.index(never) > lines.index(
+        'iifname "sxabcde*" meta nfproto ipv4 tcp dport 53 redirect to :40002'
+    )
+    assert lines.count('iifname "sxabcde*" meta l4proto tcp reject with tcp reset') == 2
     # DNS is diverted before the catch-all TCP redirect.
     assert lines.index('iifname "sxabcde*" meta nfproto ipv4 tcp dport 53 redirect to :40002') < lines.index(
         'iifname "sxabcde*" meta nfproto ipv4 meta l4proto tcp redirect to :40001'

@@ -74,7 +74,9 @@ class SandboxNetworks:
         if missing:
             problem = f"{', '.join(missing)} not found (install nftables, iproute2 and util-linux)"
         else:
-            script = nft.ruleset(nft.RulesetParams(self.egress.table, self.egress.prefix, 1, 2))
+            script = nft.ruleset(
+                nft.RulesetParams(self.egress.table, self.egress.prefix, 1, 2, str(self.egress.config.subnet))
+            )
             try:
                 check = subprocess.run(
                     [self.egress.nft_binary, "--check", "-f", "-"],

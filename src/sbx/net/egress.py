@@ -134,7 +134,9 @@ class Egress:
         self._by_address[str(slot.sandbox)] = attachment
         async with self._rules_lock:
             if not self._table_applied:
-                params = nft.RulesetParams(self.table, self.prefix, self.proxy.port, self.resolver.port)
+                params = nft.RulesetParams(
+                    self.table, self.prefix, self.proxy.port, self.resolver.port, str(self.config.subnet)
+                )
                 await nft.apply(nft.ruleset(params), self.nft_binary)
                 self._table_applied = True
 

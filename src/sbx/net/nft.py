@@ -7,11 +7,13 @@ one host never touch each other's rules), matching the host ends of sandbox veth
   interface it came in on is dropped, so a sandbox cannot pose as another (the proxy and the resolver tell
   sandboxes apart by source address);
 - ``divert`` (prerouting, dstnat): DNS (port 53, UDP and TCP, to any address) is redirected to the resolver,
-  every other TCP connection to the proxy;
+  every other TCP connection to the proxy, except to addresses no policy ever reaches (loopback, link-local
+  and metadata, multicast, reserved, the sandbox subnet): those go to a port ``admit`` resets, so they are
+  refused right at the SYN and never even seem to open;
 - ``admit`` (input): from sandbox interfaces only redirected packets reach this host, other TCP is reset at
   once and anything else dropped; from elsewhere the proxy and resolver ports are closed;
-- ``nofwd`` (forward): nothing is ever forwarded to or from a sandbox interface: all egress leaves from the
-  proxy's own sockets on this host, after the policy has been checked.
+- ``nofwd`` (forward): nothing is ever forwarded to or from a sandbox interface (TCP is reset, the rest
+  dropped): all egress leaves from the proxy's own sockets on this host, after the policy has been checked.
 
 The whole table is replaced in one ``nft -f`` transaction, so rules are never half applied.
 """
@@ -27,12 +29,21 @@ from sbx.backends.base import BackendError
 @dataclass(frozen=True)
 class RulesetParams:
     """``table``: the table name; ``prefix``: the name prefix of the host ends of sandbox veths;
-    ``proxy_port``/``resolver_port``: where the proxy and the resolver listen (TCP; UDP and TCP)."""
+    ``proxy_port``/``resolver_port``: where the proxy and the resolver listen (TCP; UDP and TCP);
+    ``subnet``: the sandboxes' subnet."""
 
     table: str
     prefix: str
     proxy_port: int
     resolver_port: int
+    subnet: str
+
+
+#: Destinations no policy ever reaches (see ranges.py): not worth a trip through the proxy.
+_NEVER = "0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, 240.0.0.0/4"
+#: Where connections to those go: a port ``admit`` resets (it accepts only the proxy and resolver ports), so
+#: the SYN is answered by a reset whatever the host's routing and forwarding say.
+_CLOSED_PORT = 1
 
 
 def ruleset(p: RulesetParams) -> str:
@@ -50,6 +61,7 @@ table inet {p.table} {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname {ifs} meta nfproto ipv4 udp dport 53 redirect to :{p.resolver_port}
     iifname {ifs} meta nfproto ipv4 tcp dport 53 redirect to :{p.resolver_port}
+    iifname {ifs} ip daddr {{ {_NEVER}, {p.subnet} }} meta l4proto tcp redirect to :{_CLOSED_PORT}
     iifname {ifs} meta nfproto ipv4 meta l4proto tcp redirect to :{p.proxy_port}
   }}
   chain admit {{
@@ -63,6 +75,7 @@ table inet {p.table} {{
   }}
   chain nofwd {{
     type filter hook forward priority filter; policy accept;
+    iifname {ifs} meta l4proto tcp reject with tcp reset
     iifname {ifs} drop
     oifname {ifs} drop
   }}
