@@ -105,6 +105,6 @@ def test_help_lists_every_command() -> None:
     result = CliRunner().invoke(main, ["--help"])
     listed = {line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()}
     assert listed == {
-        "capabilities", "cp", "create", "events", "exec", "forward", "gateway", "get", "images", "ls", "node",
-        "resume", "rm", "run", "shell", "snapshot", "snapshots", "suspend", "volumes",
+        "capabilities", "cp", "create", "events", "exec", "forward", "gateway", "get", "images", "ls", "network",
+        "node", "resume", "rm", "run", "shell", "snapshot", "snapshots", "suspend", "volumes",
     }  # fmt: skip

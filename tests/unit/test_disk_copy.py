@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from sbx.backends.base import BackendError
 from sbx.backends.disk_copy import allocated_bytes, copy_frozen, copy_sparse, resize_ext4
-from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop
+from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop, run_tool
 
 MIB = 1024 * 1024
 needs_root = pytest.mark.skipif(
@@ -24,13 +23,17 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-async def test_copy_keeps_content_and_holes(tmp_path: Path) -> None:
-    source = tmp_path / "src"
-    with open(source, "wb") as f:
-        f.truncate(64 * MIB)
-        for offset, data in ((0, b"head"), (MIB, os.urandom(300_000)), (64 * MIB - 3, b"end")):
+def write_sparse(path: Path, size: int, pieces: tuple[tuple[int, bytes], ...]) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for offset, data in pieces:
             f.seek(offset)
             f.write(data)
+
+
+async def test_copy_keeps_content_and_holes(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    write_sparse(source, 64 * MIB, ((0, b"head"), (MIB, os.urandom(300_000)), (64 * MIB - 3, b"end")))
     await copy_sparse(source, tmp_path / "dst")
     assert digest(source) == digest(tmp_path / "dst")
     assert (tmp_path / "dst").stat().st_size == 64 * MIB
@@ -53,7 +56,7 @@ async def test_frozen_copy_resize_and_mount(tmp_path: Path) -> None:
         await copy_frozen(mnt, image, tmp_path / "copy.img")
         (mnt / "after").write_text("writers go on after the thaw")
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        await run_tool("umount", str(mnt))
     copy = tmp_path / "copy.img"
     await resize_ext4(copy, 128)  # grow
     assert copy.stat().st_size == 128 * MIB
@@ -64,11 +67,10 @@ async def test_frozen_copy_resize_and_mount(tmp_path: Path) -> None:
         total_mib = os.statvfs(mnt).f_blocks * os.statvfs(mnt).f_frsize // MIB
         assert 100 < total_mib <= 128
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        await run_tool("umount", str(mnt))
     await resize_ext4(copy, 48)  # shrink, the files fit
     assert copy.stat().st_size == 48 * MIB
     with pytest.raises(BackendError, match="do not fit in disk_mb 8"):
         await resize_ext4(copy, 8)
     # No loop device is left behind once unmounted (autoclear).
-    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
-    assert str(tmp_path) not in loops
+    assert str(tmp_path) not in await run_tool("losetup", "-a")

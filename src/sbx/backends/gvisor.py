@@ -368,7 +368,7 @@ class GVisorBackend:
             if sandbox_id in self._doomed:
                 raise BackendError("the sandbox is being deleted")
             directory = self._dir(sandbox_id)
-            if self._has_runsc_state(sandbox_id):  # the checkpoint's delete did not happen (a crash, an error)
+            if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
             (directory / "ctl" / WAKE_FILE_NAME).touch()
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
