@@ -9,7 +9,8 @@ starts a sandboxd whose sandboxes resolve through that zone, and measures with t
   server; (b) by a native (host kernel) client in an ``allowlist`` sandbox's network namespace, through its
   veth, nftables and our proxy: the cost of the enforcement path alone (the sandbox is suspended meanwhile, so
   gVisor's network stack does not answer on the interface, and the client gets its address back, as a restore
-  does); (c) inside the running sandbox (gVisor's network stack, ptrace platform, plus the same path);
+  does); (c) inside the running sandbox (gVisor's network stack, ptrace platform, plus the same path); (d) as
+  (c) over plain HTTP, to tell TLS in the guest from the network path;
 - latency: REQUESTS sequential HTTPS requests (``GET /who``, a new connection each: connect, TLS handshake,
   response) in the same three places; p50 and what (b) and (c) add to (a).
 """
@@ -73,6 +74,13 @@ def cpu_secs(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: The same client over plain HTTP (port 80): what the sandbox's network path moves without TLS.
+PLAIN_CLIENT = CLIENT.replace(
+    'context.wrap_socket(socket.create_connection((addr, 443)), server_hostname=args["host"])',
+    "socket.create_connection((addr, 80))",
+)
+
+
 def p50_ms(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] * 1000
@@ -104,8 +112,10 @@ def borrow_namespace(node: Sandboxd, sandbox_id: str) -> str:
     return netns
 
 
-def in_sandbox(node: Sandboxd, sandbox_id: str, args: dict[str, object]) -> dict[str, object]:
-    result = node.run(sandbox_id, ["python3", "-c", CLIENT, json.dumps(args)], timeout_secs=600)
+def in_sandbox(
+    node: Sandboxd, sandbox_id: str, args: dict[str, object], client: str = CLIENT
+) -> dict[str, object]:
+    result = node.run(sandbox_id, ["python3", "-c", client, json.dumps(args)], timeout_secs=600)
     assert result["exit_code"] == 0, result["stderr"][-2000:]
     return json.loads(result["stdout"])  # type: ignore[no-any-return]
 
@@ -136,10 +146,12 @@ def main() -> None:
         latency = {**common, "op": "latency", "requests": options.requests}
         # Host runs are interleaved with the others (the machine is shared, load changes over a run); (a) is
         # the best of all of them, so the shares below are conservative.
-        secs: dict[str, list[float]] = {"host1": [], "sandbox": [], "host2": [], "netns": []}
+        secs: dict[str, list[float]] = {"host1": [], "sandbox": [], "plain": [], "host2": [], "netns": []}
         for _ in range(options.runs):
             secs["host1"].append(float(on_host(download)["secs"]))  # type: ignore[arg-type]
             secs["sandbox"].append(float(in_sandbox(node, box, download)["secs"]))  # type: ignore[arg-type]
+            plain = in_sandbox(node, box, download, PLAIN_CLIENT)
+            secs["plain"].append(float(plain["secs"]))  # type: ignore[arg-type]
         times = {"host": on_host(latency)["times"], "sandbox": in_sandbox(node, box, latency)["times"]}
         netns = borrow_namespace(node, box)
         proxy_cpu = 0.0
@@ -154,15 +166,17 @@ def main() -> None:
             "host": max(rates["host1"], rates["host2"]),
             "netns": rates["netns"],
             "sandbox": rates["sandbox"],
+            "plain": rates["plain"],
         }
         p50 = {k: p50_ms(v) for k, v in times.items()}  # type: ignore[arg-type]
         labels = {
             "host": "(a) host, direct",
             "netns": "(b) native client, sandbox path",
             "sandbox": "(c) in the gVisor sandbox",
+            "plain": "(d) as (c), plain HTTP (no TLS)",
         }
         print(f"HTTPS download of {options.mib} MiB, best of {options.runs}:")
-        for key in ("host", "netns", "sandbox"):
+        for key in ("host", "netns", "sandbox", "plain"):
             share = f"   {100 * rate[key] / rate['host']:4.0f}% of (a)" if key != "host" else ""
             print(f"  {labels[key]:<34} {rate[key]:8.1f} MiB/s{share}")
         cpu_per_gib = proxy_cpu / (options.runs * options.mib / 1024)
