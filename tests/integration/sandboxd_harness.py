@@ -198,13 +198,15 @@ class Sandboxd:
                 check=False,
             )
             for sandbox_id in listing.stdout.split():
-                subprocess.run(
-                    ["runsc", "--root", str(runsc_root), "kill", sandbox_id, "KILL"],
-                    capture_output=True,
-                    check=False,
-                )
-                subprocess.run(["runsc", "--root", str(runsc_root), "delete", "-force", sandbox_id],
-                               capture_output=True, check=False)  # fmt: skip
+                # A sandbox with a network answers only inside its namespace (docs/network.md).
+                netns = Path(f"/var/run/netns/sbx-{sandbox_id}")
+                runsc = ["nsenter", f"--net={netns}"] if netns.exists() else []
+                runsc += ["runsc", "--root", str(runsc_root)]
+                subprocess.run([*runsc, "kill", sandbox_id, "KILL"], capture_output=True, check=False)
+                subprocess.run([*runsc, "delete", "-force", sandbox_id], capture_output=True, check=False)
+        for directory in (self.state_dir / "gvisor").glob("sbx_*"):
+            if Path(f"/var/run/netns/sbx-{directory.name}").exists():  # its veth goes with it
+                subprocess.run(["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False)
         mounts = [
             line.split()[4]
             for line in Path("/proc/self/mountinfo").read_text().splitlines()
