@@ -207,6 +207,11 @@ class Sandboxd:
         for directory in (self.state_dir / "gvisor").glob("sbx_*"):
             if Path(f"/var/run/netns/sbx-{directory.name}").exists():  # its veth goes with it
                 subprocess.run(["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False)
+        from sbx.net.egress import instance_tag
+
+        # The egress rules of a server that was killed with sandboxes that had a network (none otherwise).
+        table = f"sbx_{instance_tag(str(self.state_dir.resolve()))}"
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True, check=False)
         mounts = [
             line.split()[4]
             for line in Path("/proc/self/mountinfo").read_text().splitlines()
