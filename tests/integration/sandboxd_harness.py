@@ -206,7 +206,9 @@ class Sandboxd:
                 subprocess.run([*runsc, "delete", "-force", sandbox_id], capture_output=True, check=False)
         for directory in (self.state_dir / "gvisor").glob("sbx_*"):
             if Path(f"/var/run/netns/sbx-{directory.name}").exists():  # its veth goes with it
-                subprocess.run(["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False)
+                subprocess.run(
+                    ["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False
+                )
         from sbx.net.egress import instance_tag
 
         # The egress rules of a server that was killed with sandboxes that had a network (none otherwise).

@@ -117,8 +117,8 @@ REFUSED_CREATES: list[tuple[str, dict[str, Any], int, str, str]] = [
     ),
     ("image-invalid", {"image": "No-Such-Image"}, 400, "invalid_request", "lowercase"),
     ("idle-over-limit", {"idle_timeout_secs": 10**9}, 400, "invalid_request", "idle_timeout_secs"),
-    ("volumes", {"volumes": [{"name": "v", "path": "/data"}]}, 501, "unsupported", "volumes"),
-    ("fork", {"snapshot_id": "snap_x"}, 501, "unsupported", "snapshot"),
+    ("volume-unknown", {"volumes": [{"name": "v", "path": "/data"}]}, 404, "not_found", "no volume 'v'"),
+    ("fork-unknown", {"snapshot_id": "snap_x"}, 404, "not_found", "no snapshot 'snap_x'"),
 ]
 
 

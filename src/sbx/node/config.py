@@ -435,7 +435,9 @@ def _egress(sec: Mapping[str, Any]) -> EgressConfig:
         try:
             subnet = ipaddress.IPv4Network(raw)
         except ValueError as exc:
-            raise ConfigError(f"network.subnet {raw!r}: {exc}; give an IPv4 network such as 10.200.0.0/16") from None
+            raise ConfigError(
+                f"network.subnet {raw!r}: {exc}; give an IPv4 network such as 10.200.0.0/16"
+            ) from None
         if subnet.prefixlen > MIN_SUBNET_PREFIX:
             raise ConfigError(f"network.subnet {raw} is too small; give a /{MIN_SUBNET_PREFIX} or larger")
 
@@ -443,7 +445,7 @@ def _egress(sec: Mapping[str, Any]) -> EgressConfig:
         try:
             return parse_server(value)
         except ValueError as exc:
-            raise ConfigError(f"{key} {value!r}: {exc}; give \"ip\" or \"ip:port\"") from None
+            raise ConfigError(f'{key} {value!r}: {exc}; give "ip" or "ip:port"') from None
 
     return EgressConfig(subnet, _str_list(sec, "network.upstream_dns", server))
 

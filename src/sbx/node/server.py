@@ -88,7 +88,10 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
     backend = GVisorBackend(
-        options.state_dir, config.paths.agent_path, pooled_disk_mb=config.defaults.disk_mb, egress=config.egress
+        options.state_dir,
+        config.paths.agent_path,
+        pooled_disk_mb=config.defaults.disk_mb,
+        egress=config.egress,
     )
     backend.check()
     config = within_backend(config, backend.network_modes)
