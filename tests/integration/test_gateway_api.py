@@ -248,8 +248,6 @@ def test_label_rules_on_create(fleet: Fleet, labels: dict[str, str], message: st
 def test_two_users_two_tenants_see_only_their_own(fleet: Fleet) -> None:
     gw, k = fleet.gw, fleet.keys
     a = gw.create(k["alice"], name="shared-name", labels={"team": "x"})
-    # One node keeps names unique among its own sandboxes, so two users' equal names need two nodes
-    # (test_gateway_fleet); here bob's name differs.
     b = gw.create(k["bob"], name="bobs-name")
     try:
         assert a["labels"] == {"team": "x", "gateway.owner": "alice", "gateway.tenant": "acme"}
@@ -287,6 +285,60 @@ def test_two_users_two_tenants_see_only_their_own(fleet: Fleet) -> None:
     finally:
         gw.request("DELETE", f"/v1/sandboxes/{a['id']}", key=k["alice"])
         gw.request("DELETE", f"/v1/sandboxes/{b['id']}", key=k["bob"])
+
+
+def test_one_node_two_users_one_name(fleet: Fleet) -> None:
+    """One node, users of two tenants and two users of one tenant each with a sandbox named ``web``: every
+    name ref reaches the caller's own; renames are per user; the node itself refuses to guess."""
+    gw, k = fleet.gw, fleet.keys
+    made = {who: gw.create(k[who], name="web") for who in ("alice", "bob", "carol")}
+    by_id = {s["id"]: who for who, s in made.items()}
+    try:
+        for who, s in made.items():
+            assert gw.request("GET", "/v1/sandboxes/web", key=k[who]).json()["id"] == s["id"]
+            ran = gw.request("POST", "/v1/sandboxes/web/run", {"argv": ["true"]}, key=k[who])
+            assert ran.status == 200 and ran.json()["exit_code"] == 0
+        assert gw.request("GET", "/v1/sandboxes/web", key=k["alice2"]).json()["id"] == made["alice"]["id"]
+        # Through the node itself a shared name is 409 naming the ids, never one of them.
+        ids = ", ".join(sorted(by_id))
+        direct = fleet.node.request("GET", "/v1/sandboxes/web")
+        assert (direct.status, direct.error) == (
+            409, ("conflict", f"the name 'web' matches 3 live sandboxes ({ids}); use the id"))  # fmt: skip
+        # So is an admin's name look-up among others' (the admin has no sandbox of that name).
+        assert err(gw.request("GET", "/v1/sandboxes/web", key=k["admin"])) == (
+            409, "conflict", f"the name 'web' matches 3 live sandboxes ({ids}); use the id")  # fmt: skip
+        # Renames by name: each user's own; a name another user holds is free, one's own is 409.
+        renamed = gw.request("PATCH", "/v1/sandboxes/web", {"name": "app"}, key=k["alice"])
+        assert renamed.status == 200 and renamed.json()["id"] == made["alice"]["id"]
+        assert gw.request("GET", "/v1/sandboxes/web", key=k["bob"]).json()["id"] == made["bob"]["id"]
+        assert err(gw.request("GET", "/v1/sandboxes/web", key=k["alice"]))[:2] == (404, "not_found")
+        carol = gw.request("PATCH", "/v1/sandboxes/web", {"name": "app"}, key=k["carol"])
+        assert carol.status == 200 and carol.json()["id"] == made["carol"]["id"]
+        back = gw.request("PATCH", "/v1/sandboxes/app", {"name": "web"}, key=k["alice"])
+        assert back.status == 200 and back.json()["name"] == "web"
+        bob_app = gw.create(k["bob"], name="app")
+        try:
+            status, code, message = err(
+                gw.request("PATCH", "/v1/sandboxes/web", {"name": "app"}, key=k["bob"])
+            )
+            assert (status, code, message) == (
+                409, "conflict", "you already have a live sandbox named 'app': pick another name")  # fmt: skip
+            assert (
+                gw.request("GET", f"/v1/sandboxes/{made['bob']['id']}", key=k["bob"]).json()["name"] == "web"
+            )
+            for who, name in (("alice", "web"), ("carol", "app"), ("bob", "app")):
+                want = bob_app["id"] if (who, name) == ("bob", "app") else made[who]["id"]
+                assert gw.request("GET", f"/v1/sandboxes/{name}", key=k[who]).json()["id"] == want
+        finally:
+            gw.request("DELETE", f"/v1/sandboxes/{bob_app['id']}", key=k["bob"])
+        # A DELETE by name ends the caller's own only.
+        assert gw.request("DELETE", "/v1/sandboxes/web", key=k["bob"]).status == 204
+        states = {s["id"]: s["state"] for s in fleet.node.request("GET", "/v1/sandboxes").json()["sandboxes"]}
+        assert states[made["bob"]["id"]] == "terminated"
+        assert states[made["alice"]["id"]] == states[made["carol"]["id"]] == "running"
+    finally:
+        for who, s in made.items():
+            gw.request("DELETE", f"/v1/sandboxes/{s['id']}", key=k[who])
 
 
 def test_patch_keeps_gateway_labels(fleet: Fleet) -> None:

@@ -93,11 +93,21 @@ def test_creates_spread_least_loaded_first_and_names_are_per_user(clean: Fleet) 
     fleet = clean
     made = [fleet.gw.create(fleet.keys["alice"], cpus=1) for _ in range(3)]
     assert sorted(fleet.node_of(s["id"]) for s in made) == ["a", "b", "c"]
-    # Two users may use one name: the node holding alice's refuses bob's, and the gateway places it elsewhere.
+    # Two users may use one name, wherever placement puts them (a node scopes names by gateway.owner).
     first = fleet.gw.create(fleet.keys["alice"], name="dup")
     second = fleet.gw.create(fleet.keys["dora"], name="dup")
-    assert fleet.node_of(first["id"]) != fleet.node_of(second["id"])
+    assert fleet.gw.request("GET", "/v1/sandboxes/dup", key=fleet.keys["alice"]).json()["id"] == first["id"]
     assert fleet.gw.request("GET", "/v1/sandboxes/dup", key=fleet.keys["dora"]).json()["id"] == second["id"]
+    # A second of one user's names is 409 wherever the first is, and makes nothing on any node.
+    before = {
+        n: len(node.request("GET", "/v1/sandboxes").json()["sandboxes"]) for n, node in fleet.nodes.items()
+    }
+    again = fleet.gw.request("POST", "/v1/sandboxes", {"name": "dup"}, key=fleet.keys["dora"])
+    assert (again.status, again.error) == (
+        409, ("conflict", "you already have a live sandbox named 'dup': pick another name or delete it"))  # fmt: skip
+    assert {
+        n: len(node.request("GET", "/v1/sandboxes").json()["sandboxes"]) for n, node in fleet.nodes.items()
+    } == before
 
 
 def test_no_node_with_room_is_503_and_creates_nothing(clean: Fleet) -> None:

@@ -147,6 +147,19 @@ async def test_every_node_refusing_is_503(setup: Setup) -> None:
     assert setup.gateway.store.sandboxes == {}
 
 
+async def test_a_node_409_on_create_is_relayed_not_retried(setup: Setup) -> None:
+    # A node scopes names by gateway.owner, so its 409 is the caller's own clash: placing the sandbox on
+    # another node would give the user two live sandboxes of one name.
+    setup.nodes["n1"].create_status = 409
+    resp = await setup.client.post("/v1/sandboxes", json={"name": "web"}, headers=bearer(setup.user))
+    assert resp.status == 409
+    assert await resp.json() == {
+        "error": {"code": "unavailable", "message": "not enough free capacity"}
+    }  # as sent
+    assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (1, 0)
+    assert setup.gateway.store.sandboxes == {}
+
+
 async def test_a_silent_node_goes_unhealthy_then_lost(setup: Setup) -> None:
     node = setup.gateway.registry.nodes["n1"]
     assert node.healthy
@@ -252,6 +265,23 @@ def test_audit_rotates_keeps_five_and_reads_since(tmp_path: Path) -> None:
     assert len(first_two) == 2 and more
     assert log.read(datetime.now(UTC) + timedelta(seconds=5), 10) == ([], False)
     assert json.loads((tmp_path / "gateway.jsonl").read_text().splitlines()[-1])["route"] == "/v1/x/59"
+
+
+async def test_audit_in_a_loop_is_written_in_its_next_turn_and_still_rotates(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.jsonl"
+    log = GatewayAudit(path, max_bytes=400, keep=5)
+    for i in range(12):
+        log.record(kind="api", type="api.request", route=f"/v1/x/{i}", status=200)
+    assert not path.exists()  # queued: the answer goes out first
+    await asyncio.sleep(0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) > 1 and all(os.path.getsize(tmp_path / n) <= 400 for n in names)
+    log.record(kind="api", type="api.request", route="/v1/x/12", status=200)
+    entries, _ = await asyncio.to_thread(log.read, None, 1000)  # a read writes what is queued first
+    assert [e["route"] for e in entries] == [f"/v1/x/{i}" for i in range(13)]
+    log.record(kind="api", type="api.request", route="/v1/x/13", status=200)
+    log.close()  # and so does a close
+    assert json.loads(path.read_text().splitlines()[-1])["route"] == "/v1/x/13"
 
 
 async def test_recheck_ends_a_request_whose_key_lost_its_scope(setup: Setup) -> None:

@@ -87,6 +87,8 @@ class Principal:
 PRINCIPAL_KEY: web.RequestKey[Principal] = web.RequestKey("principal", Principal)
 SCOPES_KEY: web.RequestKey[tuple[str, ...]] = web.RequestKey("scopes", tuple)
 TARGET_KEY: web.RequestKey[str] = web.RequestKey("target", str)
+#: The path's shape (``route_shape``), kept once computed.
+ROUTE_KEY: web.RequestKey[str] = web.RequestKey("route", str)
 
 
 def check_origin(origin: str | None, host: str, allowed: frozenset[str]) -> None:
@@ -146,6 +148,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "ORG_HEADER",
     "PRINCIPAL_KEY",
+    "ROUTE_KEY",
     "SCOPES_KEY",
     "TARGET_KEY",
     "Principal",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -58,6 +59,9 @@ class GatewayMetrics:
         self.requests = Counter(
             "sandbox_gateway_http_requests", "Requests by route and status.", ["route", "status"], registry=r
         )
+        #: The request counter's children by (route, status): ``labels()`` takes a lock and checks its
+        #: arguments on every call. Bounded like the labels themselves (route shapes times statuses).
+        self._request_counts: dict[tuple[str, int], Any] = {}
         self.created = Counter("sandbox_gateway_sandboxes_created", "Sandboxes created.", registry=r)
         self.create_seconds = Histogram(
             "sandbox_gateway_create_seconds", "Create latency through the gateway, seconds.",
@@ -80,6 +84,13 @@ class GatewayMetrics:
         )
         self._snapshot = snapshot
         r.register(_Gauges(self))
+
+    def count_request(self, route: str, status: int) -> None:
+        """One request answered ``status`` on ``route`` (a bounded route label, see ``server.metric_route``)."""
+        child = self._request_counts.get((route, status))
+        if child is None:
+            child = self._request_counts[(route, status)] = self.requests.labels(route, str(status))
+        child.inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -275,7 +275,11 @@ class Gateway:
     # -- ownership lookups ---------------------------------------------------------------------
 
     def resolve(self, principal: auth.Principal, ref: str) -> SandboxRecord:
-        """The caller's sandbox named by id or name; 404 for one not theirs or absent either way."""
+        """The caller's sandbox named by id or name; 404 for one not theirs or absent either way.
+
+        The node is then asked by id, never by name: one node may hold sandboxes of several users under one
+        name. A name matching more than one (an admin's look-up among every user's, or a user's own sandbox
+        on a lost node and its namesake made meanwhile) is 409 naming the ids, never one picked silently."""
         rec = self.store.sandboxes.get(ref)
         if rec is not None and principal.owns(rec.user, rec.tenant):
             return rec
@@ -285,6 +289,9 @@ class Gateway:
         ]  # fmt: skip
         if not mine and principal.admin:
             mine = [r for r in list(self.store.sandboxes.values()) if r.name == ref]
+        if len(mine) > 1:
+            ids = ", ".join(sorted(r.id for r in mine))
+            raise Conflict(f"the name {ref!r} matches {len(mine)} live sandboxes ({ids}); use the id")
         if mine:
             return mine[0]
         raise NotFound(f"no sandbox {ref!r} among yours")
@@ -331,6 +338,14 @@ def principal_of(request: web.Request) -> auth.Principal:
     principal = request.get(auth.PRINCIPAL_KEY)
     assert isinstance(principal, auth.Principal)
     return principal
+
+
+def shape_of(request: web.Request) -> str:
+    """``route_shape`` of the request's path, computed once per request."""
+    shape = request.get(auth.ROUTE_KEY)
+    if shape is None:
+        shape = request[auth.ROUTE_KEY] = route_shape(request.path)
+    return shape
 
 
 def path_qs(request: web.Request, path: str) -> str:
@@ -384,8 +399,8 @@ def make_middlewares(gw: Gateway) -> list[Any]:
                 response.headers["Access-Control-Allow-Origin"] = origin
             return response
         finally:
-            route = route_shape(request.path)
-            gw.metrics.requests.labels(metric_route(request, route), str(status)).inc()
+            route = shape_of(request)
+            gw.metrics.count_request(metric_route(request, route), status)
             principal = request.get(auth.PRINCIPAL_KEY)
             if isinstance(principal, auth.Principal):
                 gw.record_audit(kind="api", type="api.request", key_id=principal.key.id, user=principal.user,
@@ -528,7 +543,7 @@ def routes(gw: Gateway) -> list[web.RouteDef]:
         path = f"/v1/sandboxes/{rec.id}" + (f"/{tail}" if tail else "")
         op = OpenRequest(
             key_id=principal.key.id, user=principal.user, key_tenant=principal.key.tenant, tenant=principal.tenant,
-            scopes=request.get(auth.SCOPES_KEY, ()), route=f"{request.method} {route_shape(request.path)}",
+            scopes=request.get(auth.SCOPES_KEY, ()), route=f"{request.method} {shape_of(request)}",
             sandbox=rec.id, node=node.name,
         )  # fmt: skip
         protocol = upgrade_protocol(request, tail)
@@ -838,10 +853,10 @@ async def place_create(
     gw: Gateway, request: web.Request, body: bytes, wanted: Resources, pinned: str | None,
     path: str = "/v1/sandboxes",
 ) -> tuple[int, bytes, str]:  # fmt: skip
-    """POST ``body`` to the node placement picks, moving on when one refuses for capacity (503), fails to
-    answer (502), or has the name taken by another user (409); 503 when no node takes it."""
+    """POST ``body`` to the node placement picks, moving on when one refuses for capacity (503) or fails to
+    answer (502); 503 when no node takes it. Any other answer is the create's (a node scopes names by the
+    ``gateway.owner`` and ``gateway.tenant`` labels, so its 409 for a name is the caller's own)."""
     excluded: set[str] = set()
-    last: tuple[int, bytes, str] | None = None
     while True:
         candidates = gw.registry.candidates()
         if pinned is not None:
@@ -862,15 +877,12 @@ async def place_create(
             )
             excluded.add(node.name)
             continue
-        if status in (502, 503) or (status == 409 and path == "/v1/sandboxes"):
+        if status in (502, 503):
             excluded.add(node.name)
-            last = (status, data, node.name)
             continue
         if status == 201 and path == "/v1/sandboxes":
             take_from_status(node, data)
         return status, data, node.name
-    if last is not None and last[0] == 409:
-        return last
     gw.metrics.refused.labels("capacity").inc()
     where = f"node {pinned}" if pinned else "any node"
     raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned); "

@@ -48,6 +48,14 @@ AGENT_CONNECT_TIMEOUT_SECS = 10.0
 DESTROY_GRACE_SECS = 10.0
 #: How often idle timeouts are checked, in seconds.
 IDLE_CHECK_INTERVAL_SECS = 1.0
+#: Labels a gateway stamps on the sandboxes it creates; names are unique per value of the pair (docs/node-api.md).
+NAME_SCOPE_LABELS = ("gateway.owner", "gateway.tenant")
+
+
+def name_scope(labels: dict[str, str]) -> tuple[str | None, ...]:
+    """Within what a sandbox's name must be unique: its gateway owner and tenant labels (absent = None), so a
+    gateway's users may each have a sandbox called ``web`` on one node while plain node users share one scope."""
+    return tuple(labels.get(key) for key in NAME_SCOPE_LABELS)
 
 
 class Sandbox:
@@ -246,12 +254,16 @@ class SandboxManager:
     # -- lookups ----------------------------------------------------------------------------------------
 
     def resolve(self, ref: str, touch: bool = True) -> Sandbox:
-        """The sandbox with id ``ref``, or the live one named ``ref``; NotFound otherwise."""
+        """The sandbox with id ``ref``, or the live one named ``ref``; NotFound otherwise. A name two live
+        sandboxes share (their gateway owners differ, see :func:`name_scope`) is 409 naming both ids, never
+        one of them picked silently."""
         sandbox = self._sandboxes.get(ref)
         if sandbox is None:
-            sandbox = next(
-                (s for s in self._sandboxes.values() if s.record.live and s.record.name == ref), None
-            )
+            named = [s for s in self._sandboxes.values() if s.record.live and s.record.name == ref]
+            if len(named) > 1:
+                ids = ", ".join(sorted(s.record.id for s in named))
+                raise Conflict(f"the name {ref!r} matches {len(named)} live sandboxes ({ids}); use the id")
+            sandbox = named[0] if named else None
         if sandbox is None:
             raise NotFound(f"no sandbox {ref!r} on this node")
         if touch:
@@ -342,7 +354,10 @@ class SandboxManager:
                 f"network mode {req.network.mode!r} is not enforced by this node's {self.backend.name} backend; "
                 f"ask for one of: {', '.join(m for m in MODE_ORDER if m in self.backend.network_modes)}"
             )
-        if req.name is not None and any(s.record.name == req.name for s in self.live()):
+        scope = name_scope(req.labels)
+        if req.name is not None and any(
+            s.record.name == req.name and name_scope(s.record.labels) == scope for s in self.live()
+        ):
             raise Conflict(
                 f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one"
             )
@@ -504,12 +519,19 @@ class SandboxManager:
         async with sandbox.lock:
             if not record.live:
                 raise Conflict(f"sandbox {record.id} is terminated and cannot be changed")
+            # The name after the PATCH must be free in the name scope after it (labels may move it).
+            new_name = (req.name or None) if req.name is not None else record.name
+            new_scope = name_scope(req.labels if req.labels is not None else record.labels)
             if (
-                req.name
-                and req.name != record.name
-                and any(s.record.name == req.name for s in self.live() if s is not sandbox)
+                new_name is not None
+                and (new_name != record.name or new_scope != name_scope(record.labels))
+                and any(
+                    s.record.name == new_name and name_scope(s.record.labels) == new_scope
+                    for s in self.live()
+                    if s is not sandbox
+                )
             ):
-                raise Conflict(f"the name {req.name!r} is in use by a live sandbox")
+                raise Conflict(f"the name {new_name!r} is in use by a live sandbox")
             if req.network is not None and req.network != record.network:
                 # Last check, first change: applied live by the backend (open connections the new policy
                 # does not permit are cut); when it cannot be, nothing of the PATCH has changed.
