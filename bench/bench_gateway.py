@@ -1,9 +1,13 @@
 """Benchmark the gateway's overhead, in one run on one machine: a real sandboxd and a sandbox-gateway in front.
 
     sudo .venv/bin/python bench/bench_gateway.py [--creates 30] [--runs 200] [--clients 200] [--secs 60]
+        [--compare-src DIR]
 
 - create round trip p50/p95 through the gateway vs straight to the node (same node, same run, alternating);
-- GET of a sandbox and run (`true`) round trips the same way, each over one kept-alive connection;
+- GET of a sandbox and run (`true`) round trips the same way, each over one kept-alive connection, with the
+  gateway process's CPU time per request (user + system, from /proc: steadier than latency on a busy machine);
+- ``--compare-src DIR``: a second gateway run from another checkout's ``src`` (e.g. ``git archive REV src | tar
+  -x -C DIR``), called in turn with the first, so a change is measured before/after in one run;
 - load: N concurrent clients for S seconds through the gateway (each loops: GET a sandbox four times, then a
   `run` of `true`), reporting requests, rate, latency percentiles and errors (target: none).
 
@@ -16,6 +20,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import shutil
 import socket
 import sys
@@ -31,6 +36,30 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 from bench_sandboxd import pct
 from gateway_harness import GatewayProcess
 from sandboxd_harness import Sandboxd, UnixHTTPConnection, missing_requirements
+
+
+def cpu_secs(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_gateway(workdir: Path, node: Sandboxd, src: Path | None) -> tuple[GatewayProcess, str]:
+    """A gateway in front of ``node`` (from ``src`` when given) and a key for it."""
+    workdir.mkdir()
+    gw = GatewayProcess(workdir, [("n1", node)], ["--audit-log", str(workdir / "audit.jsonl")])
+    key = gw.create_key("bench", "sandbox:read", "sandbox:create", "sandbox:delete")
+    saved = os.environ.get("PYTHONPATH")
+    if src is not None:
+        os.environ["PYTHONPATH"] = str(src.resolve() / "src")
+    try:
+        gw.start()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return gw, key
 
 
 def timed(fn: object, n: int) -> list[float]:
@@ -99,17 +128,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--secs", type=float, default=60)
+    parser.add_argument("--compare-src", type=Path, help="a checkout whose src/ runs a second gateway")
     args = parser.parse_args()
     missing = missing_requirements()
     if missing:
         sys.exit(f"cannot benchmark: {missing}")
     workdir = Path(tempfile.mkdtemp(prefix="bench-gw-", dir="/var/tmp"))
     (workdir / "node").mkdir()
-    (workdir / "gw").mkdir()
     node = Sandboxd(workdir / "node", args=["--node-id", "b"]).start()
-    gw = GatewayProcess(workdir / "gw", [("n1", node)], ["--audit-log", str(workdir / "gw" / "audit.jsonl")])
-    key = gw.create_key("bench", "sandbox:read", "sandbox:create", "sandbox:delete")
-    gw.start()
+    gw, key = start_gateway(workdir / "gw", node, None)
+    other = start_gateway(workdir / "gw-compare", node, args.compare_src) if args.compare_src else None
     try:
         made: list[str] = []
 
@@ -131,31 +159,45 @@ def main() -> None:
         target = gw.create(key)["id"]
         # One kept-alive connection each way, so connection set-up is not counted on either side.
         direct_conn = UnixHTTPConnection(node.socket_path)
-        gw_conn = gw.connection()
-        gw_conn.connect()
-        # http.client writes the head and the body in two sends: without TCP_NODELAY, Nagle holds the body
-        # until the head is acknowledged (a unix socket, as used directly, has no such delay).
-        assert gw_conn.sock is not None
-        gw_conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        gateways = [("gateway", gw, key, target)]
+        if other is not None:
+            gateways.append(
+                (f"gateway from {args.compare_src}", other[0], other[1], other[0].create(other[1])["id"])
+            )
+        conns = {}
+        for label, g, _, _ in gateways:
+            conn = g.connection()
+            conn.connect()
+            # http.client writes the head and the body in two sends: without TCP_NODELAY, Nagle holds the body
+            # until the head is acknowledged (a unix socket, as used directly, has no such delay).
+            assert conn.sock is not None
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns[label] = conn
         plain = {"Content-Type": "application/json"}
         run_body = json.dumps({"argv": ["true"]}).encode()
-        cases = [
-            ("get", "GET", f"/v1/sandboxes/{target}", None),
-            ("run", "POST", f"/v1/sandboxes/{target}/run", run_body),
-        ]
-        for name, method, path, body in cases:
+        for name, method, tail, body in [("get", "GET", "", None), ("run", "POST", "/run", run_body)]:
             direct_t: list[float] = []
-            through_t: list[float] = []
-            for _ in range(args.runs):
-                direct_t += timed(lambda m=method, p=path, b=body: call(direct_conn, m, p, b, plain), 1)
-                through_t += timed(lambda m=method, p=path, b=body: call(gw_conn, m, p, b, auth), 1)
-            print(line(name, direct_t, through_t))
+            through: dict[str, list[float]] = {label: [] for label, *_ in gateways}
+            cpu_before = {label: cpu_secs(g.proc.pid) for label, g, *_ in gateways if g.proc is not None}
+            for _ in range(args.runs):  # in turn, so drift on the machine hits each alike
+                direct_t += timed(lambda m=method, p=f"/v1/sandboxes/{target}{tail}", b=body:
+                                  call(direct_conn, m, p, b, plain), 1)  # fmt: skip
+                for label, _, k, sandbox in gateways:
+                    auth = {"Authorization": f"Bearer {k}", "Content-Type": "application/json"}
+                    through[label] += timed(lambda c=conns[label], m=method, p=f"/v1/sandboxes/{sandbox}{tail}",
+                                            b=body, a=auth: call(c, m, p, b, a), 1)  # fmt: skip
+            for label, g, *_ in gateways:
+                assert g.proc is not None
+                used = (cpu_secs(g.proc.pid) - cpu_before[label]) / args.runs * 1000
+                print(line(name, direct_t, through[label]) + f"   gateway CPU {used:.2f} ms/request"
+                      + (f"   ({label})" if len(gateways) > 1 else ""))  # fmt: skip
 
         ids = [target, *(gw.create(key)["id"] for _ in range(3))]
         asyncio.run(load(gw, key, ids, args.clients, args.secs))
     finally:
         gw.stop()
+        if other is not None:
+            other[0].stop()
         node.teardown()
         shutil.rmtree(workdir, ignore_errors=True)
 

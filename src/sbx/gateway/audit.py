@@ -10,19 +10,23 @@ keeping five old generations (``FILE.1`` newest .. ``FILE.5`` oldest). Entries::
 ``drain.terminate``, ``org.created``, ``org.member_added``, ``org.member_role``, ``org.member_removed``.
 ``route`` is the path's shape (``/v1/sandboxes/{ref}/run``), never the query string; a credential is named by
 its key id only. Best-effort: a failed write is logged, never raised.
+
+Off the answer's path: inside an event loop an entry is queued and written in the loop's next turn, after
+the answer was sent, with every other entry queued meanwhile in one write (a request costs a dict, not a JSON
+encoding and a system call, before its answer). Reading or closing the log writes what is queued first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
-from datetime import datetime
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-from sbx.node.audit import rfc3339_now
 
 log = logging.getLogger(__name__)
 
@@ -58,25 +62,49 @@ class GatewayAudit:
         self._fd: int | None = None
         self._size = 0
         self._failing = False
+        #: Entries not written yet: (wall time in seconds, fields), oldest first.
+        self._queued: list[tuple[float, dict[str, Any]]] = []
 
     def record(self, **fields: Any) -> None:
-        """Append ``{time, **fields}`` (only ``ALLOWED_FIELDS``, None values left out); never raises."""
-        entry: dict[str, Any] = {"time": rfc3339_now()}
+        """Append ``{time, **fields}`` (only ``ALLOWED_FIELDS``, None values left out); never raises.
+
+        In an event loop the entry is written in the loop's next turn (see the module's docstring), else now."""
+        entry: dict[str, Any] = {}
         for name, value in fields.items():
             if name not in ALLOWED_FIELDS:
                 log.error("gateway audit field %r dropped", name)
             elif value is not None:
                 entry[name] = value
-        line = json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
         with self._lock:
+            self._queued.append((time.time(), entry))
+            first = len(self._queued) == 1
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if first:
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write every queued entry, in one write unless the file must rotate on the way (at ``max_bytes``)."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+            if not queued:
+                return
             try:
                 if self._fd is None:
                     self._open()
-                if self._size > 0 and self._size + len(line) > self.max_bytes:
-                    self._rotate()
-                    self._open()
-                assert self._fd is not None
-                self._size += os.write(self._fd, line)
+                chunk = bytearray()
+                for when, entry in queued:
+                    line = _line(when, entry)
+                    if self._size + len(chunk) > 0 and self._size + len(chunk) + len(line) > self.max_bytes:
+                        self._write(bytes(chunk))
+                        chunk.clear()
+                        self._rotate()
+                        self._open()
+                    chunk += line
+                self._write(bytes(chunk))
                 self._failing = False
             except OSError as exc:
                 if not self._failing:
@@ -84,7 +112,13 @@ class GatewayAudit:
                 self._failing = True
                 self._close()
 
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        if data:
+            self._size += os.write(self._fd, data)
+
     def close(self) -> None:
+        self.flush()
         with self._lock:
             self._close()
 
@@ -121,6 +155,7 @@ class GatewayAudit:
         Reads the kept generations oldest first (at most 48 MiB): call it through ``asyncio.to_thread``.
         """
         entries: list[dict[str, Any]] = []
+        self.flush()
         with self._lock:
             generations = [self._generation(n) for n in range(self.keep, -1, -1)]
             blobs = []
@@ -142,3 +177,13 @@ class GatewayAudit:
                 if len(entries) > limit:
                     return entries[:limit], True
         return entries, False
+
+
+#: One encoder for every line (``json.dumps`` with options builds a new one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def _line(when: float, entry: dict[str, Any]) -> bytes:
+    """One JSON line, ``time`` first: RFC 3339 UTC with milliseconds and a ``Z``."""
+    stamp = datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return (_ENCODER.encode({"time": stamp, **entry}) + "\n").encode()

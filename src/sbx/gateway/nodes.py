@@ -106,6 +106,7 @@ class Node:
     #: Monotonic time of the last reconcile from the node's listing.
     reconciled_at: float = 0.0
     poll_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _auth_headers: dict[str, str] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -115,7 +116,15 @@ class Node:
         return self.target.base_url + path_qs
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        """A fresh dict of the headers every call to the node carries (its token)."""
+        return dict(self.auth_headers)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The same, shared and built once (not to be changed): aiohttp copies what it is given."""
+        if self._auth_headers is None:
+            self._auth_headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return self._auth_headers
 
     def is_lost(self, lost_after_secs: float) -> bool:
         return (

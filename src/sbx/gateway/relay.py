@@ -5,7 +5,10 @@ file contents) are passed on chunk by chunk as they arrive. Upgrades (``sbx-stre
 tunnel) connect to the node by hand, and once the node answers 101 the client's connection is switched too
 (``sbx.node.upgrade``) and bytes are copied both ways untouched, half-closes included.
 
-Every relay runs as a task registered in ``OpenRequests`` so revocation can end it (see ``revocation``).
+Every relay is registered in ``OpenRequests`` so revocation can end it (see ``revocation``).
+
+Hot path: a node is reached over its session's kept-alive connections; the request body is passed on as the
+client sent it (no JSON re-encoding); the relay runs in the handler's own task (no task per request).
 """
 
 from __future__ import annotations
@@ -60,22 +63,32 @@ class CappedBody:
 Body = bytes | CappedBody | None
 
 
+#: Relayed calls wait for the node as long as it takes (a run, a followed stream); connecting is bounded.
+RELAY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS)
+
+
 async def guarded(
     request: web.Request,
     op: OpenRequest,
     tracker: OpenRequests,
     work: Coroutine[Any, Any, web.StreamResponse],
 ) -> web.StreamResponse:
-    """Run ``work`` as a task revocation can end; an ended one answers 401 or is cut off."""
-    task: asyncio.Task[web.StreamResponse] = asyncio.ensure_future(work)
+    """Run ``work`` in this handler's task, registered so revocation can end it; an ended one answers 401 or is
+    cut off.
+
+    Revocation cancels this task. The cancellation is ours to absorb only when revocation ended ``op`` and
+    nothing else (the client going away, a stop) cancelled the task too. ``op`` leaves the registry in the
+    same step as ``work`` finishes, so a cancellation can never land after it."""
+    task = asyncio.current_task()
+    assert task is not None
     op.task = task
     tracker.add(op)
     try:
-        return await task
+        return await work
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if not op.ended or current is None or current.cancelling():
+        if not op.ended or task.cancelling() != 1:
             raise
+        task.uncancel()
         if not op.answered:
             raise Unauthorized(
                 "this request was ended because its API key was revoked or lost the scope it needs"
@@ -88,11 +101,10 @@ async def guarded(
 
 
 def request_headers(request: web.Request, node: Node) -> dict[str, str]:
-    headers = node.headers()
     content_type = request.headers.get("Content-Type")
-    if content_type:
-        headers["Content-Type"] = content_type
-    return headers
+    if not content_type:
+        return node.auth_headers
+    return {**node.auth_headers, "Content-Type": content_type}
 
 
 async def forward(
@@ -101,9 +113,12 @@ async def forward(
     """Send one request to ``node`` and relay its answer as sent; no answer at all is 502."""
     try:
         resp = await node.session.request(
-            method, node.url(path_qs), data=body, headers=request_headers(request, node),
-            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS),
-        )  # fmt: skip
+            method,
+            node.url(path_qs),
+            data=body,
+            headers=request_headers(request, node),
+            timeout=RELAY_TIMEOUT,
+        )
     except (aiohttp.ClientError, OSError) as exc:
         if isinstance(body, CappedBody) and body.error is not None:
             raise body.error from None
