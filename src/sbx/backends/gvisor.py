@@ -20,6 +20,7 @@ in a network namespace of their own behind the egress proxy (gvisor_net.py, docs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -356,7 +357,9 @@ class GVisorBackend:
                 break
             await asyncio.sleep(0.005)
         if not pids:
-            await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
+            # Best effort: the checkpoint is made; a restore deletes whatever state is left first.
+            with contextlib.suppress(BackendError):
+                await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
             return
         for leftover in self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.*"):
             leftover.unlink(missing_ok=True)
