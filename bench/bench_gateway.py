@@ -1,13 +1,16 @@
 """Benchmark the gateway's overhead, in one run on one machine: a real sandboxd and a sandbox-gateway in front.
 
     sudo .venv/bin/python bench/bench_gateway.py [--creates 30] [--runs 200] [--clients 200] [--secs 60]
-        [--compare-src DIR]
+        [--compare-src DIR] [--idle-ms 0]
 
 - create round trip p50/p95 through the gateway vs straight to the node (same node, same run, alternating);
 - GET of a sandbox and run (`true`) round trips the same way, each over one kept-alive connection, with the
   gateway process's CPU time per request (user + system, from /proc: steadier than latency on a busy machine);
 - ``--compare-src DIR``: a second gateway run from another checkout's ``src`` (e.g. ``git archive REV src | tar
   -x -C DIR``), called in turn with the first, so a change is measured before/after in one run;
+- ``--idle-ms N``: sleep N ms before each GET/run call, so every process wakes from idle as the gateway does
+  while a run executes (a back-to-back GET loop keeps caches and CPUs warm); 0 or omitted: back to back;
+- ``--creates 0`` or ``--secs 0`` skip the create rows or the load;
 - load: N concurrent clients for S seconds through the gateway (each loops: GET a sandbox four times, then a
   `run` of `true`), reporting requests, rate, latency percentiles and errors (target: none).
 
@@ -128,6 +131,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--secs", type=float, default=60)
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="sleep before each GET/run call (ms)")
     parser.add_argument("--compare-src", type=Path, help="a checkout whose src/ runs a second gateway")
     args = parser.parse_args()
     missing = missing_requirements()
@@ -154,7 +158,8 @@ def main() -> None:
             through_c += timed(gateway_create, 1)
             for sandbox_id in made[-2:]:
                 node.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
-        print(line("create", direct_c, through_c))
+        if args.creates:
+            print(line("create", direct_c, through_c))
 
         target = gw.create(key)["id"]
         # One kept-alive connection each way, so connection set-up is not counted on either side.
@@ -180,9 +185,11 @@ def main() -> None:
             through: dict[str, list[float]] = {label: [] for label, *_ in gateways}
             cpu_before = {label: cpu_secs(g.proc.pid) for label, g, *_ in gateways if g.proc is not None}
             for _ in range(args.runs):  # in turn, so drift on the machine hits each alike
+                time.sleep(args.idle_ms / 1000)
                 direct_t += timed(lambda m=method, p=f"/v1/sandboxes/{target}{tail}", b=body:
                                   call(direct_conn, m, p, b, plain), 1)  # fmt: skip
                 for label, _, k, sandbox in gateways:
+                    time.sleep(args.idle_ms / 1000)
                     auth = {"Authorization": f"Bearer {k}", "Content-Type": "application/json"}
                     through[label] += timed(lambda c=conns[label], m=method, p=f"/v1/sandboxes/{sandbox}{tail}",
                                             b=body, a=auth: call(c, m, p, b, a), 1)  # fmt: skip
@@ -192,8 +199,9 @@ def main() -> None:
                 print(line(name, direct_t, through[label]) + f"   gateway CPU {used:.2f} ms/request"
                       + (f"   ({label})" if len(gateways) > 1 else ""))  # fmt: skip
 
-        ids = [target, *(gw.create(key)["id"] for _ in range(3))]
-        asyncio.run(load(gw, key, ids, args.clients, args.secs))
+        if args.secs:
+            ids = [target, *(gw.create(key)["id"] for _ in range(3))]
+            asyncio.run(load(gw, key, ids, args.clients, args.secs))
     finally:
         gw.stop()
         if other is not None:
