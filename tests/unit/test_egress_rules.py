@@ -210,6 +210,33 @@ def test_malformed_queries() -> None:
     assert answer is not None and DNSRecord.parse(answer).header.rcode == RCODE.REFUSED
 
 
+def test_resolver_finds_a_port_free_for_udp_and_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import errno
+
+    from sbx.net import dns
+
+    real = asyncio.start_server
+    refused: list[int] = []
+
+    async def taken_once(*args: object, **kwargs: object) -> asyncio.Server:
+        if not refused:  # the TCP twin of the first UDP port is someone else's
+            refused.append(int(str(args[2])))
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def go() -> int:
+        monkeypatch.setattr(dns.asyncio, "start_server", taken_once)
+        resolver = Resolver(FakeUpstream(), lambda source: None)
+        await resolver.start()
+        port = resolver.port
+        await resolver.close()
+        return port
+
+    port = asyncio.run(go())
+    assert refused and port > 0 and port != refused[0]
+
+
 @pytest.mark.parametrize(
     ("text", "server"),
     [("192.0.2.53", ("192.0.2.53", 53)), ("127.0.0.1:5353", ("127.0.0.1", 5353)), ("[::1]:54", ("::1", 54)),

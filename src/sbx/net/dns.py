@@ -15,6 +15,7 @@ Malformed queries, several questions or a class other than IN are answered FORME
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import struct
@@ -29,6 +30,9 @@ from sbx.net.attachment import Attachment
 from sbx.net.rules import name_permitted
 
 log = logging.getLogger(__name__)
+
+#: Tries to find a port free for both UDP and TCP when the caller lets the kernel choose.
+PORT_TRIES = 20
 
 #: How long one upstream server may take to answer before the next is asked, seconds.
 UPSTREAM_TIMEOUT_SECS: Final = 2.0
@@ -198,10 +202,21 @@ class Resolver:
                 resolver._pending.add(task)
                 task.add_done_callback(resolver._pending.discard)
 
-        udp, _ = await loop.create_datagram_endpoint(_Server, local_addr=("0.0.0.0", port))
-        self._udp = udp
-        self.port = udp.get_extra_info("sockname")[1]
-        self._tcp = await asyncio.start_server(self._serve_tcp, "0.0.0.0", self.port)
+        # One port number for UDP and TCP. With port 0 the kernel picks a free UDP port whose TCP twin may be
+        # taken by something else: then try another (a handful of tries always finds one).
+        for attempt in range(PORT_TRIES if port == 0 else 1):
+            udp, _ = await loop.create_datagram_endpoint(_Server, local_addr=("0.0.0.0", port))
+            chosen = udp.get_extra_info("sockname")[1]
+            try:
+                self._tcp = await asyncio.start_server(self._serve_tcp, "0.0.0.0", chosen)
+            except OSError as exc:
+                udp.close()
+                if exc.errno != errno.EADDRINUSE or attempt == PORT_TRIES - 1 or port != 0:
+                    raise
+                continue
+            self._udp = udp
+            self.port = chosen
+            return
 
     async def close(self) -> None:
         if self._udp is not None:
