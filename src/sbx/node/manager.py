@@ -428,7 +428,9 @@ class SandboxManager:
             sandbox.save_image_config()
             if snapshot is not None and self.checkpoints is not None:
                 await self.checkpoints.boot_fork(snapshot, sandbox)
-                agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+                agent = await AgentClient.connect(
+                    self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
+                )
             else:
                 binds = await self.volumes.mount(record.id, req.volumes)
                 agent = await self.boot(record, image, binds)
@@ -538,7 +540,9 @@ class SandboxManager:
                 try:
                     await self.backend.update_network(record.id, req.network)
                 except BackendError as exc:
-                    raise Conflict(f"the network policy of sandbox {record.id} cannot change: {exc}") from None
+                    raise Conflict(
+                        f"the network policy of sandbox {record.id} cannot change: {exc}"
+                    ) from None
                 record.network = req.network
                 sandbox.save()
                 self.audit.record("sandbox.network_updated", record.id, network=record.network.to_wire())
