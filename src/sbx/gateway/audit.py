@@ -28,6 +28,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sbx import logfiles
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
@@ -124,9 +126,7 @@ class GatewayAudit:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._fd = fd
-        self._size = os.fstat(fd).st_size
+        self._fd, self._size, _ = logfiles.open_append(self.path)
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -137,17 +137,11 @@ class GatewayAudit:
             self._fd = None
 
     def _generation(self, n: int) -> Path:
-        return self.path if n == 0 else self.path.with_name(f"{self.path.name}.{n}")
+        return logfiles.generation(self.path, n)
 
     def _rotate(self) -> None:
         self._close()
-        if self.keep == 0:
-            self.path.unlink(missing_ok=True)
-            return
-        for n in range(self.keep - 1, 0, -1):
-            if self._generation(n).exists():
-                os.replace(self._generation(n), self._generation(n + 1))
-        os.replace(self.path, self._generation(1))
+        logfiles.rotate(self.path, self.keep)
 
     def read(self, since: datetime | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Entries at or after ``since``, oldest first: the first ``limit`` and whether more followed.

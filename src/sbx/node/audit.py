@@ -28,6 +28,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from sbx import logfiles
+
 log = logging.getLogger(__name__)
 
 LOG_NAME = "events.jsonl"
@@ -198,20 +200,11 @@ class AuditLog:
 
     def _open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if st.st_ino != self._ino:
-                # A file we have not been indexing: only an empty one can be indexed from now on.
-                self._ino = st.st_ino
-                self._current_ids = set() if size == 0 else None
-            if size > 0 and not _ends_with_newline(self.path, size):
-                # A crash mid-line left a fragment; end it so the next event starts a line of its own.
-                size += os.write(fd, b"\n")
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, size, inode = logfiles.open_append(self.path)
+        if inode != self._ino:
+            # A file we have not been indexing: only an empty one can be indexed from now on.
+            self._ino = inode
+            self._current_ids = set() if size == 0 else None
         self._fd = fd
         self._size = size
 
@@ -229,18 +222,10 @@ class AuditLog:
             self._ids_by_inode[self._ino] = frozenset(self._current_ids)
         self._ino = None
         self._current_ids = None
-        if self.keep == 0:
-            self.path.unlink(missing_ok=True)
-            return
-        # events.jsonl.(keep-1) -> .keep overwrites (drops) the oldest generation.
-        for n in range(self.keep - 1, 0, -1):
-            older = self._generation(n)
-            if older.exists():
-                os.replace(older, self._generation(n + 1))
-        os.replace(self.path, self._generation(1))
+        logfiles.rotate(self.path, self.keep)
 
     def _generation(self, n: int) -> Path:
-        return self.path if n == 0 else self.path.with_name(f"{LOG_NAME}.{n}")
+        return logfiles.generation(self.path, n)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -313,12 +298,6 @@ class AuditLog:
                 if inode not in inodes_seen:
                     del self._ids_by_inode[inode]
         return opened
-
-
-def _ends_with_newline(path: Path, size: int) -> bool:
-    with open(path, "rb") as f:
-        f.seek(size - 1)
-        return f.read(1) == b"\n"
 
 
 def _matching(data: bytes, needle: bytes, sandbox_id: str) -> list[dict[str, Any]]:
