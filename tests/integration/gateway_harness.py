@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sandboxd_harness import Response, Sandboxd
+from sandboxd_harness import Response, Sandboxd, ndjson_lines, send, stop_process
 
 #: Fast health settings for tests: poll every 0.3 s, unhealthy after 3 failures, lost after 3 s.
 FAST_ARGS = [
@@ -106,19 +106,10 @@ class GatewayProcess:
         self, method: str, path: str, json_body: Any = None, *, key: str | None = None,
         headers: dict[str, str] | None = None, body: bytes | None = None, timeout: float = 120.0,
     ) -> Response:  # fmt: skip
-        conn = self.connection(timeout)
         hdrs = dict(headers or {})
         if key is not None:
             hdrs["Authorization"] = f"Bearer {key}"
-        if json_body is not None:
-            body = json.dumps(json_body).encode()
-            hdrs.setdefault("Content-Type", "application/json")
-        try:
-            conn.request(method, path, body=body, headers=hdrs)
-            resp = conn.getresponse()
-            return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
-        finally:
-            conn.close()
+        return send(self.connection(timeout), method, path, json_body, body, hdrs)
 
     def create(self, key: str, **fields: Any) -> dict[str, Any]:
         resp = self.request("POST", "/v1/sandboxes", fields, key=key)
@@ -126,28 +117,11 @@ class GatewayProcess:
         return resp.json()  # type: ignore[no-any-return]
 
     def follow(self, key: str, ref: str, pid: int) -> Iterator[dict[str, Any]]:
-        conn = self.connection(60)
-        try:
-            conn.request("GET", f"/v1/sandboxes/{ref}/processes/{pid}/output",
-                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                yield json.loads(line)
-        finally:
-            conn.close()
+        yield from ndjson_lines(self.connection(60), f"/v1/sandboxes/{ref}/processes/{pid}/output",
+                                {"Authorization": f"Bearer {key}"})  # fmt: skip
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def kill(self) -> None:
         assert self.proc is not None

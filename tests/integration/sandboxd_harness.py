@@ -69,6 +69,48 @@ class Response:
         return err["code"], err["message"]
 
 
+def send(
+    conn: http.client.HTTPConnection, method: str, path: str, json_body: Any = None, body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:  # fmt: skip
+    """One request on ``conn`` (closed after), ``json_body`` sent as JSON when given."""
+    hdrs = dict(headers or {})
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+        hdrs.setdefault("Content-Type", "application/json")
+    try:
+        conn.request(method, path, body=body, headers=hdrs)
+        resp = conn.getresponse()
+        return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def ndjson_lines(
+    conn: http.client.HTTPConnection, path: str, headers: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """The events of an ndjson stream (GET ``path`` on ``conn``) as they come; 200 expected."""
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        while line := resp.readline():
+            yield json.loads(line)
+    finally:
+        conn.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 20 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Sandboxd:
     """One running sandboxd process."""
 
@@ -128,19 +170,12 @@ class Sandboxd:
         headers: dict[str, str] | None = None,
         timeout: float = 120.0,
     ) -> Response:
-        conn = UnixHTTPConnection(self.socket_path, timeout=timeout)
         hdrs = dict(headers or {})
         if self.token is not None:
             hdrs.setdefault("Authorization", f"Bearer {self.token}")
-        if json_body is not None:
-            body = json.dumps(json_body).encode()
-            hdrs.setdefault("Content-Type", "application/json")
-        try:
-            conn.request(method, path, body=body, headers=hdrs)
-            resp = conn.getresponse()
-            return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
-        finally:
-            conn.close()
+        return send(
+            UnixHTTPConnection(self.socket_path, timeout=timeout), method, path, json_body, body, hdrs
+        )
 
     def create(self, **fields: Any) -> dict[str, Any]:
         resp = self.request("POST", "/v1/sandboxes", fields)
@@ -159,18 +194,8 @@ class Sandboxd:
 
     def follow(self, ref: str, pid: int) -> Iterator[dict[str, Any]]:
         """Output events of a process as they come (the ndjson stream, read line by line)."""
-        conn = UnixHTTPConnection(self.socket_path, timeout=60)
-        try:
-            conn.request("GET", f"/v1/sandboxes/{ref}/processes/{pid}/output")
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                yield json.loads(line)
-        finally:
-            conn.close()
+        yield from ndjson_lines(UnixHTTPConnection(self.socket_path, timeout=60),
+                                f"/v1/sandboxes/{ref}/processes/{pid}/output")  # fmt: skip
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None
@@ -178,13 +203,7 @@ class Sandboxd:
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def teardown(self) -> None:
         """Stop the server and destroy everything it left: sandboxes, mounts, cgroups."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -147,10 +149,22 @@ def test_unknown_process_is_404(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
 
 
 def test_run_round_trip_is_fast(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
-    """Runs go through the persistent agent channel, not runsc exec (~45 ms each)."""
-    durations = []
-    for _ in range(20):
-        started = time.monotonic()
-        assert sandboxd.run(sandbox["id"], ["true"])["exit_code"] == 0
-        durations.append(time.monotonic() - started)
-    assert sorted(durations)[10] < 0.04, durations
+    """Runs go through the persistent agent channel, not runsc exec: measured against runsc exec of the
+    same sandbox in the same test, so a busy machine slows both (a fixed threshold made this flaky)."""
+
+    def median_secs(action: Callable[[], object], count: int) -> float:
+        durations = []
+        for _ in range(count):
+            started = time.monotonic()
+            action()
+            durations.append(time.monotonic() - started)
+        return sorted(durations)[count // 2]
+
+    def runsc_exec() -> None:
+        runsc_root = sandboxd.state_dir / "gvisor" / "runsc"
+        subprocess.run(["runsc", "--root", str(runsc_root), "exec", sandbox["id"], "true"],
+                       check=True, capture_output=True)  # fmt: skip
+
+    ours = median_secs(lambda: sandboxd.run(sandbox["id"], ["true"]), 20)
+    raw = median_secs(runsc_exec, 7)
+    assert ours < raw / 2, (ours, raw)
