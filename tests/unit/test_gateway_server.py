@@ -20,15 +20,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.auth import scopes_for
+from sbx.gateway.capabilities import intersect_capabilities
+from sbx.gateway.http import route_shape
 from sbx.gateway.nodes import Registry
-from sbx.gateway.server import (
-    Gateway,
-    GatewayOptions,
-    intersect_capabilities,
-    make_middlewares,
-    route_shape,
-    routes,
-)
+from sbx.gateway.server import Gateway, GatewayOptions, make_middlewares, routes
 from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord, Store
 
 

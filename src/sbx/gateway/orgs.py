@@ -15,6 +15,7 @@ from aiohttp import web
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused
 from sbx.gateway import auth, bodies, keys
+from sbx.gateway.http import principal_of
 from sbx.gateway.state import DEFAULT_TENANT, MemberRecord, OrgRecord, now_rfc3339
 from sbx.node.http import json_response, read_json_body
 
@@ -51,8 +52,6 @@ def owners_of(gw: Gateway, name: str) -> list[MemberRecord]:
 
 
 def routes(gw: Gateway) -> list[web.RouteDef]:
-    from sbx.gateway.server import principal_of
-
     store = gw.store
 
     async def list_orgs(request: web.Request) -> web.Response:

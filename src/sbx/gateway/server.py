@@ -34,13 +34,15 @@ from sbx.api.errors import (
     Unavailable,
     Unsupported,
 )
-from sbx.api.network_policy import mode_rank
-from sbx.api.validation import validate_labels
 from sbx.gateway import auth, bodies, keys, orgs
 from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.capabilities import intersect_capabilities
+from sbx.gateway.http import path_qs, principal_of, shape_of
+from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL, check_client_labels, patch_body
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node, parse_endpoint
 from sbx.gateway.placement import Resources, choose_node
+from sbx.gateway.quotas import check_quota
 from sbx.gateway.relay import Body, CappedBody, forward, guarded, relay_upgrade
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.state import (
@@ -62,10 +64,6 @@ from sbx.node.http import (
 
 log = logging.getLogger(__name__)
 
-#: Labels a client may give through the gateway (the node allows 32; the gateway stamps two of its own).
-MAX_CLIENT_LABELS = 30
-OWNER_LABEL = "gateway.owner"
-TENANT_LABEL = "gateway.tenant"
 UPGRADE_PROTOCOLS = {"attach": "sbx-stream/1", "tunnel": "sbx-tunnel/1"}
 DEFAULT_MAX_ORGS_PER_USER = 10
 
@@ -86,22 +84,6 @@ class GatewayOptions:
     forget_interval_secs: float = 60.0
     recheck_secs: float = DEFAULT_RECHECK_SECS
     file_nodes: list[NodeDef] = field(default_factory=list)
-
-
-def route_shape(path: str) -> str:
-    """The path with ids and names replaced by placeholders, for metrics and the audit log."""
-    parts = path.split("/")
-    shaped: list[str] = []
-    for i, part in enumerate(parts):
-        prev = parts[i - 1] if i > 0 else ""
-        if prev in ("sandboxes", "volumes", "snapshots", "keys", "nodes", "members", "ssh-keys", "secrets",
-                    "services", "jobs", "runs", "orgs") and i >= 3:  # fmt: skip
-            shaped.append("{id}" if prev != "sandboxes" else "{ref}")
-        elif prev == "processes" and i >= 5:
-            shaped.append("{pid}")
-        else:
-            shaped.append(part)
-    return "/".join(shaped)
 
 
 class Gateway:
@@ -332,24 +314,6 @@ def _created_before(created: str, epoch_secs: float) -> bool:
 def _int_field(body: dict[str, Any], name: str) -> int:
     value = body.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def principal_of(request: web.Request) -> auth.Principal:
-    principal = request.get(auth.PRINCIPAL_KEY)
-    assert isinstance(principal, auth.Principal)
-    return principal
-
-
-def shape_of(request: web.Request) -> str:
-    """``route_shape`` of the request's path, computed once per request."""
-    shape = request.get(auth.ROUTE_KEY)
-    if shape is None:
-        shape = request[auth.ROUTE_KEY] = route_shape(request.path)
-    return shape
-
-
-def path_qs(request: web.Request, path: str) -> str:
-    return path + ("?" + request.query_string if request.query_string else "")
 
 
 # -- middlewares --------------------------------------------------------------------------------
@@ -691,46 +655,6 @@ class _maybe:
             self._lock.release()
 
 
-def check_client_labels(labels: dict[str, Any]) -> None:
-    """``gateway.*`` labels are the gateway's (400); at most 30 labels through a gateway (400)."""
-    for key in labels:
-        if isinstance(key, str) and key.startswith("gateway."):
-            raise InvalidRequest(
-                f"label {key!r}: labels beginning gateway. are set by the gateway, not by clients"
-            )
-    if len(labels) > MAX_CLIENT_LABELS:
-        raise InvalidRequest(
-            f"labels: {len(labels)} labels given; at most {MAX_CLIENT_LABELS} through a gateway"
-        )
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        raise InvalidRequest("labels must be an object of strings")
-    validate_labels(labels)
-
-
-def patch_body(
-    gw: Gateway, principal: auth.Principal, rec: SandboxRecord, body: dict[str, Any]
-) -> dict[str, Any]:
-    """A PATCH as the node gets it: ``gateway.*`` labels sent back unchanged are kept, others are 400; a new name
-    must be free among the caller's sandboxes on every node."""
-    if "labels" in body and isinstance(body["labels"], dict):
-        ours = {OWNER_LABEL: rec.user, **({TENANT_LABEL: rec.tenant} if rec.tenant else {})}
-        client = {}
-        for key, value in body["labels"].items():
-            if isinstance(key, str) and key.startswith("gateway."):
-                if ours.get(key) != value:
-                    raise InvalidRequest(
-                        f"label {key!r}: gateway. labels are the gateway's; send them back unchanged or leave them out"
-                    )
-                continue
-            client[key] = value
-        check_client_labels(client)
-        body["labels"] = {**client, **ours}
-    name = body.get("name")
-    if isinstance(name, str) and name and gw.name_taken(principal, name, except_id=rec.id):
-        raise Conflict(f"you already have a live sandbox named {name!r}: pick another name")
-    return body
-
-
 def upgrade_protocol(request: web.Request, tail: str) -> str | None:
     if request.method != "GET" or "upgrade" not in request.headers.get("Connection", "").lower():
         return None
@@ -825,30 +749,6 @@ async def pinned_node(gw: Gateway, principal: auth.Principal, body: dict[str, An
     return nodes.pop() if nodes else None
 
 
-def check_quota(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: int) -> None:
-    """403 when ``adding`` more sandboxes with ``cpus`` and ``memory_mb`` would take ``tenant`` past its quota.
-
-    Sandboxes on lost nodes do not count (spec: Node as seen by the gateway)."""
-    quota = gw.store.quotas.get(tenant)
-    if quota is None:
-        return
-    count, used_cpus, used_memory = gw.tenant_usage(tenant)
-    problems = []
-    if quota.max_sandboxes is not None and count + adding > quota.max_sandboxes:
-        problems.append(f"{count + adding} sandboxes of {quota.max_sandboxes}")
-    if quota.max_cpus is not None and used_cpus + cpus > quota.max_cpus:
-        problems.append(f"{used_cpus + cpus} cpus of {quota.max_cpus}")
-    if quota.max_memory_mb is not None and used_memory + memory_mb > quota.max_memory_mb:
-        problems.append(f"{used_memory + memory_mb} memory_mb of {quota.max_memory_mb}")
-    if problems:
-        gw.metrics.refused.labels("quota").inc()
-        raise Refused(
-            f"over the quota of tenant {tenant or 'default'}: "
-            + ", ".join(problems)
-            + "; delete sandboxes or ask an admin for a larger quota"
-        )
-
-
 async def place_create(
     gw: Gateway, request: web.Request, body: bytes, wanted: Resources, pinned: str | None,
     path: str = "/v1/sandboxes",
@@ -904,37 +804,6 @@ def take_from_status(node: Node, created: bytes) -> None:
         if isinstance(free.get(key), int) and isinstance(wire.get(key), int):
             free[key] = max(0, free[key] - wire[key])
     node.status = {**status, "free": free, "running": int(status.get("running", 0)) + 1}
-
-
-def intersect_capabilities(caps: list[dict[str, Any]]) -> dict[str, Any]:
-    """What every answering node offers: a flag only if all have it, the smallest limits, the strictest
-    network ceiling and default, the ``may_allow`` patterns all share. Images are never offered."""
-    flags: dict[str, bool] = {}
-    for name in set().union(*(c.get("capabilities", {}).keys() for c in caps)):
-        flags[name] = all(bool(c.get("capabilities", {}).get(name)) for c in caps)
-    flags["images"] = False
-    limits: dict[str, int] = {}
-    for name in set().union(*(c.get("limits", {}).keys() for c in caps)):
-        values = [c["limits"][name] for c in caps if isinstance(c.get("limits", {}).get(name), int)]
-        if values:
-            limits[name] = min(values)
-    networks = [c.get("network") or {} for c in caps]
-    ceiling = min((n.get("ceiling", "none") for n in networks), key=mode_rank)
-    default = min(
-        (n.get("default") or {"mode": "none"} for n in networks),
-        key=lambda d: mode_rank(d.get("mode", "none")),
-    )
-    may_allow = set(networks[0].get("may_allow") or [])
-    for n in networks[1:]:
-        may_allow &= set(n.get("may_allow") or [])
-    backends = {c.get("backend") for c in caps}
-    return {
-        "api_version": "v1",
-        "backend": backends.pop() if len(backends) == 1 else "mixed",
-        "capabilities": flags,
-        "limits": limits,
-        "network": {"default": default, "ceiling": ceiling, "may_allow": sorted(may_allow)},
-    }
 
 
 # -- admin --------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Labels through the gateway: the two the gateway stamps on every sandbox (owner, tenant) and what a client may
+send on a create or a PATCH."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sbx.api.errors import Conflict, InvalidRequest
+from sbx.api.validation import validate_labels
+from sbx.gateway import auth
+from sbx.gateway.state import SandboxRecord
+
+if TYPE_CHECKING:
+    from sbx.gateway.server import Gateway
+
+#: Labels a client may give through the gateway (the node allows 32; the gateway stamps two of its own).
+MAX_CLIENT_LABELS = 30
+OWNER_LABEL = "gateway.owner"
+TENANT_LABEL = "gateway.tenant"
+
+
+def check_client_labels(labels: dict[str, Any]) -> None:
+    """``gateway.*`` labels are the gateway's (400); at most 30 labels through a gateway (400)."""
+    for key in labels:
+        if isinstance(key, str) and key.startswith("gateway."):
+            raise InvalidRequest(
+                f"label {key!r}: labels beginning gateway. are set by the gateway, not by clients"
+            )
+    if len(labels) > MAX_CLIENT_LABELS:
+        raise InvalidRequest(
+            f"labels: {len(labels)} labels given; at most {MAX_CLIENT_LABELS} through a gateway"
+        )
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise InvalidRequest("labels must be an object of strings")
+    validate_labels(labels)
+
+
+def patch_body(
+    gw: Gateway, principal: auth.Principal, rec: SandboxRecord, body: dict[str, Any]
+) -> dict[str, Any]:
+    """A PATCH as the node gets it: ``gateway.*`` labels sent back unchanged are kept, others are 400; a new name
+    must be free among the caller's sandboxes on every node."""
+    if "labels" in body and isinstance(body["labels"], dict):
+        ours = {OWNER_LABEL: rec.user, **({TENANT_LABEL: rec.tenant} if rec.tenant else {})}
+        client = {}
+        for key, value in body["labels"].items():
+            if isinstance(key, str) and key.startswith("gateway."):
+                if ours.get(key) != value:
+                    raise InvalidRequest(
+                        f"label {key!r}: gateway. labels are the gateway's; send them back unchanged or leave them out"
+                    )
+                continue
+            client[key] = value
+        check_client_labels(client)
+        body["labels"] = {**client, **ours}
+    name = body.get("name")
+    if isinstance(name, str) and name and gw.name_taken(principal, name, except_id=rec.id):
+        raise Conflict(f"you already have a live sandbox named {name!r}: pick another name")
+    return body
