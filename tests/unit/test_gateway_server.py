@@ -22,8 +22,9 @@ from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.auth import scopes_for
 from sbx.gateway.capabilities import intersect_capabilities
 from sbx.gateway.http import route_shape
+from sbx.gateway.middlewares import make_middlewares
 from sbx.gateway.nodes import Registry
-from sbx.gateway.server import Gateway, GatewayOptions, make_middlewares, routes
+from sbx.gateway.server import Gateway, GatewayOptions, routes
 from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord, Store
 
 

@@ -27,6 +27,7 @@ from aiohttp import web
 from sbx.api.errors import SandboxError
 from sbx.gateway import keys as keymod
 from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.middlewares import make_middlewares
 from sbx.gateway.nodes import (
     DEFAULT_FAILURES_UNHEALTHY,
     DEFAULT_FORGET_INTERVAL_SECS,
@@ -35,7 +36,7 @@ from sbx.gateway.nodes import (
     parse_endpoint,
 )
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
-from sbx.gateway.server import Gateway, GatewayOptions, make_middlewares, node_def_from, routes
+from sbx.gateway.server import Gateway, GatewayOptions, node_def_from, routes
 from sbx.gateway.state import (
     NodeDef,
     Quota,
