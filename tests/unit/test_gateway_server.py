@@ -24,7 +24,8 @@ from sbx.gateway.capabilities import intersect_capabilities
 from sbx.gateway.http import route_shape
 from sbx.gateway.middlewares import make_middlewares
 from sbx.gateway.nodes import Registry
-from sbx.gateway.server import Gateway, GatewayOptions, routes
+from sbx.gateway.routes import all_routes
+from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord, Store
 
 
@@ -106,7 +107,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     )
     await gateway.start()
     app = web.Application(middlewares=make_middlewares(gateway))
-    app.add_routes(routes(gateway))
+    app.add_routes(all_routes(gateway))
     client = TestClient(TestServer(app))
     await client.start_server()
     try:

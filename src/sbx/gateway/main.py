@@ -36,7 +36,9 @@ from sbx.gateway.nodes import (
     parse_endpoint,
 )
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
-from sbx.gateway.server import Gateway, GatewayOptions, node_def_from, routes
+from sbx.gateway.routes import all_routes
+from sbx.gateway.routes.admin import node_def_from
+from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.state import (
     NodeDef,
     Quota,
@@ -227,7 +229,7 @@ async def _serve(
     metrics_addr: tuple[str, int] | None,
 ) -> None:  # fmt: skip
     app = web.Application(middlewares=make_middlewares(gateway), client_max_size=1024 * 1024)
-    app.add_routes(routes(gateway))
+    app.add_routes(all_routes(gateway))
     await gateway.start()
     # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
     # of a quiet process would otherwise stay open until the process writes again.
