@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from sbx.gateway import keys
@@ -125,6 +125,21 @@ def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
+async def waiting_run(
+    setup: Setup, sandbox_id: str, headers: dict[str, str], open_requests: int = 1
+) -> asyncio.Future[ClientResponse]:
+    """A run the stand-in holds for 30 s, sent and seen open at the gateway (``open_requests`` open in all)."""
+    run = asyncio.ensure_future(
+        setup.client.post(f"/v1/sandboxes/{sandbox_id}/run", json={"argv": ["x"]}, headers=headers)
+    )
+    for _ in range(100):
+        if len(setup.gateway.open) == open_requests:
+            break
+        await asyncio.sleep(0.01)
+    assert len(setup.gateway.open) == open_requests
+    return run
+
+
 async def test_a_node_refusing_for_capacity_is_skipped(setup: Setup) -> None:
     resp = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
     assert resp.status == 201, await resp.text()
@@ -177,15 +192,7 @@ async def test_a_silent_node_goes_unhealthy_then_lost(setup: Setup) -> None:
 
 async def test_revoking_a_key_ends_its_waiting_request_with_401(setup: Setup) -> None:
     created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
-    run = asyncio.ensure_future(
-        setup.client.post(
-            f"/v1/sandboxes/{created['id']}/run", json={"argv": ["x"]}, headers=bearer(setup.user)
-        )
-    )
-    for _ in range(100):
-        if len(setup.gateway.open):
-            break
-        await asyncio.sleep(0.01)
+    run = await waiting_run(setup, created["id"], bearer(setup.user))
     deleted = await setup.client.delete(f"/v1/admin/keys/{setup.user_key_id}", headers=bearer(setup.admin))
     assert deleted.status == 204
     assert run.done() or len(setup.gateway.open) == 0  # ended before DELETE returned
@@ -283,15 +290,7 @@ async def test_audit_in_a_loop_is_written_in_its_next_turn_and_still_rotates(tmp
 
 async def test_recheck_ends_a_request_whose_key_lost_its_scope(setup: Setup) -> None:
     created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
-    run = asyncio.ensure_future(
-        setup.client.post(
-            f"/v1/sandboxes/{created['id']}/run", json={"argv": ["x"]}, headers=bearer(setup.user)
-        )
-    )
-    for _ in range(100):
-        if len(setup.gateway.open):
-            break
-        await asyncio.sleep(0.01)
+    run = await waiting_run(setup, created["id"], bearer(setup.user))
     await setup.gateway.recheck()
     assert len(setup.gateway.open) == 1  # still good: nothing ended
     store = setup.gateway.store
@@ -364,16 +363,8 @@ async def test_removing_a_member_ends_their_requests_in_the_org_only(setup: Setu
     in_org = {**bearer(bob), "X-Sandbox-Org": "rocket"}
     org_sandbox = await (await setup.client.post("/v1/sandboxes", json={}, headers=in_org)).json()
     own_sandbox = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(bob))).json()
-    in_org_run = asyncio.ensure_future(
-        setup.client.post(f"/v1/sandboxes/{org_sandbox['id']}/run", json={"argv": ["x"]}, headers=in_org)
-    )
-    own_run = asyncio.ensure_future(
-        setup.client.post(f"/v1/sandboxes/{own_sandbox['id']}/run", json={"argv": ["x"]}, headers=bearer(bob))
-    )
-    for _ in range(100):
-        if len(setup.gateway.open) == 2:
-            break
-        await asyncio.sleep(0.01)
+    in_org_run = await waiting_run(setup, org_sandbox["id"], in_org)
+    own_run = await waiting_run(setup, own_sandbox["id"], bearer(bob), open_requests=2)
     removed = await setup.client.delete("/v1/orgs/rocket/members/bob", headers=bearer(setup.user))
     assert removed.status == 204
     assert (await in_org_run).status == 401
