@@ -185,13 +185,8 @@ class EgressProxy:
             return
         if not first:
             return  # the client gave up
-        buffered, found = await _read_until_named(conn, first, self.name_wait_secs)
-        if found.verdict is Verdict.MALFORMED:
-            raise Refusal(f"a malformed {found.protocol} request")
-        if found.verdict is Verdict.NAME:
-            name = found.name
-            if not name_permitted(attachment.policy, name):
-                raise Refusal(f"{name} is not permitted by the policy")
+        buffered, name = await self._read_name(attachment, conn, first)
+        if name is not None:
             relay.name = name
             await self._connect_named(attachment, relay, name, dialled, port)
         else:
@@ -292,17 +287,26 @@ class EgressProxy:
             await asyncio.gather(forward, return_exceptions=True)
         if not first:
             return None
-        buffered, found = await _read_until_named(relay.client, first, self.name_wait_secs)
-        if found.verdict is Verdict.MALFORMED:
-            raise Refusal(f"a malformed {found.protocol} request")
-        if found.verdict is Verdict.NAME:
-            name = found.name
-            if not name_permitted(attachment.policy, name):
-                raise Refusal(f"{name} is not permitted by the policy")
+        buffered, name = await self._read_name(attachment, relay.client, first)
+        if name is not None:
             if connected not in await self._addresses_of(attachment, name):
                 raise Refusal(f"{connected}, the address dialled, is not an address of {name}")
             relay.name = name
         return buffered
+
+    async def _read_name(
+        self, attachment: Attachment, conn: socket.socket, first: bytes
+    ) -> tuple[bytes, str | None]:
+        """The client's bytes read until they name a host (:func:`_read_until_named`), and that name (None:
+        they name none). Refused when they break the TLS or HTTP format or the name is not permitted."""
+        buffered, found = await _read_until_named(conn, first, self.name_wait_secs)
+        if found.verdict is Verdict.MALFORMED:
+            raise Refusal(f"a malformed {found.protocol} request")
+        if found.verdict is not Verdict.NAME:
+            return buffered, None
+        if not name_permitted(attachment.policy, found.name):
+            raise Refusal(f"{found.name} is not permitted by the policy")
+        return buffered, found.name
 
 
 async def _read_until_named(conn: socket.socket, first: bytes, wait_secs: float) -> tuple[bytes, Sniffed]:
