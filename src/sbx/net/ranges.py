@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Final, Literal
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -39,12 +39,14 @@ _PRIVATE: Final[tuple[Network, ...]] = tuple(
 HOST_ADDRESSES_TTL_SECS: Final = 10.0
 
 
-def classify(address: Address, extra_forbidden: Iterable[Network] = (), host: Iterable[Address] = ()) -> Kind:
+def classify(
+    address: Address, extra_forbidden: Iterable[Network] = (), host: Collection[Address] = ()
+) -> Kind:
     """The kind of ``address`` (see the module docstring). ``extra_forbidden``: the sandbox subnet;
-    ``host``: this host's own addresses."""
+    ``host``: this host's own addresses (best a set: it is searched on every connection)."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    if address in set(host):
+    if address in host:
         return "forbidden"
     for net in (*_FORBIDDEN, *extra_forbidden):
         if address.version == net.version and address in net:
