@@ -41,15 +41,8 @@ RESOLV_CONF_FILE: Final = "resolv.conf"
 GUEST_INTERFACE: Final = "eth0"
 
 
-def policy_to_json(policy: NetworkPolicy) -> dict[str, Any]:
-    return {
-        "mode": policy.mode,
-        "allow": list(policy.allow) if policy.allow is not None else None,
-        "deny": list(policy.deny),
-    }
-
-
 def policy_from_json(data: dict[str, Any]) -> NetworkPolicy:
+    """Inverse of :meth:`NetworkPolicy.to_wire` (also reads ``"allow": null``, as older files hold)."""
     allow = data.get("allow")
     return NetworkPolicy(
         data["mode"], tuple(allow) if allow is not None else None, tuple(data.get("deny", ()))
@@ -285,7 +278,7 @@ class SandboxNetworks:
 
     def _save(self, sandbox_id: str, slot: Slot, policy: NetworkPolicy) -> None:
         self._file(sandbox_id).write_text(
-            json.dumps({"slot": slot.index, "policy": policy_to_json(policy)}), encoding="utf-8"
+            json.dumps({"slot": slot.index, "policy": policy.to_wire()}), encoding="utf-8"
         )
 
 
