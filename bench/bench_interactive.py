@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import argparse
 import base64
-import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from bench_sandboxd import pct
-from sandboxd_harness import Sandboxd, missing_requirements
+from bench_sandboxd import bench_node, pct
+from sandboxd_harness import Sandboxd
 
 SERVER = r"""
 import socket, sys
@@ -134,20 +132,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=200)
     parser.add_argument("--keys", type=int, default=200)
     args = parser.parse_args()
-    missing = missing_requirements()
-    if missing:
-        sys.exit(f"cannot benchmark: {missing}")
-    workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
-    server = Sandboxd(workdir)
-    try:
-        server.start()
+    with bench_node("sbx-bench-") as (server, _):
         sandbox = server.create()
         print(f"# tunnels and attach, {time.strftime('%Y-%m-%d %H:%M')} UTC")
         tunnel_throughput(server, sandbox["id"], args.mib)
         echo_latency(server, sandbox["id"], args.keys)
-    finally:
-        server.teardown()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

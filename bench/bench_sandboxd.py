@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,15 @@ class RawRunsc:
                        stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
         return time.monotonic() - started
 
+    def run_samples(self, count: int) -> list[float]:
+        """Seconds of each of ``count`` `runsc run` of `true`; cleaning up is outside the timing."""
+        self.write_spec(["true"])
+        durations = []
+        for i in range(count):
+            durations.append(self.run(f"raw-run-{i}"))
+            self.cleanup(f"raw-run-{i}")
+        return durations
+
     def exec(self, name: str) -> float:
         started = time.monotonic()
         subprocess.run(self.argv("exec", name, "true"), check=True, stdout=subprocess.DEVNULL)
@@ -103,23 +113,75 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.monotonic() - started
 
 
+class KeepAlive:
+    """One keep-alive HTTP/1.1 connection to a server, as a client would use: no SDK overhead."""
+
+    def __init__(self, server: Sandboxd) -> None:
+        self.conn = UnixHTTPConnection(server.socket_path)
+
+    def call(self, method: str, path: str, body: object = None) -> dict[str, Any]:
+        """Send ``body`` as JSON; the decoded answer (``{}`` when empty). Any non-2xx answer fails the run."""
+        data = None if body is None else json.dumps(body).encode()
+        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        raw = response.read()
+        assert response.status in (200, 201, 204), (response.status, raw)
+        return json.loads(raw) if raw else {}
+
+    def timed(self, method: str, path: str, body: object = None) -> tuple[float, dict[str, Any]]:
+        """``call``, with the seconds it took."""
+        started = time.monotonic()
+        result = self.call(method, path, body)
+        return time.monotonic() - started, result
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def http_runs(server: Sandboxd, sandbox_id: str, count: int) -> list[float]:
-    """Run round trips over one keep-alive HTTP/1.1 connection: the server's share without SDK overhead."""
-    conn = UnixHTTPConnection(server.socket_path)
-    body = json.dumps({"argv": ["true"]}).encode()
-    headers = {"Content-Type": "application/json"}
-    durations = []
+    """Run round trips over one keep-alive connection: the server's share without SDK overhead."""
+    client = KeepAlive(server)
     try:
-        for _ in range(count):
-            started = time.monotonic()
-            conn.request("POST", f"/v1/sandboxes/{sandbox_id}/run", body=body, headers=headers)
-            response = conn.getresponse()
-            assert response.status == 200, response.read()
-            response.read()
-            durations.append(time.monotonic() - started)
+        return [
+            client.timed("POST", f"/v1/sandboxes/{sandbox_id}/run", {"argv": ["true"]})[0]
+            for _ in range(count)
+        ]
     finally:
-        conn.close()
-    return durations
+        client.close()
+
+
+def wait_torn_down(server: Sandboxd, sandbox_id: str) -> None:
+    """Wait until a deleted sandbox's background teardown ended, so it does not weigh on the next sample."""
+    while (server.state_dir / "gvisor" / sandbox_id).exists():
+        time.sleep(0.02)
+
+
+def default_rootfs() -> Path:
+    """The default image's root (what `RawRunsc` runs on); fails when the image or the agent is missing."""
+    image = ImageStore(IMAGES_DIR).get("default")
+    assert image is not None and AGENT_PATH.exists(), "run scripts/install.sh first"
+    return image.rootfs
+
+
+@contextmanager
+def bench_node(prefix: str, config_text: str = "") -> Iterator[tuple[Sandboxd, Path]]:
+    """A started sandboxd (node config ``config_text``) and a fresh work directory under /var/tmp.
+
+    Exits the program when this host cannot run sandboxes; on leaving, tears the server down and
+    removes the work directory.
+    """
+    missing = missing_requirements()
+    if missing:
+        sys.exit(f"cannot benchmark: {missing}")
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    (workdir / "node").mkdir()
+    server = Sandboxd(workdir / "node", config_text)
+    try:
+        server.start()
+        yield server, workdir
+    finally:
+        server.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def mem_available_kib() -> int:
@@ -134,11 +196,7 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
     print(f"# sandboxd vs runsc, {time.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} cores")
 
     # 1. create-to-first-run-result vs runsc run of the same command
-    raw.write_spec(["true"])
-    raw_runs = []
-    for i in range(args.sandboxes):
-        raw_runs.append(raw.run(f"raw-run-{i}"))
-        raw.cleanup(f"raw-run-{i}")
+    raw_runs = raw.run_samples(args.sandboxes)
     ours = []
     for _ in range(args.sandboxes):
         started = time.monotonic()
@@ -208,22 +266,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--concurrent", type=int, default=20)
     args = parser.parse_args()
-    missing = missing_requirements()
-    if missing:
-        sys.exit(f"cannot benchmark: {missing}")
-    image = ImageStore(IMAGES_DIR).get("default")
-    assert image is not None and AGENT_PATH.exists()
-    workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
-    (workdir / "node").mkdir()
     # Room for the concurrent creates whatever this host's measured capacity (2 cores x 8 here).
-    server = Sandboxd(workdir / "node", f"[capacity]\ncpus = {max(64, args.concurrent * 2)}\n")
-    raw = RawRunsc(workdir / "raw", image.rootfs)
-    try:
-        server.start()
-        asyncio.run(bench(args, server, raw))
-    finally:
-        server.teardown()
-        shutil.rmtree(workdir, ignore_errors=True)
+    capacity = f"[capacity]\ncpus = {max(64, args.concurrent * 2)}\n"
+    with bench_node("sbx-bench-", capacity) as (server, workdir):
+        asyncio.run(bench(args, server, RawRunsc(workdir / "raw", default_rootfs())))
 
 
 if __name__ == "__main__":

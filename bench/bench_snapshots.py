@@ -15,11 +15,9 @@ Exit status 1 when the target is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,33 +26,10 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_sandboxd import RawRunsc, summary
-from sandboxd_harness import IMAGES_DIR, Sandboxd, UnixHTTPConnection, missing_requirements
-
-from sbx.images.store import ImageStore
+from bench_sandboxd import KeepAlive, RawRunsc, bench_node, default_rootfs, pct, summary, wait_torn_down
 
 #: The target of the snapshots issue: fork from a memory snapshot to the first run result, p50.
 TARGET_FORK_P50_MS = 300.0
-
-
-class Client:
-    """One keep-alive connection, as a client would use."""
-
-    def __init__(self, server: Sandboxd) -> None:
-        self.conn = UnixHTTPConnection(server.socket_path)
-
-    def call(self, method: str, path: str, body: object = None) -> dict[str, object]:
-        data = None if body is None else json.dumps(body).encode()
-        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        response = self.conn.getresponse()
-        raw = response.read()
-        assert response.status in (200, 201, 204), (response.status, raw)
-        return json.loads(raw) if raw else {}
-
-    def timed(self, method: str, path: str, body: object = None) -> tuple[float, dict[str, object]]:
-        started = time.monotonic()
-        result = self.call(method, path, body)
-        return time.monotonic() - started, result
 
 
 def raw_checkpoints(raw: RawRunsc, workdir: Path, samples: int) -> tuple[list[float], list[float]]:
@@ -84,14 +59,8 @@ def main() -> None:
     )
     parser.add_argument("--samples", type=int, default=15, help="samples of each measurement (default 15)")
     args = parser.parse_args()
-    missing = missing_requirements()
-    if missing:
-        sys.exit(f"cannot benchmark: {missing}")
-    workdir = Path(tempfile.mkdtemp(prefix="sbx-bench-", dir="/var/tmp"))
-    (workdir / "server").mkdir()
-    server = Sandboxd(workdir / "server").start()
-    try:
-        client = Client(server)
+    with bench_node("sbx-bench-") as (server, workdir):
+        client = KeepAlive(server)
         ref = str(client.call("POST", "/v1/sandboxes", {})["id"])
         suspends, resumes = [], []
         for _ in range(args.samples):
@@ -102,8 +71,8 @@ def main() -> None:
             client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["true"]})
             resumes.append(time.monotonic() - started)
         # A sandbox with a little state: a background process and a file.
-        client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["sh", "-c", "echo x > /sandbox/home/f; "
-                    "nohup sleep 1000000 >/dev/null 2>&1 &"]})  # fmt: skip
+        script = "echo x > /sandbox/home/f; nohup sleep 1000000 >/dev/null 2>&1 &"
+        client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["sh", "-c", script]})
         took, snap = client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})
         snapshot_secs = [took]
         forks = []
@@ -114,27 +83,26 @@ def main() -> None:
             forks.append(time.monotonic() - started)
             assert result["exit_code"] == 0
             client.call("DELETE", f"/v1/sandboxes/{fork['id']}")
-            while (server.state_dir / "gvisor" / str(fork["id"])).exists():
-                time.sleep(0.02)  # teardown is in the background: let it end before the next sample
+            wait_torn_down(server, fork["id"])
         for _ in range(3):
-            snapshot_secs.append(client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})[0])
+            snapshot_secs.append(
+                client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})[0]
+            )
         client.call("DELETE", f"/v1/sandboxes/{ref}")
-        image_root = ImageStore(IMAGES_DIR).get("default")
-        assert image_root is not None
-        raw = RawRunsc(workdir / "raw", image_root.rootfs)
+        client.close()
+        raw = RawRunsc(workdir / "raw", default_rootfs())
         raw_ckpt, raw_restore = raw_checkpoints(raw, workdir, args.samples)
-    finally:
-        server.teardown()
-        shutil.rmtree(workdir, ignore_errors=True)
     print(summary("raw runsc checkpoint", raw_ckpt))
     print(summary("raw runsc restore", raw_restore))
     print(summary("suspend", suspends, raw_ckpt))
     print(summary("resume + first run", resumes, raw_restore))
     print(summary("memory snapshot", snapshot_secs))
     print(summary("fork (memory) + first run", forks, raw_restore))
-    fork_p50_ms = sorted(forks)[len(forks) // 2] * 1000
+    fork_p50_ms = pct(forks, 50)
     verdict = "met" if fork_p50_ms < TARGET_FORK_P50_MS else "MISSED"
-    print(f"target: fork to first result p50 under {TARGET_FORK_P50_MS:.0f} ms: {fork_p50_ms:.0f} ms, {verdict}")
+    print(
+        f"target: fork to first result p50 under {TARGET_FORK_P50_MS:.0f} ms: {fork_p50_ms:.0f} ms, {verdict}"
+    )
     sys.exit(0 if verdict == "met" else 1)
 
 
