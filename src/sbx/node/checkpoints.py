@@ -23,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sbx.agent.client import AgentClient, AgentError, AgentProtocolError
+from sbx.agent.client import AgentError, AgentProtocolError
 from sbx.api.errors import Conflict, Internal, InvalidRequest, SandboxError, Unsupported
 from sbx.api.models import CreateRequest
-from sbx.backends.base import BackendError, BootSpec, CheckpointBackend
+from sbx.backends.base import BackendError, CheckpointBackend
 from sbx.backends.disk_copy import allocated_bytes
 from sbx.node.records import SandboxRecord, SandboxState, utc_now
 from sbx.node.snapshots import SnapshotKind, SnapshotRecord, SnapshotStore, new_snapshot_id
@@ -46,8 +46,6 @@ CAPTURE_IMAGE = "capture-image"
 CHECKPOINT_FILE = "checkpoint.img"
 #: How long a quiesced agent may take to close its connection, in seconds.
 QUIESCE_TIMEOUT_SECS = 10.0
-#: How long a restored agent may take to listen again, in seconds.
-AGENT_CONNECT_TIMEOUT_SECS = 10.0
 
 
 class Checkpoints:
@@ -92,21 +90,13 @@ class Checkpoints:
             await self._recover(sandbox)
             raise Internal(f"the sandbox's agent could not be quiesced: {exc}") from exc
 
-    async def _reconnect(self, sandbox: Sandbox) -> None:
-        agent = await AgentClient.connect(
-            self.backend.agent_socket(sandbox.record.id), AGENT_CONNECT_TIMEOUT_SECS
-        )
-        sandbox.processes.paused_reason = None
-        await sandbox.processes.attach_agent(agent)
-        self.manager.watch_agent(sandbox, agent)
-
     async def _recover(self, sandbox: Sandbox) -> None:
         """After a failed checkpoint: wake and reconnect a sandbox that still runs, else terminate it."""
         sandbox_id = sandbox.record.id
         try:
             if sandbox.record.live and await self.backend.is_running(sandbox_id):
                 await self.backend.wake(sandbox_id)
-                await self._reconnect(sandbox)
+                await self.manager.reattach_agent(sandbox)
                 return
         except (AgentError, BackendError, OSError) as exc:
             log.warning("sandbox could not be reconnected", extra={"sandbox": sandbox_id, "error": str(exc)})
@@ -159,7 +149,7 @@ class Checkpoints:
             image = sandbox.directory / SUSPEND_IMAGE
             try:
                 await self.backend.restore(record.id, image)
-                await self._reconnect(sandbox)
+                await self.manager.reattach_agent(sandbox)
             except (BackendError, AgentError, OSError) as exc:
                 # Still suspended, the checkpoint kept: a retry restores from it again.
                 raise Internal(f"the sandbox could not be resumed: {exc}") from exc
@@ -187,7 +177,7 @@ class Checkpoints:
         if (image / CHECKPOINT_FILE).is_file():
             sandbox.processes.load()
             await self.backend.restore(record.id, image)
-            await self._reconnect(sandbox)
+            await self.manager.reattach_agent(sandbox)
             await asyncio.to_thread(shutil.rmtree, image, True)
             log.info("restored after an interrupted snapshot", extra={"sandbox": record.id})
             return True
@@ -297,7 +287,7 @@ class Checkpoints:
         """Bring the checkpointed sandbox back from ``image`` after a capture; terminate it if it cannot be."""
         try:
             await self.backend.restore(sandbox.record.id, image)
-            await self._reconnect(sandbox)
+            await self.manager.reattach_agent(sandbox)
         except (BackendError, AgentError, OSError) as exc:
             log.error("sandbox could not be restored after a snapshot",
                       extra={"sandbox": sandbox.record.id, "error": str(exc)})  # fmt: skip
@@ -353,7 +343,7 @@ class Checkpoints:
         )
         return snapshot, forked
 
-    async def boot_fork(self, snapshot: SnapshotRecord, sandbox: Sandbox) -> None:
+    async def boot_fork(self, snapshot: SnapshotRecord, sandbox: Sandbox, image_root: Path) -> None:
         """Boot the fork ``sandbox`` from ``snapshot``; a memory fork takes over the original's process
         records (its processes run on in the fork) before its agent is connected."""
         record = sandbox.record
@@ -364,10 +354,7 @@ class Checkpoints:
             await asyncio.to_thread(shutil.copytree, self.store.processes_dir(snapshot.id), target)
             sandbox.processes.load()
         await self.backend.boot_from_snapshot(
-            BootSpec(
-                sandbox_id=record.id, image_root=self.manager.image_root(record.image), cpus=record.cpus,
-                memory_mb=record.memory_mb, disk_mb=record.disk_mb, network=record.network,
-            ),
+            record.boot_spec(image_root),
             self.store.disk_image(snapshot.id),
             self.store.memory_image(snapshot.id) if memory else None,
         )  # fmt: skip

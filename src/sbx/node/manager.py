@@ -23,7 +23,7 @@ from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
 from sbx.api.models import CreateRequest, PatchRequest
 from sbx.api.network_policy import MODE_ORDER
-from sbx.backends.base import Backend, BackendError, BootSpec, CheckpointBackend, VolumeBind
+from sbx.backends.base import Backend, BackendError, CheckpointBackend, VolumeBind
 from sbx.images.store import ImageConfig, ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
 from sbx.node.checkpoints import Checkpoints
@@ -218,10 +218,8 @@ class SandboxManager:
             if self.checkpoints is not None and await self.checkpoints.take_back_stopped(sandbox):
                 return
             raise BackendError("the sandbox stopped while sandboxd was not running")
-        agent = await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
         sandbox.processes.load()
-        await sandbox.processes.attach_agent(agent)
-        self._watch_agent(sandbox, agent)
+        await self.reattach_agent(sandbox)
         log.info("sandbox taken back", extra={"sandbox": record.id})
 
     async def close(self) -> None:
@@ -427,10 +425,8 @@ class SandboxManager:
             sandbox.save(durable=False)
             sandbox.save_image_config()
             if snapshot is not None and self.checkpoints is not None:
-                await self.checkpoints.boot_fork(snapshot, sandbox)
-                agent = await AgentClient.connect(
-                    self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS
-                )
+                await self.checkpoints.boot_fork(snapshot, sandbox, image.rootfs)
+                agent = await self.connect_agent(record.id)
             else:
                 binds = await self.volumes.mount(record.id, req.volumes)
                 agent = await self.boot(record, image, binds)
@@ -466,18 +462,8 @@ class SandboxManager:
         """Boot ``record``'s sandbox from ``image`` with ``volumes`` bound in and connect to its agent; on
         failure (or cancellation) the backend's part is destroyed again, and backend errors become Internal."""
         try:
-            await self.backend.boot(
-                BootSpec(
-                    sandbox_id=record.id,
-                    image_root=image.rootfs,
-                    cpus=record.cpus,
-                    memory_mb=record.memory_mb,
-                    disk_mb=record.disk_mb,
-                    network=record.network,
-                    volumes=volumes,
-                )
-            )
-            return await AgentClient.connect(self.backend.agent_socket(record.id), AGENT_CONNECT_TIMEOUT_SECS)
+            await self.backend.boot(record.boot_spec(image.rootfs, volumes))
+            return await self.connect_agent(record.id)
         except BaseException as exc:
             await asyncio.shield(self.backend.destroy(record.id))
             if isinstance(exc, (BackendError, AgentError, OSError)):
@@ -617,16 +603,17 @@ class SandboxManager:
             for hook in self.on_forget:
                 hook(sandbox.record.id)
 
-    def watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
-        """Reconnect or terminate when ``agent``'s channel closes on its own (see _watch_agent)."""
-        self._watch_agent(sandbox, agent)
+    async def connect_agent(self, sandbox_id: str) -> AgentClient:
+        """A new connection to the sandbox's agent (waiting up to AGENT_CONNECT_TIMEOUT_SECS for it)."""
+        return await AgentClient.connect(self.backend.agent_socket(sandbox_id), AGENT_CONNECT_TIMEOUT_SECS)
 
-    def image_root(self, reference: str) -> Path:
-        """The root file system of the installed image ``reference``; NotFound when it is not installed."""
-        image = self.images.get(reference)
-        if image is None:
-            raise NotFound(f"the image {reference!r} is not installed on this node")
-        return image.rootfs
+    async def reattach_agent(self, sandbox: Sandbox) -> None:
+        """Connect to the sandbox's agent again and take its processes back: after a restart, a lost channel
+        or a restore. Its output goes on from what the process records hold."""
+        agent = await self.connect_agent(sandbox.record.id)
+        sandbox.processes.paused_reason = None
+        await sandbox.processes.attach_agent(agent)
+        self._watch_agent(sandbox, agent)
 
     def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
         """When the agent's channel closes on its own: reconnect if the sandbox still runs, else terminate it."""
@@ -642,17 +629,13 @@ class SandboxManager:
                 sandbox_id = sandbox.record.id
                 if await self.backend.is_running(sandbox_id):
                     try:
-                        again = await AgentClient.connect(
-                            self.backend.agent_socket(sandbox_id), AGENT_CONNECT_TIMEOUT_SECS
-                        )
-                        await sandbox.processes.attach_agent(again)
+                        await self.reattach_agent(sandbox)
                     except AgentError as exc:
                         log.warning(
                             "agent reconnect failed", extra={"sandbox": sandbox_id, "error": str(exc)}
                         )
                     else:
                         log.info("agent channel re-established", extra={"sandbox": sandbox_id})
-                        self._watch_agent(sandbox, again)
                         return
                 log.warning("sandbox agent went away", extra={"sandbox": sandbox_id})
                 await self._terminate(sandbox, "crashed")

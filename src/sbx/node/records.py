@@ -6,10 +6,12 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from sbx.api.models import VolumeMount
 from sbx.api.network_policy import NetworkPolicy
+from sbx.backends.base import BootSpec, VolumeBind
 
 
 class SandboxState(str, Enum):
@@ -70,6 +72,13 @@ class SandboxRecord:
     def live(self) -> bool:
         """Not terminated: holds its name and counts against capacity."""
         return self.state is not SandboxState.TERMINATED
+
+    def boot_spec(self, image_root: Path, volumes: tuple[VolumeBind, ...] = ()) -> BootSpec:
+        """What the backend needs to boot this sandbox on ``image_root`` with ``volumes`` bound in."""
+        return BootSpec(
+            sandbox_id=self.id, image_root=image_root, cpus=self.cpus, memory_mb=self.memory_mb,
+            disk_mb=self.disk_mb, network=self.network, volumes=volumes,
+        )  # fmt: skip
 
     def to_wire(self) -> dict[str, Any]:
         """The spec's Sandbox object."""
