@@ -1,6 +1,6 @@
 """The gateway against small aiohttp stand-ins for nodes: capacity retry, 503, health states, revocation of a
-request the node has not answered, plus the pure helpers (capabilities intersection, route shapes, scopes,
-audit log rotation)."""
+request the node has not answered, the admin endpoints' error rules, plus the pure helpers (capabilities
+intersection, route shapes, scopes, audit log rotation)."""
 
 from __future__ import annotations
 
@@ -383,3 +383,77 @@ async def test_audit_call_is_501_without_a_log(setup: Setup) -> None:
     body = await resp.json()
     assert resp.status == 501 and body["error"] == {
         "code": "unsupported", "message": "this gateway keeps no audit log (started with --audit-log none)"}  # fmt: skip
+
+
+# Admin endpoint rules (spec: Admin endpoints): each bad call answers its code and message and changes nothing.
+ADMIN_ERRORS: list[tuple[str, str, str, Any, int, str, str]] = [
+    ("not an admin key", "GET", "/v1/admin/keys", None, 403, "refused", "this API key lacks the scope admin: ask an admin for a key with admin"),
+    ("key: bad user", "POST", "/v1/admin/keys", {"user": "", "scopes": ["sandbox:read"]}, 400, "invalid_request", "user must be 1 to 64 characters of letters, digits and . _ @ -, starting with a letter or digit"),
+    ("key: bad tenant", "POST", "/v1/admin/keys", {"user": "x", "tenant": "Bad!", "scopes": ["sandbox:read"]}, 400, "invalid_request", "tenant must be a-z 0-9 and -, start with a letter, not end with - and not contain --"),
+    ("key: unknown scope", "POST", "/v1/admin/keys", {"user": "x", "scopes": ["root"]}, 400, "invalid_request", "unknown scope 'root': use admin, org:create, sandbox:create, sandbox:delete, sandbox:read, sandbox:ssh, secrets:write"),
+    ("key: no scopes", "POST", "/v1/admin/keys", {"user": "x", "scopes": []}, 400, "invalid_request", "scopes must be a non-empty array of: admin, org:create, sandbox:create, sandbox:delete, sandbox:read, sandbox:ssh, secrets:write"),
+    ("key: unknown field", "POST", "/v1/admin/keys", {"user": "x", "scopes": ["admin"], "secret": "s"}, 400, "invalid_request", "unknown field 'secret': accepted fields are user, tenant, scopes"),
+    ("key: unknown id", "DELETE", "/v1/admin/keys/key_nope", None, 404, "not_found", "no API key 'key_nope'"),
+    ("node: bad name", "POST", "/v1/admin/nodes", {"name": "Bad Name", "endpoint": "unix:///tmp/x.sock"}, 400, "invalid_request", "node name must be 1 to 63 of a-z 0-9 and -, starting with a letter or digit"),
+    ("node: no endpoint", "POST", "/v1/admin/nodes", {"name": "x"}, 400, "invalid_request", "endpoint is required: https://HOST:PORT, unix:///PATH or http://127.0.0.1:PORT"),
+    ("node: http off loopback", "POST", "/v1/admin/nodes", {"name": "x", "endpoint": "http://10.1.2.3:80"}, 400, "invalid_request", "node endpoint 'http://10.1.2.3:80': plain http is allowed on loopback only (the token would travel in clear); use https"),
+    ("node: bad scheme", "POST", "/v1/admin/nodes", {"name": "x", "endpoint": "ftp://localhost"}, 400, "invalid_request", "node endpoint 'ftp://localhost' is not accepted: use https://HOST:PORT, unix:///PATH, or http://HOST:PORT on loopback"),
+    ("node: file outside the files dir", "POST", "/v1/admin/nodes", {"name": "x", "endpoint": "unix:///tmp/x.sock", "token_file": "/etc/passwd"}, 403, "refused", "token_file '/etc/passwd' is outside the node files directory: nodes added through the API may name files only under the gateway's --node-files-dir"),
+    ("node: named in the node file", "POST", "/v1/admin/nodes", {"name": "n1", "endpoint": "unix:///tmp/x.sock"}, 409, "conflict", "node 'n1' is defined in the node file: edit the file and restart"),
+    ("remove: unknown node", "DELETE", "/v1/admin/nodes/zz", None, 404, "not_found", "no node 'zz': see GET /v1/admin/nodes"),
+    ("remove: node-file node", "DELETE", "/v1/admin/nodes/n1", None, 409, "conflict", "node 'n1' is defined in the node file: edit the file and restart to remove it"),
+    ("cordon: unknown node", "POST", "/v1/admin/nodes/zz/cordon", {"cordoned": True}, 404, "not_found", "no node 'zz': see GET /v1/admin/nodes"),
+    ("cordon: not a bool", "POST", "/v1/admin/nodes/n1/cordon", {"cordoned": "yes"}, 400, "invalid_request", "cordoned must be true or false"),
+    ("drain: unknown node", "POST", "/v1/admin/nodes/zz/drain", {"terminate": True}, 404, "not_found", "no node 'zz': see GET /v1/admin/nodes"),
+    ("drain: not a bool", "POST", "/v1/admin/nodes/n1/drain", {"terminate": "yes"}, 400, "invalid_request", "terminate must be true or false"),
+    ("audit: limit 0", "GET", "/v1/admin/audit?limit=0", None, 400, "invalid_request", "limit must be a whole number from 1 to 1000"),
+    ("audit: limit 1001", "GET", "/v1/admin/audit?limit=1001", None, 400, "invalid_request", "limit must be a whole number from 1 to 1000"),
+    ("audit: since not a time", "GET", "/v1/admin/audit?since=yesterday", None, 400, "invalid_request", "since must be an RFC 3339 time, e.g. 2024-05-01T12:00:00Z"),
+]  # fmt: skip
+
+
+def _admin_state(gateway: Gateway) -> tuple[Any, ...]:
+    store = gateway.store
+    return dict(store.keys), dict(store.nodes), dict(store.node_flags), sorted(gateway.registry.nodes)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code", "message"),
+    [c[1:] for c in ADMIN_ERRORS],
+    ids=[c[0] for c in ADMIN_ERRORS],
+)
+async def test_admin_errors_change_nothing(
+    setup: Setup, method: str, path: str, body: Any, status: int, code: str, message: str
+) -> None:
+    before = _admin_state(setup.gateway)
+    key = setup.user if path == "/v1/admin/keys" and method == "GET" else setup.admin  # the one non-admin row
+    resp = await setup.client.request(method, path, json=body, headers=bearer(key))
+    assert (resp.status, await resp.json()) == (status, {"error": {"code": code, "message": message}})
+    assert _admin_state(setup.gateway) == before
+
+
+async def test_cordon_and_drain_of_a_silent_node_change_nothing(setup: Setup) -> None:
+    server = setup.nodes["n2"].server
+    assert server is not None
+    await server.close()
+    node = setup.gateway.registry.nodes["n2"]
+    for _ in range(100):
+        if not node.healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert not node.healthy
+    before = _admin_state(setup.gateway)
+    cordon = await setup.client.post(
+        "/v1/admin/nodes/n2/cordon", json={"cordoned": True}, headers=bearer(setup.admin)
+    )
+    error = (await cordon.json())["error"]
+    assert (cordon.status, error["code"]) == (502, "internal")
+    assert error["message"].startswith("node n2 did not answer: cannot connect")
+    drain = await setup.client.post(
+        "/v1/admin/nodes/n2/drain", json={"terminate": True}, headers=bearer(setup.admin)
+    )
+    assert (drain.status, await drain.json()) == (
+        503,
+        {"error": {"code": "unavailable", "message": "node 'n2' is not answering: it cannot be drained now"}},
+    )
+    assert _admin_state(setup.gateway) == before
