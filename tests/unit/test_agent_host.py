@@ -697,6 +697,23 @@ def blocks(total: int, seed: bytes) -> Iterator[bytes]:
         yield block
 
 
+def expected_digest(total: int, seed: bytes) -> tuple[int, str]:
+    """(``total``, hex SHA-256 of ``blocks(total, seed)``): what a reader of those blocks must end with."""
+    h = hashlib.sha256()
+    for b in blocks(total, seed):
+        h.update(b)
+    return total, h.hexdigest()
+
+
+async def read_digest(read: Callable[[], Awaitable[bytes]]) -> tuple[int, str]:
+    """Call ``read`` until it returns no data: (bytes read, their hex SHA-256)."""
+    h, n = hashlib.sha256(), 0
+    while data := await read():
+        h.update(data)
+        n += len(data)
+    return n, h.hexdigest()
+
+
 async def test_tunnel_echo_reaches_guest_loopback(client: AgentClient) -> None:
     peers: list[str] = []
 
@@ -721,12 +738,6 @@ async def test_tunnel_echo_reaches_guest_loopback(client: AgentClient) -> None:
 
 async def test_tunnel_carries_100_mib_each_way(client: AgentClient, agent: Agent) -> None:
     size = 100 * 1024 * 1024
-    to_guest = hashlib.sha256()
-    for b in blocks(size, b"up"):
-        to_guest.update(b)
-    from_guest = hashlib.sha256()
-    for b in blocks(size, b"down"):
-        from_guest.update(b)
     got_by_guest: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
 
     async def server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -737,11 +748,7 @@ async def test_tunnel_carries_100_mib_each_way(client: AgentClient, agent: Agent
             w.write_eof()
 
         sending = asyncio.create_task(send())
-        h, n = hashlib.sha256(), 0
-        while data := await r.read(1 << 20):
-            h.update(data)
-            n += len(data)
-        got_by_guest.set_result((n, h.hexdigest()))
+        got_by_guest.set_result(await read_digest(lambda: r.read(1 << 20)))
         await sending
         w.close()
 
@@ -753,18 +760,11 @@ async def test_tunnel_carries_100_mib_each_way(client: AgentClient, agent: Agent
                 await stream.write(b)
             await stream.write_eof()
 
-        async def download() -> tuple[int, str]:
-            h, n = hashlib.sha256(), 0
-            while data := await stream.read():
-                h.update(data)
-                n += len(data)
-            return n, h.hexdigest()
-
         t = time.monotonic()
-        _, got_by_host = await asyncio.wait_for(asyncio.gather(upload(), download()), 120)
+        _, got_by_host = await asyncio.wait_for(asyncio.gather(upload(), read_digest(stream.read)), 120)
         secs = time.monotonic() - t
-        assert got_by_host == (size, from_guest.hexdigest())
-        assert await asyncio.wait_for(got_by_guest, 10) == (size, to_guest.hexdigest())
+        assert got_by_host == expected_digest(size, b"down")
+        assert await asyncio.wait_for(got_by_guest, 10) == expected_digest(size, b"up")
         await stream.close()
     print(f"tunnel: 100 MiB each way at once in {secs:.2f}s ({2 * size / secs / 1e6:.0f} MB/s total)")
     assert agent.rss_kib() < 8 * 1024
@@ -924,15 +924,11 @@ async def test_slow_host_reader_keeps_agent_memory_bounded(client: AgentClient, 
 async def test_slow_guest_reader_holds_back_the_host_writer(client: AgentClient, agent: Agent) -> None:
     size = 32 * 1024 * 1024
     go = asyncio.Event()
-    got: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+    got: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
 
     async def sleepy(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await go.wait()
-        h, n = hashlib.sha256(), 0
-        while data := await r.read(1 << 20):
-            h.update(data)
-            n += len(data)
-        got.set_result((n, h.digest()))
+        got.set_result(await read_digest(lambda: r.read(1 << 20)))
         w.close()
 
     async with tcp_server(sleepy) as port:
@@ -949,10 +945,7 @@ async def test_slow_guest_reader_holds_back_the_host_writer(client: AgentClient,
         assert agent.rss_kib() < 8 * 1024, f"agent RSS reached {agent.rss_kib()} KiB"
         go.set()
         await asyncio.wait_for(uploading, 60)
-        expected = hashlib.sha256()
-        for b in blocks(size, b"up"):
-            expected.update(b)
-        assert await asyncio.wait_for(got, 30) == (size, expected.digest())
+        assert await asyncio.wait_for(got, 30) == expected_digest(size, b"up")
         await stream.close()
 
 
