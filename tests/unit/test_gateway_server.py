@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
 
 from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
@@ -457,3 +458,54 @@ async def test_cordon_and_drain_of_a_silent_node_change_nothing(setup: Setup) ->
         {"error": {"code": "unavailable", "message": "node 'n2' is not answering: it cannot be drained now"}},
     )
     assert _admin_state(setup.gateway) == before
+
+
+# Organisation rules (spec: Organisations, Organisation header), with alice/acme owning rocket, bob/beta a
+# member of it, carol/acme not one, and --max-orgs-per-user 1. Each answers code and message, changes nothing.
+ORG_ERRORS: list[tuple[str, str, str, str, Any, list[str], int, str, str]] = [
+    ("name: upper case", "alice", "POST", "/v1/orgs", {"name": "Upper"}, [], 400, "invalid_request", "organisation name must be a-z 0-9 and -, start with a letter, not end with - and not contain --"),
+    ("name: reserved", "alice", "POST", "/v1/orgs", {"name": "default"}, [], 400, "invalid_request", "organisation name 'default' is reserved"),
+    ("name: ends with -", "alice", "POST", "/v1/orgs", {"name": "ab-"}, [], 400, "invalid_request", "organisation name must be a-z 0-9 and -, start with a letter, not end with - and not contain --"),
+    ("name: an organisation", "alice", "POST", "/v1/orgs", {"name": "rocket"}, [], 409, "conflict", "'rocket' is already an organisation or a tenant in use: pick another name"),
+    ("name: a tenant in use", "alice", "POST", "/v1/orgs", {"name": "beta"}, [], 409, "conflict", "'beta' is already an organisation or a tenant in use: pick another name"),
+    ("past --max-orgs-per-user", "alice", "POST", "/v1/orgs", {"name": "third"}, [], 403, "refused", "you already made or own 1 organisations, the most this gateway allows (--max-orgs-per-user 1)"),
+    ("members: not a member", "carol", "GET", "/v1/orgs/rocket/members", None, [], 404, "not_found", "no such organization"),
+    ("members: no such org", "carol", "GET", "/v1/orgs/ghost/members", None, [], 404, "not_found", "no such organization"),
+    ("members: own tenant", "alice", "GET", "/v1/orgs/acme/members", None, [], 404, "not_found", "no such organization"),
+    ("add: not an owner", "bob", "POST", "/v1/orgs/rocket/members", {"user": "carol"}, [], 403, "refused", "only an owner of rocket may change its members"),
+    ("add: bad role", "alice", "POST", "/v1/orgs/rocket/members", {"user": "carol", "role": "boss"}, [], 400, "invalid_request", "role must be owner or member"),
+    ("add: name from another tenant", "alice", "POST", "/v1/orgs/rocket/members", {"user": "bob", "tenant": "acme"}, [], 409, "conflict", "a member named 'bob' from another tenant is already in rocket"),
+    ("demote the last owner", "alice", "POST", "/v1/orgs/rocket/members", {"user": "alice", "role": "member"}, [], 409, "conflict", "alice is the last owner of rocket: make another member owner first"),
+    ("remove the last owner", "alice", "DELETE", "/v1/orgs/rocket/members/alice", None, [], 409, "conflict", "alice is the last owner of rocket: make another member owner first"),
+    ("remove: no such member", "alice", "DELETE", "/v1/orgs/rocket/members/zed", None, [], 404, "not_found", "no member 'zed' in rocket"),
+    ("remove: other tenant", "alice", "DELETE", "/v1/orgs/rocket/members/bob?tenant=acme", None, [], 404, "not_found", "no member 'bob' in rocket"),
+    ("header: not a member", "carol", "GET", "/v1/whoami", None, ["rocket"], 404, "not_found", "no such organization"),
+    ("header: no such org", "carol", "GET", "/v1/whoami", None, ["ghost"], 404, "not_found", "no such organization"),
+    ("header: twice", "alice", "GET", "/v1/whoami", None, ["rocket", "rocket"], 400, "invalid_request", "X-Sandbox-Org given more than once: send it once"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("who", "method", "path", "body", "orgs", "status", "code", "message"),
+    [c[1:] for c in ORG_ERRORS],
+    ids=[c[0] for c in ORG_ERRORS],
+)
+async def test_org_errors_change_nothing(
+    setup: Setup, who: str, method: str, path: str, body: Any, orgs: list[str], status: int, code: str,
+    message: str,
+) -> None:  # fmt: skip
+    store = setup.gateway.store
+    setup.gateway.options.max_orgs_per_user = 1
+    store.add_org(OrgRecord("rocket", "2030-01-01T00:00:00Z", "alice", "acme"),
+                  MemberRecord("rocket", "alice", "acme", "owner", "2030-01-01T00:00:00Z"))  # fmt: skip
+    store.put_member(MemberRecord("rocket", "bob", "beta", "member", "2030-01-01T00:00:00Z"))
+    secrets = {}
+    for user, tenant, scopes in (("alice", "acme", {"org:create"}), ("bob", "beta", {"sandbox:read"}),
+                                 ("carol", "acme", {"sandbox:read"})):  # fmt: skip
+        key, secrets[user] = keys.new_key(user, tenant, scopes)
+        store.add_key(key)
+    before = (dict(store.orgs), dict(store.members), dict(store.keys))
+    headers = CIMultiDict([*bearer(secrets[who]).items(), *(("X-Sandbox-Org", o) for o in orgs)])
+    resp = await setup.client.request(method, path, json=body, headers=headers)
+    assert (resp.status, await resp.json()) == (status, {"error": {"code": code, "message": message}})
+    assert (dict(store.orgs), dict(store.members), dict(store.keys)) == before
