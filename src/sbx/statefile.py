@@ -9,6 +9,7 @@ is ignored by :func:`read_json`; :func:`remove_stale_tmp_files` clears them at s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -124,3 +125,17 @@ def remove_stale_tmp_files(directory: Path) -> int:
             except FileNotFoundError:
                 pass
     return removed
+
+
+def try_lock(path: Path) -> int | None:
+    """Take an exclusive lock on the file ``path`` (created mode 0600, its directory 0700) without waiting:
+    the open descriptor, which holds the lock until it is closed (or the process ends), or None when another
+    process holds it. Used so that two servers never share one state."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

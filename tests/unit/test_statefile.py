@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
+from sbx.statefile import read_json, remove_stale_tmp_files, try_lock, write_json_atomic
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -136,3 +136,19 @@ def test_sigkill_at_any_moment_leaves_old_or_new_version(tmp_path: Path) -> None
     remove_stale_tmp_files(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
     json.loads(path.read_bytes())
+
+
+def test_try_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
+    import stat
+
+    path = tmp_path / "deep" / "server.lock"
+    fd = try_lock(path)
+    assert fd is not None and stat.S_IMODE(path.stat().st_mode) == 0o600
+    probe = (
+        "import sys; from pathlib import Path; from sbx.statefile import try_lock; "
+        "sys.exit(0 if try_lock(Path(sys.argv[1])) is None else 1)"
+    )
+    # Held by this process: another one is refused at once; released, it gets the lock.
+    assert subprocess.run([sys.executable, "-c", probe, str(path)], check=False).returncode == 0
+    os.close(fd)
+    assert subprocess.run([sys.executable, "-c", probe, str(path)], check=False).returncode == 1

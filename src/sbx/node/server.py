@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
 from sbx.node.pools import Pools
 from sbx.node.routes import all_routes
 from sbx.node.sampler import MetricsSampler, running_targets
+from sbx.statefile import try_lock
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,11 @@ class StateDirLocked(Exception):
 
 def lock_state_dir(state_dir: Path) -> int:
     """Hold an exclusive lock on the state dir for the life of the process; two servers would corrupt it."""
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(state_dir / "sandboxd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(state_dir / "sandboxd.lock")
+    if fd is None:
         raise StateDirLocked(
             f"another sandboxd is already using the state directory {state_dir}; stop it or pass another --state-dir"
-        ) from None
+        )
     return fd
 
 
