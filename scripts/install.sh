@@ -29,8 +29,8 @@ START_TIMEOUT_SECS=60
 APT_PACKAGES=(
     runsc                   # gVisor, the sandbox runtime
     debootstrap debian-archive-keyring  # builds the default image
-    e2fsprogs               # mkfs.ext4 for each sandbox's writable layer
-    util-linux mount        # losetup, mount, setsid, flock
+    e2fsprogs               # mkfs.ext4, e2fsck, resize2fs: writable layers, volumes, snapshot copies
+    util-linux mount        # umount, fsfreeze (disk snapshots), setsid, flock
     iproute2                # ip, for sandbox networking
     nftables                # nft: sandbox egress rules (docs/network.md)
     procps                  # ps, pkill used by tests and diagnostics

@@ -176,9 +176,12 @@ class GVisorBackend:
             raise BackendError(
                 f"{self.runsc} not found: install gVisor (Debian package runsc) or run scripts/install.sh"
             )
-        for tool in ("mkfs.ext4", "mount", "umount"):
+        # Layers, volumes and snapshots: mkfs, checks and resizes of ext4 images, unmounts and freezes.
+        for tool in ("mkfs.ext4", "e2fsck", "resize2fs", "umount", "fsfreeze"):
             if shutil.which(tool) is None:
-                raise BackendError(f"{tool} not found: install e2fsprogs and mount (scripts/install.sh does)")
+                raise BackendError(
+                    f"{tool} not found: install e2fsprogs, mount and util-linux (scripts/install.sh does)"
+                )
         if not self.agent_path.is_file():
             raise BackendError(
                 f"the sandbox agent {self.agent_path} is missing: build it with "
