@@ -198,19 +198,25 @@ def test_every_scope_against_every_route(fleet: Fleet) -> None:
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [
-        ("GET", "/v1/node", (404, "not_found")),
-        ("POST", "/v1/node/cordon", (404, "not_found")),
-        ("GET", "/v1/images", (501, "unsupported")),
-        ("POST", "/v1/images", (501, "unsupported")),
-        ("GET", "/v1/ssh", (404, "unsupported")),
-        ("GET", "/v1/jobs", (501, "unsupported")),
+        ("GET", "/v1/node", (404, "not_found", "a gateway does not serve /v1/node: use GET /v1/admin/nodes with an admin key")),
+        ("POST", "/v1/node/cordon", (404, "not_found", "a gateway does not serve /v1/node: use GET /v1/admin/nodes with an admin key")),
+        ("GET", "/v1/images", (501, "unsupported", "a gateway does not manage images: install them on each node with its images API")),
+        ("POST", "/v1/images", (501, "unsupported", "a gateway does not manage images: install them on each node with its images API")),
+        ("GET", "/v1/ssh", (404, "unsupported", "this gateway serves no SSH")),
+        ("GET", "/v1/jobs", (501, "unsupported", "this gateway does not serve jobs yet")),
     ],
-)
+)  # fmt: skip
 def test_endpoints_a_gateway_does_not_serve(
-    fleet: Fleet, method: str, path: str, expected: tuple[int, str]
+    fleet: Fleet, method: str, path: str, expected: tuple[int, str, str]
 ) -> None:
+    def node_state() -> tuple[Any, bool]:
+        images = fleet.node.request("GET", "/v1/images").json()
+        return images, fleet.node.request("GET", "/v1/node").json()["cordoned"]
+
+    before = node_state()
     resp = fleet.gw.request(method, path, {} if method == "POST" else None, key=fleet.keys["admin"])
-    assert (resp.status, resp.error[0]) == expected
+    assert err(resp) == expected
+    assert node_state() == before
 
 
 def test_capabilities_never_offer_images(fleet: Fleet) -> None:
