@@ -24,7 +24,6 @@ write updates memory only after its commit. Methods are synchronous; the server 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sqlite3
@@ -33,6 +32,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from sbx.statefile import try_lock
 
 #: Tenant of a key issued without one, as stored (the API shows it as absent, or ``default`` in org calls).
 DEFAULT_TENANT = ""
@@ -200,17 +201,13 @@ def acquire_lock(state_path: Path) -> int:
 
     Raises ``StateLocked`` while another process holds it.
     """
-    state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = lock_path_for(state_path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(path)
+    if fd is None:
         raise StateLocked(
             f"another process holds the state file lock {path} (a sandbox-gateway serving {state_path}); "
             "stop that gateway first, or make the change through the admin API while it runs"
-        ) from None
+        )
     return fd
 
 
