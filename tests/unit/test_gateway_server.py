@@ -126,6 +126,15 @@ def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
+#: The answer to a request ended by revocation before its node answered (spec: Revocation 1).
+ENDED = {
+    "error": {
+        "code": "unauthorized",
+        "message": "this request was ended because its API key was revoked or lost the scope it needs",
+    }
+}
+
+
 async def waiting_run(
     setup: Setup, sandbox_id: str, headers: dict[str, str], open_requests: int = 1
 ) -> asyncio.Future[ClientResponse]:
@@ -198,9 +207,12 @@ async def test_revoking_a_key_ends_its_waiting_request_with_401(setup: Setup) ->
     assert deleted.status == 204
     assert run.done() or len(setup.gateway.open) == 0  # ended before DELETE returned
     resp = await run
-    assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+    assert (resp.status, await resp.json()) == (401, ENDED)
     again = await setup.client.get("/v1/sandboxes", headers=bearer(setup.user))
-    assert again.status == 401
+    assert (again.status, await again.json()) == (
+        401,
+        {"error": {"code": "unauthorized", "message": "unknown or revoked API key"}},
+    )
 
 
 def test_capabilities_are_the_intersection() -> None:
@@ -302,7 +314,7 @@ async def test_recheck_ends_a_request_whose_key_lost_its_scope(setup: Setup) -> 
     store.keys_by_hash[key.secret_sha256] = weaker
     await setup.gateway.recheck()
     resp = await run
-    assert resp.status == 401
+    assert (resp.status, await resp.json()) == (401, ENDED)
     assert len(setup.gateway.open) == 0
 
 
@@ -368,7 +380,8 @@ async def test_removing_a_member_ends_their_requests_in_the_org_only(setup: Setu
     own_run = await waiting_run(setup, own_sandbox["id"], bearer(bob), open_requests=2)
     removed = await setup.client.delete("/v1/orgs/rocket/members/bob", headers=bearer(setup.user))
     assert removed.status == 204
-    assert (await in_org_run).status == 401
+    ended = await in_org_run
+    assert (ended.status, await ended.json()) == (401, ENDED)
     assert not own_run.done() and len(setup.gateway.open) == 1  # their own tenant is untouched
     own_run.cancel()
     entries, _ = setup.gateway.audit.read(None, 100) if setup.gateway.audit else ([], False)
