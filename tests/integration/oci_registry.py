@@ -14,13 +14,17 @@ import shutil
 import socket
 import subprocess
 import tarfile
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
@@ -101,6 +105,23 @@ class Registry:
         """Where the filesystem driver keeps blob ``digest`` (to corrupt it behind the registry's back)."""
         hexd = digest.split(":", 1)[1]
         return self.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+
+@contextmanager
+def temporary_registry() -> Iterator[Registry]:
+    """A started registry without auth in a fresh temporary directory; stopped and removed on leaving.
+
+    Skips the calling test when Debian's ``docker-registry`` is not installed.
+    """
+    if shutil.which("docker-registry") is None:
+        pytest.skip("needs Debian's docker-registry (scripts/install.sh --test-deps installs it)")
+    workdir = Path(tempfile.mkdtemp(prefix="sbx-reg-"))
+    registry = Registry(workdir)
+    try:
+        yield registry.start()
+    finally:
+        registry.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # --- an OCI image writer -------------------------------------------------------------------------------------
@@ -231,6 +252,14 @@ async def push(base_url: str, repo: str, tag: str, image: Image, headers: dict[s
 # --- a token server --------------------------------------------------------------------------------------------
 
 
+async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on 127.0.0.1 at a free port: the runner (``cleanup()`` it when done) and the port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -298,11 +327,7 @@ class TokenServer:
     async def start(self) -> TokenServer:
         app = web.Application()
         app.router.add_get("/token", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:
@@ -369,11 +394,7 @@ class Proxy:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from oci_registry import Entry, Image, Proxy, Registry, build_image, layer, push
+from oci_registry import Entry, Image, Proxy, Registry, build_image, layer, push, temporary_registry
 from sandboxd_harness import IMAGES_DIR, Response, Sandboxd
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,13 +108,8 @@ def run(server: Sandboxd, ref: str, argv: list[str], **fields: Any) -> tuple[int
 
 @pytest.fixture(scope="module")
 def registry() -> Iterator[Registry]:
-    if shutil.which("docker-registry") is None:
-        pytest.skip("needs Debian's docker-registry (scripts/install.sh --test-deps installs it)")
-    workdir = Path(tempfile.mkdtemp(prefix="sbx-reg-"))
-    reg = Registry(workdir).start()
-    yield reg
-    reg.stop()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with temporary_registry() as reg:
+        yield reg
 
 
 def images_config(extra: str = "") -> str:
@@ -153,6 +148,23 @@ async def call(server: Sandboxd, method: str, path: str, body: Any = None) -> Re
     return await asyncio.to_thread(server.request, method, path, body)
 
 
+async def settled(
+    server: Sandboxd, ref: str, progress: list[dict[str, Any]] | None = None, timeout_secs: float = 60
+) -> dict[str, Any]:
+    """The listing entry of ``ref`` once it is no longer installing (or after ``timeout_secs``), appending
+    each progress seen meanwhile to ``progress``."""
+    deadline = time.monotonic() + timeout_secs
+    while True:
+        entry = next(
+            i for i in (await call(server, "GET", "/v1/images")).json()["images"] if i["image"] == ref
+        )
+        if entry["state"] != "installing" or time.monotonic() > deadline:
+            return entry  # type: ignore[no-any-return]
+        if progress is not None:
+            progress.append(entry["progress"])
+        await asyncio.sleep(0.05)
+
+
 # --- install, progress, joining --------------------------------------------------------------------------------
 
 
@@ -173,15 +185,7 @@ async def test_install_shows_progress_and_joins_a_second_post(
     assert second.status == 202 and second.json()["state"] == "installing"
 
     seen: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        entry = next(
-            i for i in (await call(server, "GET", "/v1/images")).json()["images"] if i["image"] == ref
-        )
-        if entry["state"] != "installing":
-            break
-        seen.append(entry["progress"])
-        await asyncio.sleep(0.05)
+    entry = await settled(server, ref, seen)
     assert entry["state"] == "installed", entry
     assert entry["digest"] == image.digest
     assert entry["bytes"] > 4 << 20 and entry["in_use"] == 0
@@ -322,15 +326,7 @@ async def test_delete_while_installing_is_409(server: Sandboxd, registry: Regist
     assert (await call(server, "POST", "/v1/images", {"image": ref})).status == 202
     resp = await call(server, "DELETE", f"/v1/images?image={ref}")
     assert resp.status == 409 and "being installed" in resp.error[1]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        entry = next(
-            i for i in (await call(server, "GET", "/v1/images")).json()["images"] if i["image"] == ref
-        )
-        if entry["state"] != "installing":
-            break
-        await asyncio.sleep(0.1)
-    assert entry["state"] == "installed"
+    assert (await settled(server, ref))["state"] == "installed"
 
 
 # --- creates from images ------------------------------------------------------------------------------------------

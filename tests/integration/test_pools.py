@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from oci_registry import Registry, free_port
+from oci_registry import Registry, free_port, temporary_registry
 from sandboxd_harness import Sandboxd
 from test_images_api import mini_image, push_sync
 
@@ -25,13 +25,8 @@ PREFIX = f"sbxpool{uuid.uuid4().hex[:8]}"
 
 @pytest.fixture(scope="module")
 def registry() -> Iterator[Registry]:
-    if shutil.which("docker-registry") is None:
-        pytest.skip("needs Debian's docker-registry (scripts/install.sh --test-deps installs it)")
-    workdir = Path(tempfile.mkdtemp(prefix="sbx-reg-"))
-    reg = Registry(workdir).start()
-    yield reg
-    reg.stop()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with temporary_registry() as reg:
+        yield reg
 
 
 @pytest.fixture(scope="module")
