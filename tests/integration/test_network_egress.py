@@ -394,6 +394,33 @@ def test_patch_allowlist_narrowing_cuts_only_what_it_no_longer_permits(node: San
     assert not got["ok"] and "ConnectionResetError" in got["error"], got
 
 
+def test_patch_breaking_a_policy_rule_is_refused_and_changes_nothing(node: Sandboxd, world: World) -> None:
+    """PATCH rule 1: the create rules apply; a refused PATCH leaves the policy, the name and the live
+    enforcement as they were."""
+    box = node.create(network={"mode": "allowlist", "allow": ["allowed.test"]}, name="kept")["id"]
+    before = node.request("GET", f"/v1/sandboxes/{box}").json()
+    for body, status, code, message in [
+        ({"network": {"mode": "allowlist", "allow": []}}, 403, "refused", "network policy rule 5: allow: []"),
+        ({"network": {"mode": "open", "allow": ["allowed.test"]}}, 400, "invalid_request",
+         "network policy rule 6"),
+        ({"network": {"mode": "allowlist", "allow": ["http://allowed.test"]}}, 400, "invalid_request",
+         "has a scheme"),
+        ({"network": {"mode": "allowlist", "allow": ["10.1.2.3"]}}, 400, "invalid_request", "IP address"),
+        ({"network": {"mode": "open"}, "name": "Bad Name"}, 400, "invalid_request",
+         "is not a valid sandbox name"),
+    ]:  # fmt: skip
+        resp = node.request("PATCH", f"/v1/sandboxes/{box}", body)
+        assert resp.status == status, (body, resp.body)
+        assert resp.error[0] == code and message in resp.error[1], (body, resp.error)
+    after = node.request("GET", f"/v1/sandboxes/{box}").json()
+    assert (after["network"], after["name"]) == (before["network"], "kept")
+    events = node.request("GET", f"/v1/sandboxes/{box}/events").json()["events"]
+    assert not [e for e in events if e["type"] in ("sandbox.network_updated", "sandbox.updated")]
+    # Still the allowlist it had: the allowed name gets through, another does not.
+    assert probe(node, box, op="http", host="allowed.test", port=80)["ok"]
+    assert not probe(node, box, op="http", host="denied.test", addr=ZONE["denied.test"], port=80)["ok"]
+
+
 def test_patch_a_sandbox_created_without_network_is_409_and_changes_nothing(node: Sandboxd) -> None:
     box = node.create(network={"mode": "none"}, name="netless")["id"]
     resp = node.request("PATCH", f"/v1/sandboxes/{box}", {"network": {"mode": "open"}, "name": "renamed"})
