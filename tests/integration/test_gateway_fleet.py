@@ -310,8 +310,10 @@ def test_volumes_one_namespace_and_pinned_placement(clean: Fleet) -> None:
         )
         fleet.gw.request("POST", f"/v1/admin/nodes/{holder}/cordon", {"cordoned": False}, key=admin)
         both = [{"name": "data", "path": "/data"}, {"name": "other", "path": "/other"}]
+        listed = fleet.gw.request("GET", "/v1/sandboxes", key=alice).json()
         split = fleet.gw.request("POST", "/v1/sandboxes", {"volumes": both}, key=alice)
         assert (split.status, split.error[0]) == (409, "conflict") and "different nodes" in split.error[1]
+        assert fleet.gw.request("GET", "/v1/sandboxes", key=alice).json() == listed
         assert fleet.gw.request("DELETE", "/v1/volumes/other", key=alice).status == 204
     finally:
         fleet.gw.request("DELETE", "/v1/volumes/data", key=alice)
