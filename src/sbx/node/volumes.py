@@ -93,6 +93,13 @@ def holder_conflict(name: str, holders: dict[str, bool], sandbox_id: str, read_o
     return None
 
 
+def _first_holder(holders: dict[str, bool]) -> str | None:
+    """The holder a volume is shown and refused under: the writer if there is one, else the first reader by
+    sandbox id; None when nobody holds it."""
+    writer = next((sid for sid, ro in holders.items() if not ro), None)
+    return writer if writer is not None else min(holders, default=None)
+
+
 def check_mount_points(image_root: Path, mounts: Sequence[VolumeMount]) -> None:
     """Refuse (400) a mount path that the image makes a file or a symlink on the way.
 
@@ -230,14 +237,11 @@ class VolumeStore:
     def to_wire(self, record: VolumeRecord) -> dict[str, Any]:
         """The spec's Volume: ``attached_to`` names one holder, the writer if there is one, else the first
         reader by sandbox id; null when no live sandbox holds it."""
-        holders = self._holders.get(record.name) or {}
-        writer = next((sid for sid, ro in holders.items() if not ro), None)
-        attached = writer if writer is not None else (min(holders) if holders else None)
         return {
             "name": record.name,
             "size_mb": record.size_mb,
             "created_at": record.created_at,
-            "attached_to": attached,
+            "attached_to": _first_holder(self._holders.get(record.name) or {}),
         }
 
     async def create(self, name: str, size_mb: int) -> dict[str, Any]:
@@ -334,10 +338,9 @@ class VolumeStore:
         log.info("volume deleted", extra={"volume": name})
 
     def _refuse_if_held(self, name: str) -> None:
-        holders = self._holders.get(name)
-        if holders:
-            writer = next((sid for sid, ro in holders.items() if not ro), None)
-            holder = writer if writer is not None else min(holders)
+        holders = self._holders.get(name) or {}
+        holder = _first_holder(holders)
+        if holder is not None:
             raise Conflict(
                 f"volume {name!r} is mounted by sandbox {holder}"
                 f"{f' and {len(holders) - 1} other(s)' if len(holders) > 1 else ''}; "
