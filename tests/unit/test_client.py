@@ -7,7 +7,9 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp.client_reqrep import ConnectionKey
 
 import sbx.client
 from sbx.api.errors import (
@@ -20,6 +22,7 @@ from sbx.api.errors import (
     Unsupported,
 )
 from sbx.client import AsyncClient, Endpoint, RunResult, Sandbox, resolve_endpoint
+from sbx.client._endpoint import translate_error
 from sbx.client._transport import Params, Response, Upgraded, error_for
 
 Handler = Callable[[str, str, Any, Params | None], tuple[int, Any]]
@@ -137,6 +140,75 @@ def test_resolve_endpoint(
 def test_resolve_endpoint_refuses(url: str) -> None:
     with pytest.raises(InvalidRequest, match="sandboxd|socket|query"):
         resolve_endpoint(url, None, {})
+
+
+_SOCKET = Endpoint("http://localhost", "/run/x.sock")
+_TCP = Endpoint("http://node:8443")
+_KEY = ConnectionKey("node", 8443, False, True, None, None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("exc", "endpoint", "error", "message"),
+    [
+        (
+            aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(111, "Connection refused")),
+            _TCP,
+            Unavailable,
+            "cannot reach sandboxd at http://node:8443 (Connection refused): check that sandboxd listens there",
+        ),
+        (
+            aiohttp.ClientConnectorError(_KEY, FileNotFoundError(2, "No such file or directory")),
+            _SOCKET,
+            Unavailable,
+            "cannot reach sandboxd at unix:///run/x.sock (No such file or directory): start it with `sandboxd`",
+        ),
+        (
+            aiohttp.ClientConnectorError(_KEY, PermissionError(13, "Permission denied")),
+            _SOCKET,
+            Unavailable,
+            "cannot reach sandboxd at unix:///run/x.sock: permission denied; run as the user that owns",
+        ),
+        # Raw connections (upgrades) see the OS error itself.
+        (
+            FileNotFoundError(2, "No such file or directory"),
+            _SOCKET,
+            Unavailable,
+            "cannot reach sandboxd at unix:///run/x.sock (No such file or directory): start it with `sandboxd`",
+        ),
+        (
+            ConnectionRefusedError(111, "Connection refused"),
+            _TCP,
+            Unavailable,
+            "cannot reach sandboxd at http://node:8443 (Connection refused): check that",
+        ),
+        (
+            PermissionError(13, "Permission denied"),
+            _SOCKET,
+            Unavailable,
+            "cannot reach sandboxd at unix:///run/x.sock: permission denied; run as the user",
+        ),
+        (TimeoutError(), _TCP, Unavailable, "sandboxd at http://node:8443 did not answer in time"),
+        (
+            aiohttp.ServerDisconnectedError(),
+            _TCP,
+            Unavailable,
+            "sandboxd at http://node:8443 closed the connection before answering",
+        ),
+        (
+            ConnectionResetError(104, "reset"),
+            _TCP,
+            Unavailable,
+            "talking to sandboxd at http://node:8443 failed",
+        ),
+        (ValueError("odd"), _TCP, Internal, "unexpected error talking to sandboxd at http://node:8443"),
+    ],
+)
+def test_failures_to_reach_the_server_become_sandbox_errors(
+    exc: BaseException, endpoint: Endpoint, error: type[SandboxError], message: str
+) -> None:
+    translated = translate_error(exc, endpoint)
+    assert type(translated) is error
+    assert translated.message.startswith(message), translated.message
 
 
 @pytest.mark.parametrize(
