@@ -96,20 +96,15 @@ def translate_error(exc: BaseException, endpoint: Endpoint) -> SandboxError:
         if endpoint.socket_path is not None
         else "check that sandboxd listens there and SANDBOX_URL (--url) is right"
     )
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        cause = exc.os_error
-        if isinstance(cause, PermissionError):
-            return Unavailable(
-                f"cannot reach sandboxd at {where}: permission denied; run as the user that owns the socket"
-            )
-        return Unavailable(f"cannot reach sandboxd at {where} ({cause.strerror or cause}): {hint}")
-    if isinstance(exc, FileNotFoundError | ConnectionRefusedError):
-        # Raw connections (upgrades) fail with the OS error itself.
-        return Unavailable(f"cannot reach sandboxd at {where} ({exc.strerror or exc}): {hint}")
-    if isinstance(exc, PermissionError):
+    # aiohttp wraps the OS error of connecting; raw connections (upgrades) fail with it bare.
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    if isinstance(cause, PermissionError):
         return Unavailable(
             f"cannot reach sandboxd at {where}: permission denied; run as the user that owns the socket"
         )
+    connecting = isinstance(exc, aiohttp.ClientConnectorError | FileNotFoundError | ConnectionRefusedError)
+    if connecting and isinstance(cause, OSError):
+        return Unavailable(f"cannot reach sandboxd at {where} ({cause.strerror or cause}): {hint}")
     if isinstance(exc, TimeoutError):
         return Unavailable(f"sandboxd at {where} did not answer in time")
     if isinstance(exc, aiohttp.ServerDisconnectedError):
