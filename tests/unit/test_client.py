@@ -318,6 +318,63 @@ async def test_malformed_run_result_is_internal(body: Any) -> None:
         await Sandbox(client, {"id": "sbx_1"}).run(["true"])
 
 
+_BOX = {"id": "sbx_1"}
+
+
+@pytest.mark.parametrize(
+    ("call", "body", "message"),
+    [
+        (
+            lambda c: Sandbox(c, _BOX).refresh(),
+            ["x"],
+            "the server answered list where a Sandbox was expected",
+        ),
+        (
+            lambda c: Sandbox(c, _BOX).update(name="n"),
+            "x",
+            "the server answered str where a Sandbox was expected",
+        ),
+        (lambda c: Sandbox(c, _BOX).suspend(), [], "the server answered list where a Sandbox was expected"),
+        (
+            lambda c: Sandbox(c, _BOX).set_snapshot_schedule(60),
+            1,
+            "answered int where a Sandbox was expected",
+        ),
+        (lambda c: Sandbox(c, _BOX).snapshot(), [], "the server answered list where a Snapshot was expected"),
+        (
+            lambda c: Sandbox(c, _BOX).events(),
+            [],
+            "the server answered list where an event list was expected",
+        ),
+        (lambda c: Sandbox(c, _BOX).events(), {"events": 1}, "the server's answer has no 'events' array"),
+        (lambda c: Sandbox(c, _BOX).files.list("/"), {}, "the server's answer has no 'entries' array"),
+        (
+            lambda c: Sandbox(c, _BOX).processes(),
+            {"processes": {}},
+            "the server's answer has no 'processes' array",
+        ),
+        (lambda c: c.sandboxes.list(), {"items": []}, "the server's answer has no 'sandboxes' array"),
+        (lambda c: c.images.list(), [], "the server's answer has no 'images' array"),
+        (lambda c: c.images.pull("x:1"), [], "the server answered list where an Image was expected"),
+        (lambda c: c.snapshots.list(), {}, "the server's answer has no 'snapshots' array"),
+        (lambda c: c.volumes.list(), {"volumes": "x"}, "the server's answer has no 'volumes' array"),
+        (lambda c: c.volumes.create("v"), [], "the server answered list where a Volume was expected"),
+        (lambda c: c.capabilities(), [], "the server answered list where a JSON object was expected"),
+    ],
+)
+async def test_answers_of_the_wrong_shape_are_internal(call: Any, body: Any, message: str) -> None:
+    async with AsyncClient(transport=HandlerTransport(lambda *_: (200, body))) as client:
+        with pytest.raises(Internal) as info:
+            await call(client)
+    assert message in info.value.message
+
+
+async def test_process_list_may_be_a_bare_array() -> None:
+    body = [{"pid": 3, "argv": ["sh"], "state": "running"}]
+    async with AsyncClient(transport=HandlerTransport(lambda *_: (200, body))) as client:
+        assert [p.pid for p in await Sandbox(client, _BOX).processes()] == [3]
+
+
 async def test_process_output_reassembles_split_lines_and_sets_exit_code() -> None:
     lines = [
         {"stream": "stdout", "data": base64.b64encode(b"a\n").decode()},

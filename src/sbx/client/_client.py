@@ -18,6 +18,7 @@ from typing import Any, Self
 from sbx.api.errors import Internal
 from sbx.client._endpoint import Params, error_for, resolve_endpoint
 from sbx.client._images import Images
+from sbx.client._models import as_object
 from sbx.client._sandbox import Sandboxes
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
@@ -121,13 +122,6 @@ class AsyncClient:
     async def upgrade(self, path: str, protocol: str, *, params: Params | None = None) -> Upgraded:
         """Switch a ``GET path`` connection to ``protocol``; the raw reader and writer."""
         return await self._transport.upgrade(path, protocol, params=params)
-
-
-def as_object(body: Any) -> dict[str, Any]:
-    """``body`` if it is a JSON object; ``Internal`` otherwise (the server broke the contract)."""
-    if not isinstance(body, dict):
-        raise Internal(f"the server answered {type(body).__name__} where a JSON object was expected")
-    return body
 
 
 def _decode_json(resp: Response) -> Any:

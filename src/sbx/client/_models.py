@@ -15,6 +15,21 @@ from typing import Any, Literal
 from sbx.api.errors import Internal
 
 
+def as_object(body: Any, what: str = "a JSON object") -> dict[str, Any]:
+    """``body`` if it is a JSON object; ``Internal`` saying ``what`` was expected otherwise."""
+    if not isinstance(body, dict):
+        raise Internal(f"the server answered {type(body).__name__} where {what} was expected")
+    return body
+
+
+def array_field(body: Any, key: str) -> list[Any]:
+    """``body[key]`` when ``body`` is a JSON object with an array there; ``Internal`` otherwise."""
+    found = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(found, list):
+        raise Internal(f"the server's answer has no {key!r} array")
+    return found
+
+
 @dataclass(frozen=True)
 class RunResult:
     """The outcome of ``run``: output bytes (decoded from the wire's base64) and how it ended.
@@ -91,7 +106,4 @@ class EventList:
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> EventList:
         """Build from ``{events, truncated}``."""
-        events = body.get("events")
-        if not isinstance(events, list):
-            raise Internal("the server's event list has no 'events' array")
-        return cls(events=events, truncated=bool(body.get("truncated", False)))
+        return cls(events=array_field(body, "events"), truncated=bool(body.get("truncated", False)))

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from sbx.api import frames
 from sbx.api.errors import Internal, Unavailable
-from sbx.client._models import OutputEvent
+from sbx.client._models import OutputEvent, as_object
 from sbx.client._streams import Attachment
 
 if TYPE_CHECKING:
@@ -60,10 +60,7 @@ class Process:
 
     async def refresh(self) -> Process:
         """Fetch the process again into ``info``; returns itself."""
-        info = await self._client.request("GET", self._path)
-        if not isinstance(info, dict):
-            raise Internal("the server answered a process that is not an object")
-        self.info = info
+        self.info = as_object(await self._client.request("GET", self._path), "a Process")
         return self
 
     async def output(self) -> AsyncIterator[OutputEvent]:

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from sbx.api import frames
 from sbx.api.errors import Internal, InvalidRequest
-from sbx.client._models import DirEntry, EventList, RunResult
+from sbx.client._models import DirEntry, EventList, RunResult, array_field, as_object
 from sbx.client._process import Process
 from sbx.client._streams import Attachment, Tunnel
 
@@ -51,10 +51,7 @@ class Sandboxes:
         """``GET /v1/sandboxes``, newest first; only those carrying every label in ``labels``."""
         params = [("label", f"{key}={value}") for key, value in (labels or {}).items()]
         body = await self._client.request("GET", "/v1/sandboxes", params=params)
-        found = body.get("sandboxes") if isinstance(body, dict) else None
-        if not isinstance(found, list):
-            raise Internal("the server's sandbox list has no 'sandboxes' array")
-        return [Sandbox(self._client, info) for info in found]
+        return [Sandbox(self._client, info) for info in array_field(body, "sandboxes")]
 
     async def get(self, ref: str) -> Sandbox:
         """``GET /v1/sandboxes/{ref}``: the sandbox named by id or name."""
@@ -120,60 +117,42 @@ class Sandbox:
     def _path(self) -> str:
         return sandbox_path(self.id)
 
+    async def _call(self, method: str, suffix: str = "", json: Any = None) -> Self:
+        """Send a call answered by the Sandbox object; keep that answer in ``info``."""
+        self.info = as_object(await self._client.request(method, self._path + suffix, json=json), "a Sandbox")
+        return self
+
     async def refresh(self) -> Self:
         """Fetch the sandbox again into ``info``; returns itself."""
-        info = await self._client.request("GET", self._path)
-        if not isinstance(info, dict):
-            raise Internal("the server answered a sandbox that is not an object")
-        self.info = info
-        return self
+        return await self._call("GET")
 
     async def update(self, **fields: Any) -> Self:
         """``PATCH``: any of ``network``, ``name``, ``labels``, ``idle_timeout_secs``; omitted fields
         stay as they are. Returns itself with ``info`` updated."""
-        info = await self._client.request("PATCH", self._path, json=fields)
-        if not isinstance(info, dict):
-            raise Internal("the server answered a sandbox that is not an object")
-        self.info = info
-        return self
+        return await self._call("PATCH", json=fields)
 
     async def delete(self) -> None:
         """Terminate the sandbox: its processes stop and its disk is discarded (idempotent)."""
         await self._client.request("DELETE", self._path)
 
-    async def _post_state(self, action: str) -> Self:
-        info = await self._client.request("POST", f"{self._path}/{action}")
-        if not isinstance(info, dict):
-            raise Internal("the server answered a sandbox that is not an object")
-        self.info = info
-        return self
-
     async def suspend(self) -> Self:
         """Save and stop the sandbox (memory, processes, disk kept; capability ``suspend``); Conflict while a
         process runs. Returns itself with ``info`` updated."""
-        return await self._post_state("suspend")
+        return await self._call("POST", "/suspend")
 
     async def resume(self) -> Self:
         """Bring a suspended sandbox back as it was. Returns itself with ``info`` updated."""
-        return await self._post_state("resume")
+        return await self._call("POST", "/resume")
 
     async def snapshot(self, kind: str = "memory") -> dict[str, Any]:
         """Take a ``memory`` (everything, processes running) or ``disk`` (files only) snapshot; returns the
         Snapshot. Fork it with ``client.sandboxes.create(snapshot_id=...)``."""
         body = await self._client.request("POST", f"{self._path}/snapshots", json={"kind": kind})
-        if not isinstance(body, dict):
-            raise Internal("the server answered a snapshot that is not an object")
-        return body
+        return as_object(body, "a Snapshot")
 
     async def set_snapshot_schedule(self, every_secs: int, keep: int = 1) -> Self:
         """Snapshot every ``every_secs`` seconds keeping the newest ``keep``; ``every_secs`` 0 stops it."""
-        info = await self._client.request(
-            "PUT", f"{self._path}/snapshot-schedule", json={"every_secs": every_secs, "keep": keep}
-        )
-        if not isinstance(info, dict):
-            raise Internal("the server answered a sandbox that is not an object")
-        self.info = info
-        return self
+        return await self._call("PUT", "/snapshot-schedule", {"every_secs": every_secs, "keep": keep})
 
     async def run(
         self,
@@ -195,9 +174,7 @@ class Sandbox:
         if timeout_secs is not None:
             body["timeout_secs"] = timeout_secs
         answer = await self._client.request("POST", self._path + "/run", json=body)
-        if not isinstance(answer, dict):
-            raise Internal("the server answered a run without a result object")
-        return RunResult.from_wire(answer)
+        return RunResult.from_wire(as_object(answer, "a run result"))
 
     async def start_process(
         self,
@@ -232,9 +209,8 @@ class Sandbox:
     async def processes(self) -> list[Process]:
         """The sandbox's processes, running and exited."""
         body = await self._client.request("GET", self._path + "/processes")
-        found = body.get("processes") if isinstance(body, dict) else body
-        if not isinstance(found, list):
-            raise Internal("the server's process list is not a list")
+        # A bare array is accepted too: the spec's table says only "list of processes".
+        found = body if isinstance(body, list) else array_field(body, "processes")
         return [Process(self._client, self.id, info) for info in found]
 
     async def get_process(self, pid: int) -> Process:
@@ -264,9 +240,7 @@ class Sandbox:
     async def events(self) -> EventList:
         """The sandbox's audit events, oldest first (capability ``audit``)."""
         body = await self._client.request("GET", self._path + "/events")
-        if not isinstance(body, dict):
-            raise Internal("the server's event list is not an object")
-        return EventList.from_wire(body)
+        return EventList.from_wire(as_object(body, "an event list"))
 
 
 class Files:
@@ -293,10 +267,7 @@ class Files:
     async def list(self, path: str) -> list[DirEntry]:
         """The entries of a guest directory, by name."""
         body = await self._client.request("GET", self._path + "/dirs", params={"path": path})
-        entries = body.get("entries") if isinstance(body, dict) else None
-        if not isinstance(entries, list):
-            raise Internal("the server's directory listing has no 'entries' array")
-        return [DirEntry.from_wire(e) for e in entries]
+        return [DirEntry.from_wire(e) for e in array_field(body, "entries")]
 
     async def remove(self, path: str) -> None:
         """Remove a file or an empty directory."""

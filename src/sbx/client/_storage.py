@@ -7,17 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from sbx.api.errors import Internal
+from sbx.client._models import array_field, as_object
 
 if TYPE_CHECKING:
     from sbx.client._client import AsyncClient
-
-
-def _items(body: Any, key: str) -> list[dict[str, Any]]:
-    items = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(items, list):
-        raise Internal(f"the server's list has no {key!r} array")
-    return items
 
 
 class Snapshots:
@@ -28,7 +21,7 @@ class Snapshots:
 
     async def list(self) -> list[dict[str, Any]]:
         """``GET /v1/snapshots``: Snapshot objects, newest first."""
-        return _items(await self._client.request("GET", "/v1/snapshots"), "snapshots")
+        return array_field(await self._client.request("GET", "/v1/snapshots"), "snapshots")
 
     async def delete(self, snapshot_id: str) -> None:
         """``DELETE /v1/snapshots/{id}``: remove a snapshot and its files; NotFound when unknown."""
@@ -46,14 +39,11 @@ class Volumes:
         body: dict[str, Any] = {"name": name}
         if size_mb is not None:
             body["size_mb"] = size_mb
-        volume = await self._client.request("POST", "/v1/volumes", json=body)
-        if not isinstance(volume, dict):
-            raise Internal("the server answered a volume create without the Volume object")
-        return volume
+        return as_object(await self._client.request("POST", "/v1/volumes", json=body), "a Volume")
 
     async def list(self) -> list[dict[str, Any]]:
         """``GET /v1/volumes``: Volume objects."""
-        return _items(await self._client.request("GET", "/v1/volumes"), "volumes")
+        return array_field(await self._client.request("GET", "/v1/volumes"), "volumes")
 
     async def delete(self, name: str) -> None:
         """``DELETE /v1/volumes/{name}``: delete it with its contents; Conflict while mounted."""
