@@ -136,10 +136,26 @@ def test_resolve_endpoint(
     assert resolve_endpoint(url, token, env) == expected
 
 
-@pytest.mark.parametrize("url", ["ftp://h", "node:8443", "unix://", "http://", "http://h/?x=1"])
-def test_resolve_endpoint_refuses(url: str) -> None:
-    with pytest.raises(InvalidRequest, match="sandboxd|socket|query"):
+_NOT_AN_ADDRESS = (
+    "is not a sandboxd address: use unix:///path/to/sandboxd.sock, http://host:port or https://host:port"
+)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftp://h", f"'ftp://h' {_NOT_AN_ADDRESS}"),
+        ("node:8443", f"'node:8443' {_NOT_AN_ADDRESS}"),
+        ("http://", f"'http://' {_NOT_AN_ADDRESS}"),
+        ("unix://", "'unix://' names no socket: write unix:///path/to/sandboxd.sock"),
+        ("http://h/?x=1", "'http://h/?x=1': a server address takes no query or fragment"),
+        ("http://h/#f", "'http://h/#f': a server address takes no query or fragment"),
+    ],
+)
+def test_resolve_endpoint_refuses(url: str, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
         resolve_endpoint(url, None, {})
+    assert info.value.message == message
 
 
 _SOCKET = Endpoint("http://localhost", "/run/x.sock")
