@@ -26,7 +26,10 @@ class Zone(Upstream):
     def __init__(self) -> None:
         super().__init__(())
 
+        self.asked: list[str] = []
+
     async def lookup(self, name: str) -> tuple[ipaddress.IPv4Address, ...]:
+        self.asked.append(name)
         table = {"allowed.test": (SERVER,), "denied.test": (SERVER,), "elsewhere.test": (ELSEWHERE,)}
         if name not in table:
             raise LookupFailed(f"{name}: NXDOMAIN")
@@ -149,3 +152,32 @@ async def test_the_connection_limit(setup: Setup) -> None:
     writer.write(HELLO_ALLOWED)
     assert await reset_or_closed(reader)
     writer.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "given"),
+    [
+        pytest.param("elsewhere.test", SERVER, id="upstream-moved-on"),
+        pytest.param("gone.test", SERVER, id="upstream-fails"),
+    ],
+)
+async def test_an_address_the_resolver_gave_is_the_names_without_asking_again(
+    setup: Setup, name: str, given: ipaddress.IPv4Address
+) -> None:
+    setup.attachment.policy = NetworkPolicy("allowlist", (name,))
+    setup.attachment.remember(name, [given])
+    hello = f"GET / HTTP/1.1\r\nHost: {name}\r\n\r\n".encode()
+    reader, writer = await setup.connect()
+    writer.write(hello)
+    assert await asyncio.wait_for(reader.readexactly(len(hello)), 5) == hello
+    writer.close()
+    assert isinstance(setup.proxy.upstream, Zone) and setup.proxy.upstream.asked == []
+
+
+async def test_an_address_neither_given_nor_the_upstreams_is_refused(setup: Setup) -> None:
+    setup.attachment.remember("elsewhere.test", [ELSEWHERE])
+    reader, writer = await setup.connect()
+    writer.write(b"GET / HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n")
+    assert await reset_or_closed(reader)
+    writer.close()
+    assert isinstance(setup.proxy.upstream, Zone) and setup.proxy.upstream.asked == ["elsewhere.test"]

@@ -193,23 +193,29 @@ class EgressProxy:
             await self._connect_nameless(attachment, relay, dialled, port)
         await self._relay(attachment, relay, buffered)
 
-    async def _addresses_of(self, attachment: Attachment, name: str) -> set[ipaddress.IPv4Address]:
-        """The addresses ``name`` has: what the upstream says now and what the resolver told this sandbox."""
+    async def _check_address_of(
+        self, attachment: Attachment, name: str, dialled: ipaddress.IPv4Address
+    ) -> None:
+        """Refuse unless ``dialled`` is an address of ``name`` (a name and an address that disagree go
+        nowhere): one the upstream gives now or the resolver gave this sandbox."""
         given = attachment.addresses_given(name)
+        if dialled in given:
+            return
         try:
-            return set(await self.upstream.lookup(name)) | given
+            addresses = await self.upstream.lookup(name)  # only now: most clients dial what we told them
         except LookupFailed as exc:
-            if given:
-                return given
-            raise Refusal(f"{name} does not resolve: {exc}") from None
+            if not given:
+                raise Refusal(f"{name} does not resolve: {exc}") from None
+            addresses = ()
+        if dialled not in addresses:
+            raise Refusal(f"{dialled}, the address dialled, is not an address of {name}")
 
     async def _connect_named(
         self, attachment: Attachment, relay: Relay, name: str, dialled: ipaddress.IPv4Address, port: int
     ) -> None:
-        """Connect to ``dialled`` only if it is an address of ``name`` (a name and an address that disagree
-        go nowhere) and of a kind the policy permits for a named connection."""
-        if dialled not in await self._addresses_of(attachment, name):
-            raise Refusal(f"{dialled}, the address dialled, is not an address of {name}")
+        """Connect to ``dialled`` only if it is an address of ``name`` and of a kind the policy permits for a
+        named connection."""
+        await self._check_address_of(attachment, name, dialled)
         kind = self.kind_of(dialled)
         if not address_permitted(attachment.policy, kind, named=True):
             raise Refusal(f"{name} is at {dialled}, a {kind} address")
@@ -289,8 +295,7 @@ class EgressProxy:
             return None
         buffered, name = await self._read_name(attachment, relay.client, first)
         if name is not None:
-            if connected not in await self._addresses_of(attachment, name):
-                raise Refusal(f"{connected}, the address dialled, is not an address of {name}")
+            await self._check_address_of(attachment, name, connected)
             relay.name = name
         return buffered
 
