@@ -14,8 +14,12 @@ from typing import Any
 
 import pytest
 from oci_registry import Registry, free_port, temporary_registry
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import IMAGES_DIR, Sandboxd
 from test_images_api import mini_image, push_sync
+
+from sbx.images.blobs import collect_unused_blobs
+from sbx.images.pull import blob_store
+from sbx.images.store import ImageStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,12 +56,6 @@ def server(registry: Registry, pooled_image: str, metrics_port: int) -> Iterator
         srv.request("DELETE", f"/v1/sandboxes/{sandbox['id']}")
     srv.teardown()
     # Not while the server runs: a pooled image cannot be removed. Remove it from the shared store directly.
-    from sandboxd_harness import IMAGES_DIR
-
-    from sbx.images.blobs import collect_unused_blobs
-    from sbx.images.pull import blob_store
-    from sbx.images.store import ImageStore
-
     store = ImageStore(IMAGES_DIR)
     store.remove(pooled_image)
     collect_unused_blobs(store, blob_store(IMAGES_DIR))
@@ -215,6 +213,7 @@ def test_cordon_stops_creates_but_keeps_the_pool(server: Sandboxd, pooled_image:
         resp = server.request("POST", "/v1/sandboxes", {"image": pooled_image})
         assert resp.status == 503 and resp.error[0] == "unavailable" and "cordoned" in resp.error[1]
         assert node(server)["pooled"][pooled_image] == POOL_SIZE
+        assert live_ids(server) == []  # nothing was handed out
     finally:
         server.request("POST", "/v1/node/cordon", {"cordoned": False})
 
