@@ -29,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -52,26 +53,15 @@ def start_gateway(workdir: Path, node: Sandboxd, src: Path | None) -> tuple[Gate
     workdir.mkdir()
     gw = GatewayProcess(workdir, [("n1", node)], ["--audit-log", str(workdir / "audit.jsonl")])
     key = gw.create_key("bench", "sandbox:read", "sandbox:create", "sandbox:delete")
-    saved = os.environ.get("PYTHONPATH")
-    if src is not None:
-        os.environ["PYTHONPATH"] = str(src.resolve() / "src")
-    try:
-        gw.start()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    gw.start(env={"PYTHONPATH": str(src.resolve() / "src")} if src is not None else None)
     return gw, key
 
 
-def timed(fn: object, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        out.append(time.perf_counter() - start)
-    return out
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def call(
@@ -154,8 +144,8 @@ def main() -> None:
         direct_c: list[float] = []
         through_c: list[float] = []
         for _ in range(args.creates):  # alternate, so drift on the machine hits both alike
-            direct_c += timed(direct_create, 1)
-            through_c += timed(gateway_create, 1)
+            direct_c.append(timed(direct_create))
+            through_c.append(timed(gateway_create))
             for sandbox_id in made[-2:]:
                 node.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         if args.creates:
@@ -186,13 +176,14 @@ def main() -> None:
             cpu_before = {label: cpu_secs(g.proc.pid) for label, g, *_ in gateways if g.proc is not None}
             for _ in range(args.runs):  # in turn, so drift on the machine hits each alike
                 time.sleep(args.idle_ms / 1000)
-                direct_t += timed(lambda m=method, p=f"/v1/sandboxes/{target}{tail}", b=body:
-                                  call(direct_conn, m, p, b, plain), 1)  # fmt: skip
+                direct_t.append(timed(lambda m=method, p=f"/v1/sandboxes/{target}{tail}", b=body:
+                                      call(direct_conn, m, p, b, plain)))  # fmt: skip
                 for label, _, k, sandbox in gateways:
                     time.sleep(args.idle_ms / 1000)
                     auth = {"Authorization": f"Bearer {k}", "Content-Type": "application/json"}
-                    through[label] += timed(lambda c=conns[label], m=method, p=f"/v1/sandboxes/{sandbox}{tail}",
-                                            b=body, a=auth: call(c, m, p, b, a), 1)  # fmt: skip
+                    path = f"/v1/sandboxes/{sandbox}{tail}"
+                    through[label].append(timed(lambda c=conns[label], m=method, p=path, b=body, a=auth:
+                                                call(c, m, p, b, a)))  # fmt: skip
             for label, g, *_ in gateways:
                 assert g.proc is not None
                 used = (cpu_secs(g.proc.pid) - cpu_before[label]) / args.runs * 1000

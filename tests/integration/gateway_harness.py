@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
 import signal
 import socket
@@ -77,13 +78,15 @@ class GatewayProcess:
             args += ["--tenant", tenant]
         return str(json.loads(self.cli(*args).stdout)["secret"])
 
-    def start(self) -> GatewayProcess:
+    def start(self, env: dict[str, str] | None = None) -> GatewayProcess:
+        """Serve, with ``env`` added to this process's environment; returns once it answers /v1/health."""
         command = [
             sys.executable, "-m", "sbx.gateway.main", "serve", "--state", str(self.state_path),
             "--listen", f"127.0.0.1:{self.port}", "--node-file", str(self.node_file), *self.args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **env} if env else None)  # fmt: skip
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
