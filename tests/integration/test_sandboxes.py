@@ -229,7 +229,7 @@ def test_ceiling_is_the_configured_one_every_mode_being_enforced(
     sandboxd_factory: Callable[..., Sandboxd],
 ) -> None:
     # The gVisor backend enforces none, allowlist and open (docs/network.md), so nothing is lowered; the
-    # lowering itself (a backend enforcing less) is unit-tested in test_network_rules.py.
+    # lowering itself (a backend enforcing less) is unit-tested in test_egress_rules.py.
     server = sandboxd_factory(config_text='[network]\nceiling = "allowlist"\nmay_allow = ["*"]\n')
     caps = server.request("GET", "/v1/capabilities").json()
     assert caps["network"]["ceiling"] == "allowlist"

@@ -333,3 +333,19 @@ def test_to_wire_round_trips_through_resolve() -> None:
     assert resolve_policy(policy.to_wire(), ALLOWLIST_DEFAULT) == policy
     open_policy = resolve_policy({"mode": "open"}, ALLOWLIST_DEFAULT)
     assert resolve_policy(open_policy.to_wire(), ALLOWLIST_DEFAULT) == open_policy
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        NetworkPolicy("none"),
+        NetworkPolicy("open", None, ("bad.example.com",)),
+        NetworkPolicy("allowlist", ("a.example.com", "*.b.example.com"), ("c.b.example.com",)),
+    ],
+)
+def test_stored_policies_read_back(policy: NetworkPolicy) -> None:
+    assert NetworkPolicy.from_wire(policy.to_wire()) == policy
+
+
+def test_older_stored_policies_with_allow_null_read_back() -> None:
+    assert NetworkPolicy.from_wire({"mode": "none", "allow": None, "deny": []}) == NetworkPolicy("none")

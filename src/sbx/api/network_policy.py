@@ -20,7 +20,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from sbx.api.errors import InvalidRequest, Refused
 
@@ -52,6 +52,13 @@ class NetworkPolicy:
             body["allow"] = list(self.allow)
         body["deny"] = list(self.deny)
         return body
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> NetworkPolicy:
+        """Inverse of :meth:`to_wire` for a policy this server stored itself (already validated); also reads
+        ``"allow": null``, as older state files hold."""
+        allow = data.get("allow")
+        return cls(data["mode"], tuple(allow) if allow is not None else None, tuple(data.get("deny") or ()))
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,6 @@ RESOLV_CONF_FILE: Final = "resolv.conf"
 GUEST_INTERFACE: Final = "eth0"
 
 
-def policy_from_json(data: dict[str, Any]) -> NetworkPolicy:
-    """Inverse of :meth:`NetworkPolicy.to_wire` (also reads ``"allow": null``, as older files hold)."""
-    allow = data.get("allow")
-    return NetworkPolicy(
-        data["mode"], tuple(allow) if allow is not None else None, tuple(data.get("deny", ()))
-    )
-
-
 class SandboxNetworks:
     """The network namespaces of one gVisor backend; ``base`` is its state directory (``<state>/gvisor``)."""
 
@@ -183,7 +175,7 @@ class SandboxNetworks:
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
                 slot = self.egress.slot(int(data["slot"]))
-                policy = policy_from_json(data["policy"])
+                policy = NetworkPolicy.from_wire(data["policy"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning(
                     "unreadable sandbox network file", extra={"sandbox": sandbox_id, "error": str(exc)}

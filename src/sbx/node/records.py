@@ -110,23 +110,14 @@ class SandboxRecord:
         data = asdict(self)
         del data["snapshotting"]
         data["state"] = self.state.value
-        data["network"] = {
-            "mode": self.network.mode,
-            "allow": list(self.network.allow) if self.network.allow is not None else None,
-            "deny": list(self.network.deny),
-        }
+        data["network"] = self.network.to_wire()
         return data
 
     @classmethod
     def from_disk(cls, data: dict[str, Any]) -> SandboxRecord:
         """Inverse of ``to_disk``."""
         data = dict(data)
-        net = data.pop("network")
-        data["network"] = NetworkPolicy(
-            mode=net["mode"],
-            allow=tuple(net["allow"]) if net.get("allow") is not None else None,
-            deny=tuple(net.get("deny") or ()),
-        )
+        data["network"] = NetworkPolicy.from_wire(data["network"])
         data["state"] = SandboxState(data["state"])
         data["volumes"] = tuple(VolumeMount(**m) for m in data.get("volumes") or ())
         return cls(**data)
