@@ -8,7 +8,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sbx.node.metrics import NodeMetrics, NodeSnapshot, check_loopback, start_metrics_server
+from sbx.node.metrics import NodeMetrics, NodeSnapshot
+from sbx.serving import check_loopback, start_metrics_server
 
 SNAPSHOT = NodeSnapshot(
     sandboxes_by_state={"pending": 1, "running": 3, "terminated": 7},

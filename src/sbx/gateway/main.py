@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import sys
 import tomllib
@@ -50,6 +49,7 @@ from sbx.gateway.state import (
 from sbx.net.loopback import is_loopback
 from sbx.node.logs import setup_logging
 from sbx.node.main import parse_host_port
+from sbx.serving import server_tls, start_metrics_server, unix_listener
 
 DEFAULT_LISTEN = "127.0.0.1:7443"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
@@ -212,11 +212,7 @@ def serve(
     )
     audit = GatewayAudit(audit_path) if audit_path is not None else None
     gateway = Gateway(store, registry, audit, options)
-    tls = None
-    if tls_cert is not None and tls_key is not None:
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.minimum_version = ssl.TLSVersion.TLSv1_2
-        tls.load_cert_chain(tls_cert, tls_key)
+    tls = server_tls(tls_cert, tls_key)
     try:
         asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr))
     finally:
@@ -239,12 +235,12 @@ async def _serve(
     )
     await runner.setup()
     if socket_path is not None:
-        await web.SockSite(runner, _unix_socket(socket_path)).start()
+        await web.SockSite(runner, unix_listener(socket_path, backlog=512)).start()
     if listen is not None:
         await web.TCPSite(runner, listen[0], listen[1], ssl_context=tls).start()
     metrics_runner = None
     if metrics_addr is not None:
-        metrics_runner = await _metrics_server(gateway, *metrics_addr)
+        metrics_runner = await start_metrics_server(gateway.metrics, *metrics_addr)
     print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
           file=sys.stderr, flush=True)  # fmt: skip
     stop = asyncio.Event()
@@ -261,33 +257,6 @@ async def _serve(
         gateway.audit.close()
     if socket_path is not None:
         socket_path.unlink(missing_ok=True)
-
-
-def _unix_socket(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    sock.listen(512)
-    sock.setblocking(False)
-    return sock
-
-
-async def _metrics_server(gateway: Gateway, host: str, port: int) -> web.AppRunner:
-    async def handle(request: web.Request) -> web.Response:
-        body, content_type = gateway.metrics.render()
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
 
 
 # -- offline: keys ----------------------------------------------------------------------------------

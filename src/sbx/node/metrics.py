@@ -26,12 +26,9 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from sbx.net.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -165,45 +162,3 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         return self._metrics._families(describe_only=False)
-
-
-def check_loopback(host: str) -> None:
-    """Raise ``ValueError`` unless ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``.
-
-    The metrics endpoint takes no credential, so it must not be reachable from other machines.
-    """
-    if is_loopback(host):
-        return
-    raise ValueError(
-        f"metrics address {host!r} is not loopback: the metrics endpoint has no credential, so it listens "
-        "only on 127.0.0.1, ::1 or localhost; put a proxy in front of it to expose it further"
-    )
-
-
-async def start_metrics_server(metrics: NodeMetrics, host: str, port: int) -> web.AppRunner:
-    """Serve ``GET /metrics`` on ``host:port`` (loopback only; port 0 picks a free one).
-
-    Returns the started runner: ``runner.addresses`` tells the bound address, ``runner.cleanup()``
-    stops it. Raises ``ValueError`` for a non-loopback host before anything is bound.
-    """
-    check_loopback(host)
-
-    async def handle(request: web.Request) -> web.Response:
-        try:
-            body, content_type = metrics.render()
-        except Exception:
-            # A 500 makes the scrape fail visibly (up == 0) rather than drop the gauges silently.
-            log.exception("metrics snapshot failed")
-            return web.Response(status=500, text="metrics snapshot failed; see the sandboxd log\n")
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner

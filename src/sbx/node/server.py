@@ -7,8 +7,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +21,11 @@ from sbx.node.config import NodeConfig, resolve_capacity
 from sbx.node.context import NodeContext
 from sbx.node.http import error_middleware, make_guard
 from sbx.node.manager import SandboxManager
-from sbx.node.metrics import NodeMetrics, NodeSnapshot, start_metrics_server
+from sbx.node.metrics import NodeMetrics, NodeSnapshot
 from sbx.node.pools import Pools
 from sbx.node.routes import all_routes
 from sbx.node.sampler import MetricsSampler, running_targets
+from sbx.serving import server_tls, start_metrics_server, unix_listener
 from sbx.statefile import try_lock
 
 log = logging.getLogger(__name__)
@@ -122,10 +121,12 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     await runner.setup()
     sites: list[web.BaseSite] = []
     if options.socket_path is not None:
-        sites.append(web.SockSite(runner, _unix_socket(options.socket_path)))
+        sites.append(web.SockSite(runner, unix_listener(options.socket_path)))
     if options.listen is not None:
         host, port = options.listen
-        sites.append(web.TCPSite(runner, host, port, ssl_context=_tls(options)))
+        sites.append(
+            web.TCPSite(runner, host, port, ssl_context=server_tls(options.tls_cert, options.tls_key))
+        )
     for site in sites:
         await site.start()
     metrics_runner = None
@@ -157,31 +158,6 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     if options.socket_path is not None:
         options.socket_path.unlink(missing_ok=True)
     os.close(lock_fd)
-
-
-def _unix_socket(path: Path) -> socket.socket:
-    """A listening unix socket with mode 0600 from the start (never briefly open to others)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, 0o600)
-    sock.listen(256)
-    sock.setblocking(False)
-    return sock
-
-
-def _tls(options: ServerOptions) -> ssl.SSLContext | None:
-    if options.tls_cert is None or options.tls_key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(options.tls_cert, options.tls_key)
-    return context
 
 
 def _snapshot(manager: SandboxManager, pools: Pools) -> NodeSnapshot:
