@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sandboxd_harness import Response, Sandboxd, ndjson_lines, send, stop_process
+from sandboxd_harness import Response, Sandboxd, free_port, ndjson_lines, send, stop_process
 
 #: Fast health settings for tests: poll every 0.3 s, unhealthy after 3 failures, lost after 3 s.
 FAST_ARGS = [
@@ -33,12 +32,6 @@ FAST_ARGS = [
     "--recheck-interval",
     "1s",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class GatewayProcess:

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from sandboxd_harness import free_port
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 SERVICE = "sbx-test-registry"
@@ -35,12 +36,6 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sha256(data: bytes) -> str:

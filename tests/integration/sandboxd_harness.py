@@ -69,6 +69,13 @@ class Response:
         return err["code"], err["message"]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def send(
     conn: http.client.HTTPConnection, method: str, path: str, json_body: Any = None, body: bytes | None = None,
     headers: dict[str, str] | None = None,

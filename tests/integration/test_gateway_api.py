@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import FAST_ARGS, GatewayProcess, free_port, wait_for
-from sandboxd_harness import Sandboxd
+from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
+from sandboxd_harness import Sandboxd, free_port
 
 from sbx.gateway.keys import SCOPES
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from oci_registry import Registry, free_port, temporary_registry
-from sandboxd_harness import IMAGES_DIR, Sandboxd
+from oci_registry import Registry, temporary_registry
+from sandboxd_harness import IMAGES_DIR, Sandboxd, free_port
 from test_images_api import mini_image, push_sync
 
 from sbx.images.blobs import collect_unused_blobs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.client
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -11,13 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sandboxd_harness import Sandboxd
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sandboxd_harness import Sandboxd, free_port
 
 
 @pytest.mark.parametrize(
