@@ -90,7 +90,7 @@ async def open_upgraded(
                 head = await reader.readuntil(b"\r\n\r\n")
                 status, headers = parse_head(head)
                 if status != 101:
-                    raise error_for(status, await _read_body(reader, headers))
+                    raise error_for(status, await read_refusal_body(reader, headers))
                 if headers.get("upgrade", "").lower() != protocol.lower():
                     raise Internal(
                         f"the server switched to {headers.get('upgrade')!r} instead of {protocol!r}"
@@ -122,7 +122,8 @@ async def _connect(endpoint: Endpoint) -> Upgraded:
     return await asyncio.open_connection(host, port, ssl=context, limit=READ_LIMIT_BYTES)
 
 
-async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+async def read_refusal_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    """The body of an answer that refused an upgrade (at most MAX_ERROR_BODY_BYTES), after its head."""
     length = headers.get("content-length", "")
     if length.isdigit():
         return await reader.readexactly(min(int(length), MAX_ERROR_BODY_BYTES))

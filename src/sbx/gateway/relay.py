@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from sbx.api.errors import BadGateway, PayloadTooLarge, Unauthorized
-from sbx.client._upgrade import READ_LIMIT_BYTES, parse_head
+from sbx.client._upgrade import READ_LIMIT_BYTES, parse_head, read_refusal_body
 from sbx.gateway.nodes import CONNECT_TIMEOUT_SECS, Node, describe
 from sbx.gateway.revocation import OpenRequest, OpenRequests
 from sbx.node.http import stream_body
@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 
 #: Answers passed on chunk by chunk instead of read whole.
 STREAMED_TYPES = ("application/x-ndjson", "application/octet-stream")
-#: Largest non-101 answer read from a node's refused upgrade (bytes).
-MAX_ERROR_BODY_BYTES = 1 << 20
 #: Bytes copied per read in an upgraded connection.
 COPY_CHUNK_BYTES = 64 * 1024
 
@@ -185,12 +183,7 @@ async def open_node_upgrade(
                 status, headers = parse_head(head)
                 if status == 101:
                     return reader, writer
-                length = headers.get("content-length", "")
-                body = (
-                    await reader.readexactly(min(int(length), MAX_ERROR_BODY_BYTES))
-                    if length.isdigit()
-                    else await reader.read(MAX_ERROR_BODY_BYTES)
-                )
+                body = await read_refusal_body(reader, headers)
                 writer.close()
                 content_type = headers.get("content-type")
                 return web.Response(
