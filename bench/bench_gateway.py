@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import shutil
 import socket
 import sys
@@ -37,15 +36,9 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from bench_sandboxd import pct
+from bench_sandboxd import cpu_secs, pct
 from gateway_harness import GatewayProcess
 from sandboxd_harness import Sandboxd, UnixHTTPConnection, missing_requirements
-
-
-def cpu_secs(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_gateway(workdir: Path, node: Sandboxd, src: Path | None) -> tuple[GatewayProcess, str]:

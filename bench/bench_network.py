@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_sandboxd import cpu_secs
 from net_world import World
 from sandboxd_harness import Sandboxd
 
@@ -66,12 +66,6 @@ else:
         times.append(time.monotonic() - start)
     print(json.dumps({"times": times}))
 """
-
-
-def cpu_secs(pid: int) -> float:
-    """User plus system CPU time of process ``pid`` so far, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 #: The same client over plain HTTP (port 80): what the sandbox's network path moves without TLS.

@@ -39,6 +39,12 @@ from sbx.client import AsyncClient
 from sbx.images.store import ImageStore
 
 
+def cpu_secs(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by nearest rank, in milliseconds."""
     ordered = sorted(values)

@@ -76,6 +76,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def localhost_certificate(cert: Path, key: Path) -> None:
+    """Write a self-signed certificate for localhost and 127.0.0.1 (valid a day) and its key (openssl)."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
 def send(
     conn: http.client.HTTPConnection, method: str, path: str, json_body: Any = None, body: bytes | None = None,
     headers: dict[str, str] | None = None,

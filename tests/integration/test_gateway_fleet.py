@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
-from sandboxd_harness import Sandboxd, free_port
+from sandboxd_harness import Sandboxd, free_port, localhost_certificate
 
 CAPACITY = "[capacity]\ncpus = 4\nmemory_mb = 4096\ndisk_mb = 100000\n"
 
@@ -330,11 +330,7 @@ def test_a_node_over_https_with_a_token(clean: Fleet, tmp_path: Path) -> None:
     fleet, alice, admin = clean, clean.keys["alice"], clean.keys["admin"]
     files = fleet.gw.workdir / "nodefiles"
     cert, key = files / "cert.pem", files / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    localhost_certificate(cert, key)
     (files / "token").write_text("node-d-token\n")
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="sbxgwd-", dir="/var/tmp"))

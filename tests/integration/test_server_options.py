@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sandboxd_harness import Sandboxd, free_port
+from sandboxd_harness import Sandboxd, free_port, localhost_certificate
 
 
 @pytest.mark.parametrize(
@@ -87,11 +87,7 @@ def test_tls_listener(sandboxd_factory: Callable[..., Sandboxd], tmp_path: Path)
     import ssl
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    localhost_certificate(cert, key)
     token = tmp_path / "token"
     token.write_text("tls-token")
     port = free_port()
