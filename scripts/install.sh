@@ -43,6 +43,7 @@ APT_PACKAGES=(
 TEST_APT_PACKAGES=(
     docker-registry apache2-utils openssl  # a loopback registry to pull from, htpasswd, token certs
     skopeo                  # bench/bench_pull.py compares our pull with it
+    prometheus              # promtool: the tests lint both servers' metrics with it
 )
 
 ARGS="$*"
@@ -97,10 +98,15 @@ else
         die "apt-get install failed for: ${missing[*]}" \
             "on Debian 12 these are all in main; fix the apt error above and run this again"
 fi
-if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ] && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
-    # Debian's package enables a registry on every interface; tests start their own on loopback.
-    systemctl disable --now docker-registry >/dev/null 2>&1 || true
-    note "disabled the docker-registry service the package enabled (tests run their own)"
+if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
+    # Debian's packages enable a registry and a Prometheus server on every interface; tests only need the
+    # registry binary (they start their own on loopback) and promtool.
+    for service in docker-registry prometheus; do
+        if systemctl is-enabled --quiet "$service" 2>/dev/null; then
+            systemctl disable --now "$service" >/dev/null 2>&1 || true
+            note "disabled the $service service the package enabled (tests need only its tools)"
+        fi
+    done
 fi
 [ -x "$SYSTEM_PYTHON" ] || die "$SYSTEM_PYTHON is missing although python3 is installed" \
     "reinstall it: apt-get install --reinstall python3"

@@ -234,7 +234,7 @@ REFUSED_POSTS = [
     ("docker-hub-forbidden", {"image": "python:3.12"}, 403, "refused", "docker.io/library/python:3.12"),
     ("missing-image", {}, 400, "invalid_request", "image is required"),
     ("unknown-field", {"image": "x", "tag": "1"}, 400, "invalid_request", "unknown field 'tag'"),
-    ("not-a-string", {"image": 3}, 400, "invalid_request", "image is required"),
+    ("not-a-string", {"image": 3}, 400, "invalid_request", "image: expected a string, got an integer"),
 ]
 
 

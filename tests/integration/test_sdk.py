@@ -120,7 +120,7 @@ async def test_unreachable_server_is_unavailable(tmp_path: Any) -> None:
         with pytest.raises(Unavailable, match="cannot reach sandboxd"):
             await c.capabilities()
         with pytest.raises(Unavailable, match="cannot reach sandboxd"):
-            await Sandbox(c, {"id": "sbx_x"}).attach(1)
+            await c.upgrade("/v1/sandboxes/sbx_x/processes/1/attach", "sbx-stream/1")
 
 
 async def test_events(box: Sandbox) -> None:

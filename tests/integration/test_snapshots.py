@@ -438,17 +438,17 @@ def test_sdk_suspends_snapshots_and_forks(server: Sandboxd) -> None:
     with Client(f"unix://{server.socket_path}") as client:
         sandbox = client.sandboxes.create()
         sandbox.files.write("/sandbox/home/f", "sdk")
-        assert sandbox.suspend().info["state"] == "suspended"
-        assert sandbox.resume().info["state"] == "running"
+        assert sandbox.suspend().info.state == "suspended"
+        assert sandbox.resume().info.state == "running"
         snap = sandbox.snapshot("memory")
-        assert snap["id"] in [s["id"] for s in client.snapshots.list()]
-        fork = client.sandboxes.create(snapshot_id=snap["id"])
+        assert snap.id in [s.id for s in client.snapshots.list()]
+        fork = client.sandboxes.create(snapshot_id=snap.id)
         assert fork.files.read_text("/sandbox/home/f") == "sdk"
-        assert sandbox.set_snapshot_schedule(0).info["snapshot_every_secs"] == 0
+        assert sandbox.set_snapshot_schedule(0).info.snapshot_every_secs == 0
         for s in (sandbox, fork):
             s.delete()
-        client.snapshots.delete(snap["id"])
-        assert snap["id"] not in [s["id"] for s in client.snapshots.list()]
+        client.snapshots.delete(snap.id)
+        assert snap.id not in [s.id for s in client.snapshots.list()]
 
 
 def test_closing_the_connection_does_not_cancel_a_snapshot(server: Sandboxd) -> None:

@@ -19,25 +19,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 from click.testing import CliRunner
+from wire_samples import capabilities_body, node_status_body, sandbox_body
 
 from sbx.cli.main import main
 
-SANDBOX: dict[str, Any] = {
-    "id": "sbx_0123456789abcdef",
-    "name": "web",
-    "state": "running",
-    "image": "python:3.12",
-    "cpus": 1,
-    "memory_mb": 512,
-    "disk_mb": 2048,
-    "env_names": [],
-    "network": {"mode": "none"},
-    "labels": {"team": "a"},
-    "idle_timeout_secs": 300,
-    "snapshot_every_secs": 0,
-    "snapshot_keep": 0,
-    "created_at": "2024-05-01T12:00:00.000Z",
-}
+SANDBOX: dict[str, Any] = sandbox_body(
+    id="sbx_0123456789abcdef", name="web", image="python:3.12", labels={"team": "a"}, idle_timeout_secs=300
+)
 OTHER: dict[str, Any] = {
     **SANDBOX,
     "id": "sbx_fedcba9876543210",
@@ -77,15 +65,9 @@ class FakeNode:
         return result
 
     async def capabilities(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "api_version": "v1",
-                "backend": "gvisor",
-                "capabilities": {"audit": True, "suspend": False, "network_policy_update": False},
-                "limits": {"max_cpus": 4, "max_memory_mb": 8192, "max_disk_mb": 20480},
-                "network": {"default": {"mode": "none"}, "ceiling": "allowlist", "may_allow": []},
-            }
-        )
+        body = capabilities_body(audit=True, suspend=False, network_policy_update=False)
+        body["capabilities"] = {"audit": True, "suspend": False, "network_policy_update": False}
+        return web.json_response(body)
 
     async def create(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -135,23 +117,14 @@ class FakeNode:
         return _error(400, "invalid_request", f"command {argv[0]!r} does not exist")
 
     async def node(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "name": "",
-                "version": "0.1.0",
-                "capacity": {"cpus": 8, "memory_mb": 16384, "disk_mb": 100000},
-                "free": {"cpus": 7, "memory_mb": 15872, "disk_mb": 97952},
-                "running": 1,
-                "pooled": {},
-                "images": ["python:3.12"],
-                "labels": {},
-                "cordoned": False,
-            }
-        )
+        return web.json_response(node_status_body(
+            capacity={"cpus": 8, "memory_mb": 16384, "disk_mb": 100000},
+            free={"cpus": 7, "memory_mb": 15872, "disk_mb": 97952}, running=1, images=["python:3.12"],
+        ))  # fmt: skip
 
     async def cordon(self, request: web.Request) -> web.Response:
         cordoned = (await request.json())["cordoned"]
-        return web.json_response({"name": "", "running": 1, "cordoned": cordoned})
+        return web.json_response(node_status_body(running=1, cordoned=cordoned))
 
 
 @pytest.fixture

@@ -15,15 +15,22 @@ from typing import Any
 import pytest
 from aiohttp import web
 from click.testing import CliRunner
+from wire_samples import sandbox_body
 
 from sbx.cli.main import main
 
-SANDBOX: dict[str, Any] = {
-    "id": "sbx_0123456789abcdef",
-    "name": "web",
-    "state": "running",
-    "network": {"mode": "open", "deny": ["bad.example"]},
-}
+SANDBOX: dict[str, Any] = sandbox_body(
+    id="sbx_0123456789abcdef", name="web", network={"mode": "open", "deny": ["bad.example"]}
+)
+
+
+def answered(body: dict[str, Any]) -> dict[str, Any]:
+    """A request's fields as the answer shows them (a policy as the server resolves it)."""
+    shown = dict(body)
+    if "network" in shown:
+        policy = shown["network"]
+        shown["network"] = {"mode": "allowlist" if "allow" in policy else "none", "deny": [], **policy}
+    return shown
 
 
 class Node:
@@ -40,7 +47,7 @@ class Node:
     async def create(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(("POST", body))
-        return web.json_response({**SANDBOX, **body}, status=201)
+        return web.json_response({**SANDBOX, **answered(body)}, status=201)
 
     async def get(self, request: web.Request) -> web.Response:
         return web.json_response(SANDBOX)
@@ -53,7 +60,7 @@ class Node:
                 "the network policy of sandbox sbx_0123456789abcdef cannot change: created with mode none"
             )
             return web.json_response({"error": {"code": "conflict", "message": message}}, status=409)
-        return web.json_response({**SANDBOX, **body})
+        return web.json_response({**SANDBOX, **answered(body)})
 
 
 @pytest.fixture

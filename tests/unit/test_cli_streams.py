@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from wire_samples import sandbox
 
 from sbx.api import frames
 from sbx.api.errors import Internal, NotFound, Unavailable
@@ -16,7 +17,8 @@ from sbx.api.frames import Frame, FrameDecoder, encode_frame
 from sbx.cli.forward import pipe
 from sbx.client import AsyncClient, Sandbox
 from sbx.client._endpoint import Endpoint
-from sbx.client._upgrade import build_request, parse_head
+from sbx.client._upgrade import build_request
+from sbx.web.upgrade import parse_head
 
 
 class FakeServer:
@@ -97,8 +99,8 @@ async def fake(tmp_path: Path) -> AsyncIterator[tuple[FakeServer, AsyncClient]]:
 
 async def test_attach_round_trip(fake: tuple[FakeServer, AsyncClient]) -> None:
     server, client = fake
-    sandbox = Sandbox(client, {"id": "sbx_1"})
-    async with await sandbox.attach(5) as att:
+    box = Sandbox(client, sandbox())
+    async with await box.attach(5) as att:
         assert await att.recv() == Frame(b"o", b"replayed\n")
         await att.write_stdin(b"hello")
         assert await att.recv() == Frame(b"o", b"HELLO")
@@ -127,7 +129,7 @@ async def test_attach_round_trip(fake: tuple[FakeServer, AsyncClient]) -> None:
 
 async def test_attach_iterates_until_close(fake: tuple[FakeServer, AsyncClient]) -> None:
     _, client = fake
-    att = await Sandbox(client, {"id": "sbx_1"}).attach(5)
+    att = await Sandbox(client, sandbox()).attach(5)
     await att.write_stdin(b"a")
     await att.close_stdin()
     got = [f async for f in att]
@@ -148,13 +150,13 @@ async def test_refused_upgrades(
 ) -> None:
     _, client = fake
     with pytest.raises(error, match=message):
-        await Sandbox(client, {"id": "sbx_1"}).attach(pid)
+        await Sandbox(client, sandbox()).attach(pid)
 
 
 @pytest.mark.parametrize(("pid", "message"), [(6, "middle of a frame"), (7, "malformed frame")])
 async def test_broken_streams(fake: tuple[FakeServer, AsyncClient], pid: int, message: str) -> None:
     _, client = fake
-    att = await Sandbox(client, {"id": "sbx_1"}).attach(pid)
+    att = await Sandbox(client, sandbox()).attach(pid)
     with pytest.raises(Unavailable, match=message):
         await att.recv()
     await att.close()
@@ -162,7 +164,7 @@ async def test_broken_streams(fake: tuple[FakeServer, AsyncClient], pid: int, me
 
 async def test_tunnel_half_close(fake: tuple[FakeServer, AsyncClient]) -> None:
     server, client = fake
-    async with await Sandbox(client, {"id": "sbx_1"}).tunnel(8080) as tunnel:
+    async with await Sandbox(client, sandbox()).tunnel(8080) as tunnel:
         tunnel.writer.write(b"x" * 100_000)
         tunnel.writer.write_eof()
         assert await tunnel.reader.read() == b"got 100000 bytes"
@@ -172,7 +174,7 @@ async def test_tunnel_half_close(fake: tuple[FakeServer, AsyncClient]) -> None:
 async def test_forward_pipe_passes_half_close(fake: tuple[FakeServer, AsyncClient]) -> None:
     """The forward command's copy loop between a local connection and a tunnel."""
     _, client = fake
-    tunnel = await Sandbox(client, {"id": "sbx_1"}).tunnel(8080)
+    tunnel = await Sandbox(client, sandbox()).tunnel(8080)
     local = asyncio.StreamReader()
     local.feed_data(b"abc" * 1000)
     local.feed_eof()

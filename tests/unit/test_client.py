@@ -10,8 +10,18 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.client_reqrep import ConnectionKey
+from wire_samples import (
+    node_status_body,
+    process,
+    process_body,
+    sandbox,
+    sandbox_body,
+    snapshot_body,
+    volume_body,
+)
 
 import sbx.client
+from sbx.api.codec import to_builtins
 from sbx.api.errors import (
     Conflict,
     Internal,
@@ -20,10 +30,11 @@ from sbx.api.errors import (
     SandboxError,
     Unavailable,
     Unsupported,
+    error_from_answer,
 )
 from sbx.client import AsyncClient, Endpoint, RunResult, Sandbox, resolve_endpoint
 from sbx.client._endpoint import translate_error
-from sbx.client._transport import Params, Response, Upgraded, error_for
+from sbx.client._transport import Params, Response, Upgraded
 
 Handler = Callable[[str, str, Any, Params | None], tuple[int, Any]]
 
@@ -44,7 +55,7 @@ class HandlerTransport:
         data: bytes | None = None,
         params: Params | None = None,
     ) -> Response:
-        status, body = self.handler(method, path, json, params)
+        status, body = self.handler(method, path, to_builtins(json) if json is not None else None, params)
         if isinstance(body, bytes):
             return Response(status, "text/html", body)
         return Response(status, "application/json", b"" if body is None else _dumps(body))
@@ -54,7 +65,7 @@ class HandlerTransport:
     ) -> AsyncIterator[bytes]:
         status, body = self.handler(method, path, json, params)
         if not 200 <= status < 300:
-            raise error_for(status, _dumps(body))
+            raise error_from_answer(status, _dumps(body))
         # One byte at a time: the client must reassemble lines however the body is split.
         for i in range(len(body)):
             yield body[i : i + 1]
@@ -251,19 +262,21 @@ async def test_calls_build_the_spec_requests() -> None:
     def handler(method: str, path: str, body: Any, params: Params | None) -> tuple[int, Any]:
         seen.append((method, path, body, params))
         if path == "/v1/sandboxes" and method == "GET":
-            return 200, {"sandboxes": [{"id": "sbx_1"}]}
+            return 200, {"sandboxes": [sandbox_body()]}
         if method == "DELETE":
             return 204, None
         if path.endswith("/run"):
             out = base64.b64encode(b"\x00hi").decode()
             return 200, {"exit_code": 0, "stdout": out, "stderr": "", "truncated": False, "timed_out": False}
+        if path == "/v1/node/cordon":
+            return 200, node_status_body()
         return 200, {"ok": True}
 
     transport = HandlerTransport(handler)
     async with AsyncClient(transport=transport) as client:
         listed = await client.sandboxes.list({"team": "a", "env": "prod"})
-        assert [s.info for s in listed] == [{"id": "sbx_1"}]
-        with pytest.raises(Internal, match="without an 'id'"):
+        assert [s.info for s in listed] == [sandbox()]
+        with pytest.raises(Internal, match="missing required field `id`"):
             await client.sandboxes.get("my name/..")
         await client.sandboxes.delete("sbx_1")
         result = await listed[0].run(["cat"], stdin=b"in", timeout_secs=5, cwd="/sandbox/home")
@@ -294,21 +307,27 @@ async def test_state_calls_build_the_spec_requests() -> None:
         seen.append((method, path, body, params))
         if method == "DELETE":
             return 204, None
-        if path in ("/v1/snapshots", "/v1/volumes") and method == "GET":
-            return 200, {path.rsplit("/", 1)[1]: [{"id": "x"}]}
-        return 200, {"id": "sbx_1", "state": "suspended"}
+        if path == "/v1/snapshots" and method == "GET":
+            return 200, {"snapshots": [snapshot_body()]}
+        if path == "/v1/volumes" and method == "GET":
+            return 200, {"volumes": [volume_body()]}
+        if path.endswith("/snapshots"):
+            return 201, snapshot_body(kind="disk")
+        if path == "/v1/volumes":
+            return 201, volume_body()
+        return 200, sandbox_body(state="suspended")
 
     async with AsyncClient(transport=HandlerTransport(handler)) as client:
-        sandbox = Sandbox(client, {"id": "sbx_1"})
-        assert (await sandbox.suspend()).info["state"] == "suspended"
-        await sandbox.resume()
-        assert await sandbox.snapshot("disk") == {"id": "sbx_1", "state": "suspended"}
-        await sandbox.set_snapshot_schedule(60, keep=2)
-        assert await client.snapshots.list() == [{"id": "x"}]
+        box = Sandbox(client, sandbox())
+        assert (await box.suspend()).info.state == "suspended"
+        await box.resume()
+        assert (await box.snapshot("disk")).kind == "disk"
+        await box.set_snapshot_schedule(60, keep=2)
+        assert [s.id for s in await client.snapshots.list()] == ["snap_1"]
         await client.snapshots.delete("snap_1")
         await client.volumes.create("data", size_mb=64)
         await client.volumes.create("other")
-        assert await client.volumes.list() == [{"id": "x"}]
+        assert [v.name for v in await client.volumes.list()] == ["data"]
         await client.volumes.delete("data")
     assert seen == [
         ("POST", "/v1/sandboxes/sbx_1/suspend", None, None),
@@ -331,10 +350,10 @@ async def test_state_calls_build_the_spec_requests() -> None:
 async def test_malformed_run_result_is_internal(body: Any) -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (200, body)))
     with pytest.raises(Internal):
-        await Sandbox(client, {"id": "sbx_1"}).run(["true"])
+        await Sandbox(client, sandbox()).run(["true"])
 
 
-_BOX = {"id": "sbx_1"}
+_BOX = sandbox()
 
 
 @pytest.mark.parametrize(
@@ -343,39 +362,23 @@ _BOX = {"id": "sbx_1"}
         (
             lambda c: Sandbox(c, _BOX).refresh(),
             ["x"],
-            "the server answered list where a Sandbox was expected",
+            "malformed Sandbox (HTTP 200 of GET /v1/sandboxes/sbx_1)",
         ),
-        (
-            lambda c: Sandbox(c, _BOX).update(name="n"),
-            "x",
-            "the server answered str where a Sandbox was expected",
-        ),
-        (lambda c: Sandbox(c, _BOX).suspend(), [], "the server answered list where a Sandbox was expected"),
-        (
-            lambda c: Sandbox(c, _BOX).set_snapshot_schedule(60),
-            1,
-            "answered int where a Sandbox was expected",
-        ),
-        (lambda c: Sandbox(c, _BOX).snapshot(), [], "the server answered list where a Snapshot was expected"),
-        (
-            lambda c: Sandbox(c, _BOX).events(),
-            [],
-            "the server answered list where an event list was expected",
-        ),
-        (lambda c: Sandbox(c, _BOX).events(), {"events": 1}, "the server's answer has no 'events' array"),
-        (lambda c: Sandbox(c, _BOX).files.list("/"), {}, "the server's answer has no 'entries' array"),
-        (
-            lambda c: Sandbox(c, _BOX).processes(),
-            {"processes": {}},
-            "the server's answer has no 'processes' array",
-        ),
-        (lambda c: c.sandboxes.list(), {"items": []}, "the server's answer has no 'sandboxes' array"),
-        (lambda c: c.images.list(), [], "the server's answer has no 'images' array"),
-        (lambda c: c.images.pull("x:1"), [], "the server answered list where an Image was expected"),
-        (lambda c: c.snapshots.list(), {}, "the server's answer has no 'snapshots' array"),
-        (lambda c: c.volumes.list(), {"volumes": "x"}, "the server's answer has no 'volumes' array"),
-        (lambda c: c.volumes.create("v"), [], "the server answered list where a Volume was expected"),
-        (lambda c: c.capabilities(), [], "the server answered list where a JSON object was expected"),
+        (lambda c: Sandbox(c, _BOX).update(name="n"), "x", "malformed Sandbox"),
+        (lambda c: Sandbox(c, _BOX).suspend(), [], "malformed Sandbox"),
+        (lambda c: Sandbox(c, _BOX).set_snapshot_schedule(60), 1, "malformed Sandbox"),
+        (lambda c: Sandbox(c, _BOX).snapshot(), [], "malformed Snapshot"),
+        (lambda c: Sandbox(c, _BOX).events(), [], "malformed EventList"),
+        (lambda c: Sandbox(c, _BOX).events(), {"events": 1}, "Expected `array`, got `int` - at `$.events`"),
+        (lambda c: Sandbox(c, _BOX).files.list("/"), {}, "missing required field `entries`"),
+        (lambda c: Sandbox(c, _BOX).processes(), {"processes": {}}, "malformed ProcessList"),
+        (lambda c: c.sandboxes.list(), {"items": []}, "missing required field `sandboxes`"),
+        (lambda c: c.images.list(), [], "malformed ImageList"),
+        (lambda c: c.images.pull("x:1"), [], "malformed Image"),
+        (lambda c: c.snapshots.list(), {}, "malformed SnapshotList"),
+        (lambda c: c.volumes.list(), {"volumes": "x"}, "malformed VolumeList"),
+        (lambda c: c.volumes.create("v"), [], "malformed Volume"),
+        (lambda c: c.capabilities(), [], "malformed Capabilities"),
     ],
 )
 async def test_answers_of_the_wrong_shape_are_internal(call: Any, body: Any, message: str) -> None:
@@ -385,10 +388,11 @@ async def test_answers_of_the_wrong_shape_are_internal(call: Any, body: Any, mes
     assert message in info.value.message
 
 
-async def test_process_list_may_be_a_bare_array() -> None:
-    body = [{"pid": 3, "argv": ["sh"], "state": "running"}]
+async def test_answers_may_carry_fields_this_client_does_not_know() -> None:
+    """A newer server may add fields (spec: Versioning 3): they are ignored, never an error."""
+    body = sandbox_body(added_later={"x": 1})
     async with AsyncClient(transport=HandlerTransport(lambda *_: (200, body))) as client:
-        assert [p.pid for p in await Sandbox(client, _BOX).processes()] == [3]
+        assert (await client.sandboxes.get("sbx_1")).info == sandbox()
 
 
 async def test_process_output_reassembles_split_lines_and_sets_exit_code() -> None:
@@ -401,12 +405,12 @@ async def test_process_output_reassembles_split_lines_and_sets_exit_code() -> No
 
     def handler(method: str, path: str, json_body: Any, params: Params | None) -> tuple[int, Any]:
         if path.endswith("/processes"):
-            return 201, {"pid": 7, "argv": ["x"], "state": "running", "exit_code": None}
+            return 201, process_body(pid=7, argv=["x"])
         assert path == "/v1/sandboxes/sbx_1/processes/7/output"
         return 200, body
 
     client = AsyncClient(transport=HandlerTransport(handler))
-    proc = await Sandbox(client, {"id": "sbx_1"}).start_process(["x"])
+    proc = await Sandbox(client, sandbox()).start_process(["x"])
     assert proc.exit_code is None
     events = [(e.stream, e.data) async for e in proc.output()]
     assert events == [("stdout", b"a\n"), ("stderr", b"\x00err")]
@@ -424,7 +428,7 @@ async def test_process_output_reassembles_split_lines_and_sets_exit_code() -> No
 )
 async def test_process_output_contract_breaks(body: bytes, error: type[SandboxError]) -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (200, body)))
-    proc = sbx.client.Process(client, "sbx_1", {"pid": 1})
+    proc = sbx.client.Process(client, "sbx_1", process())
     with pytest.raises(error):
         async for _ in proc.output():
             pass
@@ -434,7 +438,7 @@ async def test_output_of_a_missing_process_is_not_found() -> None:
     error = {"error": {"code": "not_found", "message": "no process 9"}}
     client = AsyncClient(transport=HandlerTransport(lambda *_: (404, error)))
     with pytest.raises(NotFound, match="no process 9"):
-        async for _ in sbx.client.Process(client, "sbx_1", {"pid": 9}).output():
+        async for _ in sbx.client.Process(client, "sbx_1", process(pid=9)).output():
             pass
 
 
@@ -445,10 +449,10 @@ async def test_output_of_a_missing_process_is_not_found() -> None:
 async def test_start_process_refuses_size_without_tty(kwargs: dict[str, int], message: str) -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (500, None)))
     with pytest.raises(InvalidRequest, match=message):
-        await Sandbox(client, {"id": "sbx_1"}).start_process(["sh"], **kwargs)
+        await Sandbox(client, sandbox()).start_process(["sh"], **kwargs)
 
 
 async def test_argv_as_one_string_is_refused() -> None:
     client = AsyncClient(transport=HandlerTransport(lambda *_: (500, None)))
     with pytest.raises(InvalidRequest, match="list of strings"):
-        await Sandbox(client, {"id": "sbx_1"}).run("ls -l")  # type: ignore[arg-type]
+        await Sandbox(client, sandbox()).run("ls -l")  # type: ignore[arg-type]

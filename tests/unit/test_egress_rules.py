@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from msgspec import UNSET
 
 from sbx.api.network_policy import NetworkConfig, NetworkPolicy
 from sbx.backends.base import BackendError
@@ -22,7 +23,7 @@ from sbx.net.rules import address_permitted, name_permitted
 from sbx.node.config import ConfigError, NodeConfig, config_from_mapping
 from sbx.node.server import within_backend
 
-OPEN = NetworkPolicy("open", None, ("denied.test", "*.evil.test"))
+OPEN = NetworkPolicy("open", UNSET, ("denied.test", "*.evil.test"))
 ALLOW = NetworkPolicy("allowlist", ("allowed.test", "*.wild.test"), ("bad.wild.test",))
 NONE = NetworkPolicy("none")
 

@@ -7,7 +7,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from sbx.api.errors import Conflict
-from sbx.node.http import JSON_BODY_CAP, error_middleware, json_response, make_guard, read_json_body
+from sbx.web.guard import make_guard
+from sbx.web.http import JSON_BODY_CAP, error_middleware, json_response, read_json_body
 
 
 async def _client(token: str | None = None) -> TestClient:  # type: ignore[type-arg]

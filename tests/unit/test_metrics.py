@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sbx.node.metrics import NodeMetrics, NodeSnapshot
-from sbx.serving import check_loopback, start_metrics_server
+from sbx.web.serve import check_loopback, start_metrics_server
 
 SNAPSHOT = NodeSnapshot(
     sandboxes_by_state={"pending": 1, "running": 3, "terminated": 7},
@@ -33,11 +33,11 @@ SPEC_FAMILIES = {
     "sandboxd_pool_ready",
     "sandboxd_pool_booting",
     "sandboxd_capacity_cpus",
-    "sandboxd_capacity_memory_mb",
-    "sandboxd_capacity_disk_mb",
+    "sandboxd_capacity_memory_bytes",
+    "sandboxd_capacity_disk_bytes",
     "sandboxd_free_cpus",
-    "sandboxd_free_memory_mb",
-    "sandboxd_free_disk_mb",
+    "sandboxd_free_memory_bytes",
+    "sandboxd_free_disk_bytes",
     "sandboxd_cordoned",
     "sandboxd_creates",  # exposed as sandboxd_creates_total
     "sandboxd_create_seconds",
@@ -77,11 +77,11 @@ def test_gauge_values_come_from_the_snapshot() -> None:
         ("sandboxd_pool_ready", (("image", "python:3.12"),)): 2,
         ("sandboxd_pool_booting", (("image", "python:3.12"),)): 1,
         ("sandboxd_capacity_cpus", ()): 16,
-        ("sandboxd_capacity_memory_mb", ()): 65536,
-        ("sandboxd_capacity_disk_mb", ()): 500000,
+        ("sandboxd_capacity_memory_bytes", ()): 65536 * 2**20,
+        ("sandboxd_capacity_disk_bytes", ()): 500000 * 2**20,
         ("sandboxd_free_cpus", ()): 10,
-        ("sandboxd_free_memory_mb", ()): 40000,
-        ("sandboxd_free_disk_mb", ()): 400000,
+        ("sandboxd_free_memory_bytes", ()): 40000 * 2**20,
+        ("sandboxd_free_disk_bytes", ()): 400000 * 2**20,
         ("sandboxd_cordoned", ()): 1,
     }
     for key, value in expected.items():

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import pytest
+from msgspec import UNSET
 
 from sbx.api.errors import InvalidRequest, Refused, SandboxError
 from sbx.api.network_policy import (
@@ -168,13 +169,13 @@ GITHUB_DENY = ("evil.github.com",)
         pytest.param(
             {"mode": "open"},
             ALLOWLIST_DEFAULT,
-            NetworkPolicy("open", None, GITHUB_DENY),
+            NetworkPolicy("open", UNSET, GITHUB_DENY),
             id="open-keeps-default-deny",
         ),
         pytest.param(
             {"mode": "open", "deny": ["X.com.", "evil.github.com"]},
             ALLOWLIST_DEFAULT,
-            NetworkPolicy("open", None, ("evil.github.com", "x.com")),
+            NetworkPolicy("open", UNSET, ("evil.github.com", "x.com")),
             id="deny-added-normalised-deduped",
         ),
         pytest.param(
@@ -283,7 +284,7 @@ def test_resolve_policy_accepts(
         pytest.param({"mode": "closed"}, ALLOWLIST_DEFAULT, InvalidRequest, "unknown mode 'closed'", id="unknown-mode"),
         pytest.param({"mode": 1}, ALLOWLIST_DEFAULT, InvalidRequest, "network.mode: expected a string", id="mode-not-string"),
         pytest.param({"mode": None}, ALLOWLIST_DEFAULT, InvalidRequest, "network.mode", id="mode-null"),
-        pytest.param({"mode": "open", "allowed": []}, ALLOWLIST_DEFAULT, InvalidRequest, "unknown field 'allowed'", id="unknown-key"),
+        pytest.param({"mode": "open", "allowed": []}, ALLOWLIST_DEFAULT, InvalidRequest, "unknown field 'network.allowed'", id="unknown-key"),
         pytest.param({"mode": "allowlist", "allow": "a.example.com"}, ALLOWLIST_DEFAULT, InvalidRequest, "network.allow: expected an array", id="allow-string"),
         pytest.param({"mode": "open", "deny": None}, ALLOWLIST_DEFAULT, InvalidRequest, "network.deny: expected an array", id="deny-null"),
         pytest.param({"mode": "allowlist", "allow": [3]}, ALLOWLIST_DEFAULT, InvalidRequest, r"network.allow[0]: expected a string", id="allow-item-not-string"),
@@ -321,7 +322,7 @@ def test_allow_absent_null_and_empty_stay_distinct() -> None:
     assert resolve_policy({"mode": "allowlist", "allow": None}, ALLOWLIST_CEILING).allow == ("pypi.org",)
     with pytest.raises(Refused, match="rule 5"):
         resolve_policy({"mode": "allowlist", "allow": []}, ALLOWLIST_CEILING)
-    assert resolve_policy({"mode": "open"}, ALLOWLIST_DEFAULT).allow is None
+    assert resolve_policy({"mode": "open"}, ALLOWLIST_DEFAULT).allow is UNSET
     with pytest.raises(InvalidRequest, match="rule 6"):
         resolve_policy({"mode": "open", "allow": None}, ALLOWLIST_DEFAULT)
 
@@ -339,7 +340,7 @@ def test_to_wire_round_trips_through_resolve() -> None:
     "policy",
     [
         NetworkPolicy("none"),
-        NetworkPolicy("open", None, ("bad.example.com",)),
+        NetworkPolicy("open", UNSET, ("bad.example.com",)),
         NetworkPolicy("allowlist", ("a.example.com", "*.b.example.com"), ("c.b.example.com",)),
     ],
 )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sbx.api.codec import to_builtins
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendUsage
 from sbx.images.store import ImageStore
@@ -216,7 +217,7 @@ async def test_sampler_task_samples_on_its_interval() -> None:
 
 
 def test_sample_wire_form() -> None:
-    wire = _sample(3).to_wire()
+    wire = to_builtins(_sample(3).wire())
     assert list(wire) == [
         "time", "cpu_percent", "memory_bytes", "memory_limit_bytes", "net_rx_bytes", "net_tx_bytes",
         "disk_read_bytes", "disk_write_bytes", "processes",

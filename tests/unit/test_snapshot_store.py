@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from sbx.api.codec import to_builtins
 from sbx.api.errors import InvalidRequest, NotFound
-from sbx.api.models import parse_snapshot_create
+from sbx.api.requests import parse_snapshot_create
 from sbx.node.snapshots import SnapshotRecord, SnapshotStore, new_snapshot_id
 
 
@@ -62,11 +63,11 @@ def test_commit_list_get_and_wire_form(tmp_path: Path) -> None:
     take(store, record("snap_2", created_at="2026-11-22T00:00:02.000Z", scheduled=True))
     assert [r.id for r in store.records()] == ["snap_2", "snap_1"]  # newest first
     assert [r.id for r in store.of_sandbox("sbx_a")] == ["snap_1", "snap_2"]  # oldest first
-    assert store.get("snap_1").to_wire() == {
+    assert to_builtins(store.get("snap_1").wire()) == {
         "id": "snap_1", "sandbox": "sbx_a", "image": "default", "kind": "memory", "bytes": 3,
-        "created_at": "2026-11-22T00:00:01.000Z",
+        "created_at": "2026-11-22T00:00:01.000Z", "cpus": 1, "memory_mb": 512, "disk_mb": 1024,
     }  # fmt: skip
-    assert store.get("snap_2").to_wire()["scheduled"] is True
+    assert to_builtins(store.get("snap_2").wire())["scheduled"] is True
     assert store.disk_image("snap_1").read_bytes() == b"abc"
     assert not list(tmp_path.glob(".staging-*"))
 

@@ -6,8 +6,8 @@ import asyncio
 
 from aiohttp import web
 
-from sbx.node.http import error_middleware
-from sbx.node.upgrade import check_upgrade, finished_response, upgrade
+from sbx.web.http import error_middleware
+from sbx.web.upgrade import check_upgrade, finished_response, upgrade
 
 
 async def _server() -> tuple[web.AppRunner, int]:

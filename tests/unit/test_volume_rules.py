@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from sbx.api.codec import to_builtins
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError
-from sbx.api.models import VolumeMount
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.sandboxes import VolumeMount
 from sbx.api.validation import validate_volume_name
 from sbx.node import volumes as vol
 from sbx.node.records import SandboxRecord, SandboxState
@@ -121,7 +122,7 @@ def _store(tmp_path: Path, *names: str) -> VolumeStore:
 
 
 def _attached(store: VolumeStore) -> dict[str, str | None]:
-    return {v["name"]: v["attached_to"] for v in store.listing()}
+    return {v.name: v.attached_to for v in store.listing()}
 
 
 def test_start_loads_records_and_removes_unfinished(tmp_path: Path) -> None:
@@ -130,9 +131,9 @@ def test_start_loads_records_and_removes_unfinished(tmp_path: Path) -> None:
     (tmp_path / "volumes" / "half" / "disk.img").write_bytes(b"")
     again = VolumeStore(tmp_path / "volumes")
     asyncio.run(again.start())
-    assert [v["name"] for v in again.listing()] == ["a", "b"]
+    assert [v.name for v in again.listing()] == ["a", "b"]
     assert not (tmp_path / "volumes" / "half").exists()
-    assert store.listing()[0] == {"name": "a", "size_mb": 16, "created_at": "2026-01-01T00:00:00.000Z",
+    assert to_builtins(store.listing()[0]) == {"name": "a", "size_mb": 16, "created_at": "2026-01-01T00:00:00.000Z",
                                   "attached_to": None}  # fmt: skip
 
 
@@ -203,7 +204,7 @@ def test_delete_refusals_change_nothing(
     with pytest.raises(error) as info:
         asyncio.run(store.delete("nope" if setup == "missing" else "data"))
     assert message in info.value.message
-    assert [v["name"] for v in store.listing()] == ["data"]
+    assert [v.name for v in store.listing()] == ["data"]
     assert (tmp_path / "volumes" / "data" / vol.RECORD_NAME).exists()
 
 
@@ -251,4 +252,4 @@ def test_sandbox_record_keeps_its_volumes_on_disk() -> None:
     assert SandboxRecord.from_disk(on_disk) == record
     del on_disk["volumes"]  # a record written before volumes existed
     assert SandboxRecord.from_disk(on_disk).volumes == ()
-    assert "volumes" not in record.to_wire()  # the spec's Sandbox has no such field
+    assert "volumes" not in to_builtins(record.wire())  # the spec's Sandbox has no such field

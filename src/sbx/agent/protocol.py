@@ -29,7 +29,7 @@ import errno as errno_mod
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from sbx.api.errors import Internal
 
@@ -659,7 +659,7 @@ class DirEntry(Record):
     size: int
 
     @property
-    def type(self) -> str:
+    def type(self) -> Literal["file", "dir"]:
         return "dir" if self.kind == 1 else "file"
 
 

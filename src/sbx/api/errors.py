@@ -21,7 +21,23 @@ Foreign exceptions are translated into these at the edges (HTTP server, SDK, bac
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
+
+import msgspec
+
+
+class ErrorDetail(msgspec.Struct):
+    """``code`` (one of this module's codes) and a message safe to show."""
+
+    code: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct):
+    """The body of every non-2xx answer: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
 
 
 class SandboxError(Exception):
@@ -34,9 +50,9 @@ class SandboxError(Exception):
         super().__init__(message)
         self.message = message
 
-    def to_body(self) -> dict[str, Any]:
+    def to_body(self) -> ErrorBody:
         """The wire body ``{"error": {"code", "message"}}``."""
-        return {"error": {"code": self.code, "message": self.message}}
+        return ErrorBody(ErrorDetail(self.code, self.message))
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -148,7 +164,26 @@ def error_from_wire(status: int, body: Any) -> SandboxError:
         code = str(body["error"].get("code", code))
         message = str(body["error"].get("message", message))
     cls = _BY_STATUS_AND_CODE.get((status, code))
-    if cls is None:
-        by_code = [c for (s, c_code), c in _BY_STATUS_AND_CODE.items() if c_code == code]
-        cls = by_code[0] if by_code else Internal
-    return cls(message)
+    if cls is not None:
+        return cls(message)
+    by_code = [c for (s, c_code), c in _BY_STATUS_AND_CODE.items() if c_code == code]
+    error = (by_code[0] if by_code else Internal)(message)
+    # A pair this tree does not know (a proxy's, a newer server's) keeps its status and code: whoever passes
+    # it on (a gateway) passes on what was sent.
+    setattr(error, "status", status)  # noqa: B010 - the class's status is a ClassVar; this one differs
+    setattr(error, "code", code)  # noqa: B010
+    return error
+
+
+def error_from_answer(status: int, body: bytes) -> SandboxError:
+    """The ``SandboxError`` of a non-2xx answer from its raw body; a body that is not the error JSON (a
+    proxy's HTML page) still gives an error naming the status."""
+    try:
+        decoded = json.loads(body) if body else None
+    except ValueError:
+        decoded = None
+    return error_from_wire(status, decoded)
+
+
+#: Every error class, for those that list what the service can answer (the API description).
+ALL_ERRORS: tuple[type[SandboxError], ...] = tuple(_BY_STATUS_AND_CODE.values())

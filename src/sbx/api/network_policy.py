@@ -19,9 +19,12 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from sbx.api.codec import convert_request, to_builtins
 from sbx.api.errors import InvalidRequest, Refused
 
 NetworkMode = Literal["none", "allowlist", "open"]
@@ -34,36 +37,39 @@ ANY_NAME: Final = "*"
 
 _MAX_NAME_CHARS: Final = 253
 _LABEL_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-_POLICY_KEYS: Final = ("mode", "allow", "deny")
 
 
-@dataclass(frozen=True)
-class NetworkPolicy:
-    """A resolved network policy: ``allow`` is None only for modes none and open."""
+class NetworkPolicy(msgspec.Struct, frozen=True):
+    """A resolved network policy, as the wire shows it: ``{mode, allow?, deny}``; ``allow`` is present (set)
+    only for mode allowlist, so a policy read back from a sandbox can be sent again unchanged."""
 
     mode: NetworkMode
-    allow: tuple[str, ...] | None = None
+    allow: tuple[str, ...] | UnsetType = UNSET
     deny: tuple[str, ...] = ()
 
-    def to_wire(self) -> dict[str, object]:
-        """The JSON form: ``{mode, allow?, deny?}`` (allow only for allowlist)."""
-        body: dict[str, object] = {"mode": self.mode}
-        if self.allow is not None:
-            body["allow"] = list(self.allow)
-        body["deny"] = list(self.deny)
-        return body
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON form (for files this server keeps, e.g. a backend's own copy of the policy)."""
+        return dict(to_builtins(self))
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> NetworkPolicy:
         """Inverse of :meth:`to_wire` for a policy this server stored itself (already validated); also reads
         ``"allow": null``, as older state files hold."""
         allow = data.get("allow")
-        return cls(data["mode"], tuple(allow) if allow is not None else None, tuple(data.get("deny") or ()))
+        return cls(data["mode"], tuple(allow) if allow is not None else UNSET, tuple(data.get("deny") or ()))
 
 
-@dataclass(frozen=True)
-class NetworkConfig:
-    """The server's network settings (config section ``[network]``, capabilities ``network``).
+class NetworkRequest(msgspec.Struct, frozen=True):
+    """A request's ``network`` object (create, PATCH): every field optional. ``allow`` null (the default list)
+    and absent are the same; ``allow: []`` (nothing) is kept distinct and refused by rule 5."""
+
+    mode: str | UnsetType = UNSET
+    allow: list[str] | None | UnsetType = UNSET
+    deny: list[str] | UnsetType = UNSET
+
+
+class NetworkConfig(msgspec.Struct, frozen=True):
+    """The server's network settings (config section ``[network]``; the ``network`` object of capabilities).
 
     ``default`` applies when a request omits ``network``; ``ceiling`` is the loosest mode a request may
     pick; ``may_allow`` lists names and ``*.domain`` patterns a request may put in its allow list beyond
@@ -84,9 +90,10 @@ def parse_mode(value: object, where: str) -> NetworkMode:
     """Check that ``value`` is one of the three mode strings; 400 naming ``where`` otherwise."""
     if not isinstance(value, str):
         raise InvalidRequest(f"{where}: expected a string, one of none, allowlist, open")
-    if value not in MODE_ORDER:
-        raise InvalidRequest(f"{where}: unknown mode {value!r}; use one of none, allowlist, open")
-    return value
+    for mode in MODE_ORDER:
+        if value == mode:
+            return mode
+    raise InvalidRequest(f"{where}: unknown mode {value!r}; use one of none, allowlist, open")
 
 
 def normalise_name(value: object, where: str) -> str:
@@ -179,30 +186,28 @@ def pattern_covers(permit: str, name: str) -> bool:
     return name_matches(permit, name)
 
 
-def resolve_policy(requested: Mapping[str, object] | None, net: NetworkConfig) -> NetworkPolicy:
-    """Turn a request's ``network`` object (decoded JSON; None when omitted) into the policy to apply.
+def resolve_policy(requested: NetworkRequest | Mapping[str, Any] | None, net: NetworkConfig) -> NetworkPolicy:
+    """Turn a request's ``network`` object (None when omitted; a decoded JSON object is checked as a
+    request's would be) into the policy to apply.
 
     Omitted entirely: the server default. Given: ``mode`` defaults to the default's mode; ``allow``
     absent or null means the default's allow list, ``[]`` means nothing (refused, rule 5); ``deny`` is
     added to the default's deny entries (which a request can never remove) and dropped under ``none``.
-    Raises InvalidRequest (400) for a malformed object or names, Refused (403) for rules 3, 4 and 5.
+    Raises InvalidRequest (400) for malformed names, Refused (403) for rules 3, 4 and 5.
     """
     if requested is None:
         return net.default
-    if not isinstance(requested, Mapping):
-        raise InvalidRequest("network: expected an object {mode, allow?, deny?}")
-    unknown = [k for k in requested if k not in _POLICY_KEYS]
-    if unknown:
-        names = ", ".join(repr(k) for k in unknown)
-        raise InvalidRequest(f"network: unknown field {names}; the fields are mode, allow, deny")
-
-    mode = parse_mode(requested["mode"], "network.mode") if "mode" in requested else net.default.mode
-    allow_given = "allow" in requested
-    allow = _parse_names(requested["allow"], "network.allow", nullable=True) if allow_given else None
-    deny = _parse_names(requested.get("deny", []), "network.deny", nullable=False)
+    if not isinstance(requested, NetworkRequest):
+        requested = convert_request(requested, NetworkRequest, "network.")
+    mode = parse_mode(requested.mode, "network.mode") if requested.mode is not UNSET else net.default.mode
+    allow_given = requested.allow is not UNSET
+    allow = _parse_names(requested.allow, "network.allow") if requested.allow else None
+    if requested.allow == []:
+        allow = ()
+    deny = _parse_names(requested.deny, "network.deny") if requested.deny else ()
 
     if mode != "allowlist" and allow_given:
-        how = "" if "mode" in requested else " (mode was omitted, so the server default applies)"
+        how = "" if requested.mode is not UNSET else " (mode was omitted, so the server default applies)"
         raise InvalidRequest(
             f"network policy rule 6: allow is only meaningful with mode allowlist, not {mode}{how}; "
             "remove allow or set mode to allowlist"
@@ -215,9 +220,9 @@ def resolve_policy(requested: Mapping[str, object] | None, net: NetworkConfig) -
         )
     if mode == "none":
         return NetworkPolicy("none")
-    merged_deny = _dedupe((*net.default.deny, *(deny or ())))
+    merged_deny = _dedupe((*net.default.deny, *deny))
     if mode == "open":
-        return NetworkPolicy("open", None, merged_deny)
+        return NetworkPolicy("open", UNSET, merged_deny)
     return NetworkPolicy("allowlist", _resolve_allow(allow, net), merged_deny)
 
 
@@ -246,12 +251,7 @@ def _resolve_allow(allow: tuple[str, ...] | None, net: NetworkConfig) -> tuple[s
     return allow
 
 
-def _parse_names(value: object, where: str, *, nullable: bool) -> tuple[str, ...] | None:
-    if value is None and nullable:
-        return None
-    if not isinstance(value, list):
-        kind = "an array of host names or null" if nullable else "an array of host names"
-        raise InvalidRequest(f"{where}: expected {kind}")
+def _parse_names(value: Iterable[str], where: str) -> tuple[str, ...]:
     return _dedupe(normalise_name(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 

@@ -1,6 +1,6 @@
 """The sandbox API's field rules, one small function each (spec: Sandbox, Processes, Files, Limits).
 
-Every function takes an already type-checked value (``sbx.api.models`` checks JSON types) and either
+Every function takes an already type-checked value (``sbx.api.codec`` checks JSON types) and either
 returns it, normalised where stated, or raises ``InvalidRequest`` (400) / ``Refused`` (403) with a
 message naming the field and saying what to change. Choices the spec leaves open are documented in
 docs/validation.md and in the constants below.
@@ -12,12 +12,10 @@ import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from sbx.api.errors import InvalidRequest, Refused
-
-if TYPE_CHECKING:
-    from sbx.node.config import DefaultsConfig, LimitsConfig
+from sbx.api.node import Defaults, Limits
 
 # --- names -------------------------------------------------------------------------------------------
 
@@ -228,9 +226,7 @@ def validate_resource(field: str, value: int, limit: int, limit_name: str) -> in
     return value
 
 
-def validate_resources(
-    cpus: int | None, memory_mb: int | None, disk_mb: int | None, limits: LimitsConfig
-) -> None:
+def validate_resources(cpus: int | None, memory_mb: int | None, disk_mb: int | None, limits: Limits) -> None:
     """Check each given resource (None: omitted) against ``limits.max_*``."""
     if cpus is not None:
         validate_resource("cpus", cpus, limits.max_cpus, "limits.max_cpus")
@@ -240,7 +236,7 @@ def validate_resources(
         validate_resource("disk_mb", disk_mb, limits.max_disk_mb, "limits.max_disk_mb")
 
 
-def resolve_create_idle_timeout(value: int | None, limits: LimitsConfig, defaults: DefaultsConfig) -> int:
+def resolve_create_idle_timeout(value: int | None, limits: Limits, defaults: Defaults) -> int:
     """Create's ``idle_timeout_secs``: omitted or 0 is the server default; otherwise 1..limit.
 
     A limit of 0 means unbounded (up to ABSOLUTE_MAX_INT). A value above the limit is 400, never
@@ -251,7 +247,7 @@ def resolve_create_idle_timeout(value: int | None, limits: LimitsConfig, default
     return _idle_in_range(value, limits.max_idle_timeout_secs)
 
 
-def validate_patch_idle_timeout(value: int, limits: LimitsConfig) -> int:
+def validate_patch_idle_timeout(value: int, limits: Limits) -> int:
     """PATCH's ``idle_timeout_secs`` (rule 4): 1..limit; 0 (never) only where the limit is 0."""
     limit = limits.max_idle_timeout_secs
     if value == 0 and limit != 0:
@@ -274,7 +270,7 @@ def _idle_in_range(value: int, limit: int) -> int:
 
 
 def validate_snapshot_schedule(
-    every_secs: int | None, keep: int | None, limits: LimitsConfig, prefix: str = ""
+    every_secs: int | None, keep: int | None, limits: Limits, prefix: str = ""
 ) -> None:
     """A snapshot schedule: ``every_secs`` 0 (no schedule) or at least ``min_snapshot_every_secs``
     (at most ABSOLUTE_MAX_INT); ``keep`` 1..``max_snapshot_keep``. None: omitted. Never narrowed."""

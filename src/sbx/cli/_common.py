@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from sbx.api.codec import to_builtins
 from sbx.api.errors import SandboxError
 from sbx.client import AsyncClient
 from sbx.client._endpoint import Endpoint
@@ -86,8 +87,8 @@ def signal_name(signum: int) -> str:
 
 
 def print_json(obj: Any) -> None:
-    """``obj`` as indented JSON on stdout."""
-    click.echo(json.dumps(obj, indent=2, ensure_ascii=False))
+    """``obj`` (a wire type or plain values) as indented JSON on stdout."""
+    click.echo(json.dumps(to_builtins(obj), indent=2, ensure_ascii=False))
 
 
 def cell(value: Any) -> str:
@@ -113,8 +114,9 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         click.echo("  ".join(c.ljust(width) for c, width in zip(row, widths, strict=True)).rstrip())
 
 
-def print_fields(obj: Mapping[str, Any]) -> None:
-    """``key: value`` lines, values aligned."""
+def print_fields(value: Any) -> None:
+    """``key: value`` lines of an object (a wire type or a mapping), values aligned."""
+    obj: Mapping[str, Any] = to_builtins(value)
     width = max((len(k) for k in obj), default=0)
-    for key, value in obj.items():
-        click.echo(f"{key + ':':<{width + 1}} {cell(value)}".rstrip())
+    for key, item in obj.items():
+        click.echo(f"{key + ':':<{width + 1}} {cell(item)}".rstrip())

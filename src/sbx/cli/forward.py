@@ -48,7 +48,7 @@ def forward(opts: Options, ref: str, ports: str, address: str) -> None:
 
     async def go(client: AsyncClient) -> None:
         caps = await client.capabilities()
-        if not (caps.get("capabilities") or {}).get("tunnel"):
+        if not caps.capabilities.get("tunnel"):
             raise Unsupported("this server does not offer tunnels (capability 'tunnel' is off)")
         sandbox = await client.sandboxes.get(ref)
         server = await asyncio.start_server(

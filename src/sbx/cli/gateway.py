@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import click
 
@@ -42,23 +41,21 @@ def gateway() -> None:
 @pass_options
 def nodes(opts: Options) -> None:
     """Nodes: health, cordon, sandboxes running, node version."""
-    listed = call(opts, lambda c: c.request("GET", "/v1/admin/nodes"))
+    listed = call(opts, lambda c: c.admin.nodes())
     if opts.as_json:
-        print_json(listed)
+        print_json({"nodes": listed})
         return
     rows = []
-    for n in listed["nodes"]:
-        status = n.get("status") or {}
-        health = "lost" if n.get("lost") else "up" if n["healthy"] else "down"
-        rows.append([n["name"], health, "yes" if n.get("cordoned") else "no", cell(status.get("running")),
-                     cell(status.get("version")), n["endpoint"], cell(n.get("error"))])  # fmt: skip
+    for n in listed:
+        status = n.status or None
+        health = "lost" if n.lost else "up" if n.healthy else "down"
+        rows.append([n.name, health, "yes" if n.cordoned else "no", cell(status.running if status else None),
+                     cell(status.version if status else None), n.endpoint, cell(n.error or None)])  # fmt: skip
     print_table(["name", "health", "cordoned", "running", "version", "endpoint", "error"], rows)
 
 
 def _cordon(opts: Options, node: str, cordoned: bool) -> None:
-    answer = call(
-        opts, lambda c: c.request("POST", f"/v1/admin/nodes/{node}/cordon", json={"cordoned": cordoned})
-    )
+    answer = call(opts, lambda c: c.admin.cordon(node, cordoned))
     if opts.as_json:
         print_json(answer)
     else:
@@ -87,29 +84,26 @@ def uncordon(opts: Options, node: str) -> None:
 @pass_options
 def drain(opts: Options, node: str, terminate: bool) -> None:
     """Cordon NODE (kept across its restarts) and say how many sandboxes still run; run again until 0."""
-    answer: dict[str, Any] = call(
-        opts, lambda c: c.request("POST", f"/v1/admin/nodes/{node}/drain", json={"terminate": terminate})
-    )
+    answer = call(opts, lambda c: c.admin.drain(node, terminate))
     if opts.as_json:
         print_json(answer)
         return
-    click.echo(f"{node}: cordoned; {answer['remaining']} sandboxes still running")
-    if answer.get("terminated"):
-        click.echo(f"terminated: {len(answer['terminated'])}")
-    for failure in answer.get("failed") or []:
-        click.echo(f"failed to terminate {failure['id']}: {failure['error']}", err=True)
+    click.echo(f"{node}: cordoned; {answer.remaining} sandboxes still running")
+    if answer.terminated:
+        click.echo(f"terminated: {len(answer.terminated)}")
+    for failure in answer.failed or []:
+        click.echo(f"failed to terminate {failure.id}: {failure.error}", err=True)
 
 
 @gateway.command()
 @pass_options
 def lost(opts: Options) -> None:
     """Sandboxes on nodes down longer than the gateway's --node-lost-after."""
-    answer = call(opts, lambda c: c.request("GET", "/v1/admin/lost"))
+    answer = call(opts, lambda c: c.admin.lost())
     if opts.as_json:
-        print_json(answer)
+        print_json({"sandboxes": answer})
         return
-    rows = [[s["id"], s["user"], cell(s.get("tenant")), s["node"], cell(s.get("node_down_since"))]
-            for s in answer["sandboxes"]]  # fmt: skip
+    rows = [[s.id, s.user, cell(s.tenant), s.node, cell(s.node_down_since)] for s in answer]
     print_table(["id", "user", "tenant", "node", "node down since"], rows)
 
 
@@ -121,14 +115,13 @@ def lost(opts: Options) -> None:
 @pass_options
 def audit(opts: Options, since: str, limit: int) -> None:
     """The gateway's audit log, oldest first."""
-    params = {"since": since_time(since), "limit": str(limit)}
-    answer = call(opts, lambda c: c.request("GET", "/v1/admin/audit", params=params))
+    answer = call(opts, lambda c: c.admin.audit(since_time(since), limit))
     if opts.as_json:
         print_json(answer)
         return
     rows = [[e.get("time", ""), e.get("type", ""), cell(e.get("user")), cell(e.get("key_id")),
              " ".join(x for x in (e.get("method", ""), e.get("route", "")) if x), cell(e.get("status")),
-             cell(e.get("target")), cell(e.get("result"))] for e in answer["entries"]]  # fmt: skip
+             cell(e.get("target")), cell(e.get("result"))] for e in answer.entries]  # fmt: skip
     print_table(["time", "type", "user", "key", "route", "status", "target", "result"], rows)
-    if answer.get("truncated"):
+    if answer.truncated:
         click.echo("(more entries follow; raise --limit or narrow --since)", err=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
 
 import click
 
+from sbx.api.codec import to_builtins
 from sbx.api.errors import Internal, NotFound, Unsupported
+from sbx.api.images import Image, ImageRemoved
 from sbx.cli._common import Options, call, cell, pass_options, print_json, print_table
 from sbx.client import AsyncClient
 
@@ -21,7 +22,7 @@ async def _require_images(client: AsyncClient) -> None:
     """``Unsupported`` unless the server manages images; before any image call, so that a server
     without the endpoints gets one clear message rather than its 404 or 501."""
     caps = await client.capabilities()
-    if not (caps.get("capabilities") or {}).get("images"):
+    if not caps.capabilities.get("images"):
         raise Unsupported(
             "images are not supported by this server (capability 'images' is off): "
             "use the images installed on it, listed by `sandbox-cli node`"
@@ -38,7 +39,7 @@ def images() -> None:
 def list_images(opts: Options) -> None:
     """List the server's images."""
 
-    async def go(client: AsyncClient) -> list[dict[str, Any]]:
+    async def go(client: AsyncClient) -> list[Image]:
         await _require_images(client)
         return await client.images.list()
 
@@ -46,7 +47,8 @@ def list_images(opts: Options) -> None:
     if opts.as_json:
         print_json({"images": found})
     else:
-        print_table(LIST_COLUMNS, [[cell(i.get(c)) for c in LIST_COLUMNS] for i in found])
+        rows = [to_builtins(i) for i in found]
+        print_table(LIST_COLUMNS, [[cell(i.get(c)) for c in LIST_COLUMNS] for i in rows])
 
 
 @images.command()
@@ -56,32 +58,31 @@ def list_images(opts: Options) -> None:
 def pull(opts: Options, image: str, no_wait: bool) -> None:
     """Install IMAGE on the server (pull, and build its root disk), showing progress."""
 
-    async def go(client: AsyncClient) -> dict[str, Any]:
+    async def go(client: AsyncClient) -> Image:
         await _require_images(client)
         state = await client.images.pull(image)
         if no_wait:
             return state
         with click.progressbar(length=1, label=f"pulling {image}", file=sys.stderr) as bar:
-            while state.get("state") == "installing":
-                progress = state.get("progress") or {}
-                total, done = int(progress.get("total") or 0), int(progress.get("done") or 0)
-                if total:
-                    bar.length = total
-                    bar.update(done - bar.pos)
+            while state.state == "installing":
+                progress = state.progress
+                if progress and progress.total:
+                    bar.length = progress.total
+                    bar.update(progress.done - bar.pos)
                 await asyncio.sleep(POLL_INTERVAL_SECS)
-                listed = [i for i in await client.images.list() if i.get("image") == image]
+                listed = [i for i in await client.images.list() if i.image == state.image]
                 if not listed:
                     raise NotFound(f"image {image!r} vanished from the server's list while installing")
                 state = listed[0]
-        if state.get("state") == "failed":
-            raise Internal(f"installing {image} failed: {state.get('error', 'no reason given')}")
+        if state.state == "failed":
+            raise Internal(f"installing {image} failed: {state.error or 'no reason given'}")
         return state
 
     state = call(opts, go)
     if opts.as_json:
         print_json(state)
     else:
-        click.echo(f"{image}: {state.get('state')}")
+        click.echo(f"{image}: {state.state}")
 
 
 @images.command()
@@ -90,7 +91,7 @@ def pull(opts: Options, image: str, no_wait: bool) -> None:
 def rm(opts: Options, image: str) -> None:
     """Remove IMAGE from the server (not the default, a pooled or an in-use one)."""
 
-    async def go(client: AsyncClient) -> dict[str, Any]:
+    async def go(client: AsyncClient) -> ImageRemoved:
         await _require_images(client)
         return await client.images.remove(image)
 
@@ -98,4 +99,4 @@ def rm(opts: Options, image: str) -> None:
     if opts.as_json:
         print_json(result)
     else:
-        click.echo(f"{image}: removed ({result.get('freed_bytes', 0)} bytes freed)")
+        click.echo(f"{image}: removed ({result.freed_bytes} bytes freed)")

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from sbx.api.codec import to_builtins
 from sbx.cli._common import Options, call, pass_options, print_fields, print_json
 from sbx.client import AsyncClient
 
@@ -56,7 +57,7 @@ def network(opts: Options, ref: str, mode: str | None, allow: tuple[str, ...], d
         sandbox = await client.sandboxes.get(ref)
         if policy is not None:
             await sandbox.update(network=policy)
-        network_info: dict[str, Any] = sandbox.info.get("network") or {}
+        network_info: dict[str, Any] = to_builtins(sandbox.info.network)
         return network_info
 
     shown = call(opts, go)

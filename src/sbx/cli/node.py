@@ -6,8 +6,9 @@ from typing import Any
 
 import click
 
+from sbx.api.codec import to_builtins
 from sbx.cli._common import Options, call, cell, pass_options, print_fields, print_json, print_table
-from sbx.client import AsyncClient, EventList, Sandbox
+from sbx.client import AsyncClient, EventList
 
 #: Event fields shown as their own columns; the rest go to DETAILS as k=v.
 _EVENT_BASE = ("time", "type", "sandbox")
@@ -30,7 +31,7 @@ def node(opts: Options, cordoned: bool | None) -> None:
     if opts.as_json:
         print_json(status)
     else:
-        print_fields({k: v for k, v in status.items() if k != "capabilities"})
+        print_fields({k: v for k, v in to_builtins(status).items() if k != "capabilities"})
 
 
 @click.command()
@@ -41,10 +42,8 @@ def capabilities(opts: Options) -> None:
     if opts.as_json:
         print_json(caps)
         return
-    flags = caps.get("capabilities") or {}
-    shown = dict(caps)
-    if isinstance(flags, dict):
-        shown["capabilities"] = ", ".join(sorted(k for k, v in flags.items() if v)) or "(none)"
+    shown = to_builtins(caps)
+    shown["capabilities"] = ", ".join(sorted(k for k, v in caps.capabilities.items() if v)) or "(none)"
     print_fields(shown)
 
 
@@ -56,11 +55,11 @@ def events(opts: Options, ref: str) -> None:
 
     async def go(client: AsyncClient) -> EventList:
         # By id without a lookup: a forgotten terminated sandbox's events are still answered.
-        return await Sandbox(client, {"id": ref}).events()
+        return await client.sandboxes.events(ref)
 
     found = call(opts, go)
     if opts.as_json:
-        print_json({"events": found.events, "truncated": found.truncated})
+        print_json(found)
         return
     rows = [[cell(e.get("time")), cell(e.get("type")), _details(e)] for e in found.events]
     print_table(("time", "type", "details"), rows)

@@ -63,7 +63,7 @@ def run(
 
     result = call(opts, go)
     if opts.as_json:
-        print_json(result.to_wire())
+        print_json(result)
     else:
         # Bytes given to echo go to the binary stream untouched: output is shown as the command wrote it.
         click.echo(result.stdout, nl=False)

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from sbx.api.codec import to_builtins
 from sbx.cli._common import Options, call, cell, pairs, pass_options, print_fields, print_json, print_table
 from sbx.cli.network import MODES, policy_options
 from sbx.client import AsyncClient
@@ -105,7 +106,8 @@ def list_sandboxes(opts: Options, labels: tuple[str, ...], quiet: bool) -> None:
         for sandbox in sandboxes:
             click.echo(sandbox.id)
     else:
-        print_table(LIST_COLUMNS, [[cell(s.info.get(c)) for c in LIST_COLUMNS] for s in sandboxes])
+        rows = [to_builtins(s.info) for s in sandboxes]
+        print_table(LIST_COLUMNS, [[cell(r.get(c)) for c in LIST_COLUMNS] for r in rows])
 
 
 @click.command()

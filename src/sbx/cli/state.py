@@ -4,11 +4,12 @@ a run (see docs/snapshots.md and docs/volumes.md). Forks: ``create --from-snapsh
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import click
 
+from sbx.api.codec import to_builtins
+from sbx.api.snapshots import Snapshot
 from sbx.cli._common import Options, call, cell, pass_options, print_fields, print_json, print_table
 from sbx.client import AsyncClient, Sandbox
 
@@ -20,13 +21,14 @@ def _list(
     opts: Options,
     key: str,
     columns: tuple[str, ...],
-    fetch: Callable[[AsyncClient], Awaitable[list[dict[str, Any]]]],
+    fetch: Callable[[AsyncClient], Awaitable[Sequence[object]]],
 ) -> None:
     found = call(opts, fetch)
     if opts.as_json:
         print_json({key: found})
     else:
-        print_table(columns, [[cell(item.get(c)) for c in columns] for item in found])
+        rows = [to_builtins(item) for item in found]
+        print_table(columns, [[cell(item.get(c)) for c in columns] for item in rows])
 
 
 def _remove_each(
@@ -48,7 +50,7 @@ def _show_sandbox(opts: Options, sandbox: Sandbox) -> None:
     if opts.as_json:
         print_json(sandbox.info)
     else:
-        click.echo(f"{sandbox.id}: {sandbox.info.get('state')}")
+        click.echo(f"{sandbox.id}: {sandbox.info.state}")
 
 
 @click.command()
@@ -88,14 +90,14 @@ def resume(opts: Options, ref: str) -> None:
 def snapshot(opts: Options, ref: str, kind: str) -> None:
     """Snapshot sandbox REF and print the snapshot's id; fork it with `create --from-snapshot ID`."""
 
-    async def go(client: AsyncClient) -> dict[str, object]:
+    async def go(client: AsyncClient) -> Snapshot:
         return await (await client.sandboxes.get(ref)).snapshot(kind)
 
     taken = call(opts, go)
     if opts.as_json:
         print_json(taken)
     else:
-        click.echo(str(taken["id"]))
+        click.echo(taken.id)
 
 
 @click.group()

@@ -13,16 +13,20 @@ from __future__ import annotations
 import json as jsonlib
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
-from sbx.api.errors import Internal
-from sbx.client._endpoint import Params, error_for, resolve_endpoint
+from sbx.api.codec import decode_answer
+from sbx.api.errors import Internal, error_from_answer
+from sbx.api.node import Capabilities, CordonRequest, NodeStatus
+from sbx.client._admin import Admin
+from sbx.client._endpoint import Params, resolve_endpoint
 from sbx.client._images import Images
-from sbx.client._models import as_object
 from sbx.client._sandbox import Sandboxes
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
 from sbx.client._upgrade import Upgraded
+
+T = TypeVar("T")
 
 
 class AsyncClient:
@@ -33,8 +37,8 @@ class AsyncClient:
     no limit, as a run lasts as long as its command; streams and upgrades are never bounded once
     connected). ``transport`` replaces the network (tests).
 
-    Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``
-    and ``client.volumes``.
+    Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``,
+    ``client.volumes`` and, on a gateway, ``client.admin``. Answers are the wire types of ``sbx.api``.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class AsyncClient:
         self.images = Images(self)
         self.snapshots = Snapshots(self)
         self.volumes = Volumes(self)
+        self.admin = Admin(self)
 
     async def __aenter__(self) -> Self:
         return self
@@ -65,19 +70,29 @@ class AsyncClient:
 
     # -- server-wide calls ---------------------------------------------------------------------
 
-    async def capabilities(self) -> dict[str, Any]:
+    async def capabilities(self) -> Capabilities:
         """``GET /v1/capabilities``: API version, backend, capability flags, limits, network."""
-        return as_object(await self.request("GET", "/v1/capabilities"))
+        return await self.call("GET", "/v1/capabilities", Capabilities)
 
-    async def node(self) -> dict[str, Any]:
+    async def node(self) -> NodeStatus:
         """``GET /v1/node``: the NodeStatus (a node server only; a gateway answers 404)."""
-        return as_object(await self.request("GET", "/v1/node"))
+        return await self.call("GET", "/v1/node", NodeStatus)
 
-    async def cordon(self, cordoned: bool = True) -> dict[str, Any]:
+    async def cordon(self, cordoned: bool = True) -> NodeStatus:
         """``POST /v1/node/cordon``: stop (``True``) or resume (``False``) taking new sandboxes."""
-        return as_object(await self.request("POST", "/v1/node/cordon", json={"cordoned": cordoned}))
+        return await self.call("POST", "/v1/node/cordon", NodeStatus, json=CordonRequest(cordoned))
 
     # -- raw calls (what the resource objects are made of) ---------------------------------------
+
+    async def call(
+        self, method: str, path: str, answer: type[T], *, json: Any = None, params: Params | None = None
+    ) -> T:
+        """Send one request whose 2xx answer is the JSON of ``answer`` (a wire type) and decode it; a non-2xx
+        answer raises the matching ``SandboxError`` subclass, a malformed one ``Internal``."""
+        resp = await self._transport.request(method, path, json=json, params=params)
+        if not 200 <= resp.status < 300:
+            raise error_from_answer(resp.status, resp.body)
+        return decode_answer(resp.body, answer, f"{answer.__name__} (HTTP {resp.status} of {method} {path})")
 
     async def request(
         self,
@@ -96,7 +111,7 @@ class AsyncClient:
         """
         resp = await self._transport.request(method, path, json=json, data=data, params=params)
         if not 200 <= resp.status < 300:
-            raise error_for(resp.status, resp.body)
+            raise error_from_answer(resp.status, resp.body)
         if raw:
             return resp.body
         if resp.status == 204 or not resp.body:
@@ -133,6 +148,9 @@ def _decode_json(resp: Response) -> Any:
 
 def _decode_line(line: bytes) -> dict[str, Any]:
     try:
-        return as_object(jsonlib.loads(line))
+        value = jsonlib.loads(line)
     except ValueError as exc:
         raise Internal(f"the server sent an invalid ndjson line: {exc}") from exc
+    if not isinstance(value, dict):
+        raise Internal(f"the server sent an ndjson line that is not an object: {line[:80]!r}")
+    return value

@@ -9,7 +9,6 @@ default unix socket ``/run/sandboxd.sock``. Accepted addresses:
 
 from __future__ import annotations
 
-import json as jsonlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from sbx.api.errors import Internal, InvalidRequest, SandboxError, Unavailable, error_from_wire
+from sbx.api.errors import Internal, InvalidRequest, SandboxError, Unavailable
 
 DEFAULT_SOCKET = "/run/sandboxd.sock"
 ENV_URL = "SANDBOX_URL"
@@ -71,18 +70,6 @@ def resolve_endpoint(
     if parts.query or parts.fragment:
         raise InvalidRequest(f"{address!r}: a server address takes no query or fragment")
     return Endpoint(base_url=address.rstrip("/"), token=secret)
-
-
-def error_for(status: int, body: bytes) -> SandboxError:
-    """The ``SandboxError`` of a non-2xx answer, from its ``{error: {code, message}}`` body.
-
-    A body that is not that JSON (a proxy's HTML page) still gives an error naming the status.
-    """
-    try:
-        decoded = jsonlib.loads(body) if body else None
-    except ValueError:
-        decoded = None
-    return error_from_wire(status, decoded)
 
 
 def translate_error(exc: BaseException, endpoint: Endpoint) -> SandboxError:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from sbx.client._models import array_field, as_object
+from sbx.api.images import Image, ImageList, ImageRemoved, ImageRequest
 
 if TYPE_CHECKING:
     from sbx.client._client import AsyncClient
@@ -16,18 +16,17 @@ class Images:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self) -> list[Image]:
         """``GET /v1/images``: the Image objects, by name."""
-        return array_field(await self._client.request("GET", "/v1/images"), "images")
+        return (await self._client.call("GET", "/v1/images", ImageList)).images
 
-    async def pull(self, image: str) -> dict[str, Any]:
+    async def pull(self, image: str) -> Image:
         """``POST /v1/images``: start installing ``image`` (202); the Image with its state.
 
         The install runs in the background: poll ``list()`` for ``state`` and ``progress``.
         """
-        return as_object(await self._client.request("POST", "/v1/images", json={"image": image}), "an Image")
+        return await self._client.call("POST", "/v1/images", Image, json=ImageRequest(image))
 
-    async def remove(self, image: str) -> dict[str, Any]:
+    async def remove(self, image: str) -> ImageRemoved:
         """``DELETE /v1/images?image=``: ``{image, freed_bytes}``; 404 when not installed."""
-        body = await self._client.request("DELETE", "/v1/images", params={"image": image})
-        return body if isinstance(body, dict) else {"image": image}
+        return await self._client.call("DELETE", "/v1/images", ImageRemoved, params={"image": image})

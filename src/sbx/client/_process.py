@@ -8,15 +8,17 @@ print(proc.exit_code)
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+import msgspec
+
 from sbx.api import frames
-from sbx.api.errors import Internal, Unavailable
-from sbx.client._models import OutputEvent, as_object
+from sbx.api.codec import convert_answer
+from sbx.api.errors import Unavailable
+from sbx.api.processes import OutputChunk, OutputExit, SignalRequest
+from sbx.api.processes import Process as ProcessInfo
 from sbx.client._streams import Attachment
 
 if TYPE_CHECKING:
@@ -30,56 +32,47 @@ class Process:
     and ``refresh()`` update it.
     """
 
-    def __init__(self, client: AsyncClient, sandbox_id: str, info: Any) -> None:
-        if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
-            raise Internal("the server answered a process without an integer 'pid'")
+    def __init__(self, client: AsyncClient, sandbox_id: str, info: ProcessInfo) -> None:
         self._client = client
         self.sandbox_id = sandbox_id
-        self.info: dict[str, Any] = info
-        self.pid: int = info["pid"]
+        self.info = info
+        self.pid: int = info.pid
         self._path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/processes/{self.pid}"
 
     @property
     def argv(self) -> list[str]:
         """The command as started."""
-        return list(self.info.get("argv") or [])
+        return list(self.info.argv)
 
     @property
     def state(self) -> str:
         """``running`` while it runs, as last read."""
-        return str(self.info.get("state", ""))
+        return self.info.state
 
     @property
     def exit_code(self) -> int | None:
         """The exit code once known (negative: killed by that signal), else ``None``."""
-        code = self.info.get("exit_code")
-        return code if isinstance(code, int) else None
+        return self.info.exit_code
 
     def __repr__(self) -> str:
         return f"<Process {self.pid} {self.argv!r} state={self.state}>"
 
     async def refresh(self) -> Process:
         """Fetch the process again into ``info``; returns itself."""
-        self.info = as_object(await self._client.request("GET", self._path), "a Process")
+        self.info = await self._client.call("GET", self._path, ProcessInfo)
         return self
 
-    async def output(self) -> AsyncIterator[OutputEvent]:
+    async def output(self) -> AsyncIterator[OutputChunk]:
         """Its output from the beginning, following until it exits; then ``exit_code`` is set.
 
         Raises ``Unavailable`` if the stream ends without the exit (the server went away).
         """
         async for line in self._client.stream_lines("GET", self._path + "/output"):
             if "exit_code" in line:
-                self.info = {**self.info, "state": "exited", "exit_code": int(line["exit_code"])}
+                done = convert_answer(line, OutputExit, "output exit line")
+                self.info = msgspec.structs.replace(self.info, state="exited", exit_code=done.exit_code)
                 return
-            stream = line.get("stream")
-            if stream not in ("stdout", "stderr"):
-                raise Internal(f"the server sent an output line without a known stream: {stream!r}")
-            try:
-                data = base64.b64decode(line.get("data") or "", validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise Internal(f"the server sent output that is not base64: {exc}") from exc
-            yield OutputEvent(stream, data)
+            yield convert_answer(line, OutputChunk, "output line")
         raise Unavailable(f"the output stream of process {self.pid} ended before the process did")
 
     async def wait(self) -> int:
@@ -103,7 +96,7 @@ class Process:
     async def signal(self, name: str) -> None:
         """Send ``INT``, ``TERM``, ``KILL`` or ``HUP`` (a ``SIG`` prefix is accepted)."""
         bare = frames.encode_signal(name).decode("ascii")
-        await self._client.request("POST", self._path + "/signal", json={"signal": bare})
+        await self._client.request("POST", self._path + "/signal", json=SignalRequest(bare))
 
     async def kill(self) -> None:
         """Send ``KILL``."""

@@ -5,21 +5,29 @@
     await sandbox.files.write("/sandbox/home/a.txt", b"hi")
     await sandbox.delete()
 
-A ``Sandbox`` keeps the server's last answer in ``info``; ``refresh()`` fetches it again. Calls
-address the sandbox by id, so a rename does not break a held object.
+A ``Sandbox`` keeps the server's last answer in ``info`` (the wire type ``sbx.api.sandboxes.Sandbox``);
+``refresh()`` fetches it again. Calls address the sandbox by id, so a rename does not break a held object.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
 
+from msgspec import UNSET
+
 from sbx.api import frames
-from sbx.api.errors import Internal, InvalidRequest
-from sbx.client._models import DirEntry, EventList, RunResult, array_field, as_object
+from sbx.api.codec import convert_request
+from sbx.api.errors import InvalidRequest
+from sbx.api.events import EventList
+from sbx.api.files import DirEntry, DirListing
+from sbx.api.processes import Process as ProcessInfo
+from sbx.api.processes import ProcessList, ProcessRequest, RunRequest, RunResult
+from sbx.api.sandboxes import CreateRequest, PatchRequest, SandboxList
+from sbx.api.sandboxes import Sandbox as SandboxInfo
+from sbx.api.snapshots import ScheduleRequest, Snapshot, SnapshotRequest
 from sbx.client._process import Process
 from sbx.client._streams import Attachment, Tunnel
 
@@ -41,25 +49,31 @@ class Sandboxes:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, **fields: Any) -> Sandbox:
-        """``POST /v1/sandboxes`` with the spec's create fields (all optional): ``name``, ``image``,
-        ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``network``, ``labels``,
-        ``idle_timeout_secs``, ...; an unknown field is ``InvalidRequest``."""
-        return Sandbox(self._client, await self._client.request("POST", "/v1/sandboxes", json=fields))
+    async def create(self, request: CreateRequest | None = None, **fields: Any) -> Sandbox:
+        """``POST /v1/sandboxes`` with a ``CreateRequest`` or the spec's create fields as keywords (all
+        optional): ``name``, ``image``, ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``network``,
+        ``labels``, ``idle_timeout_secs``, ...; an unknown field or a wrong type is ``InvalidRequest``."""
+        body = request if request is not None else convert_request(fields, CreateRequest)
+        return Sandbox(self._client, await self._client.call("POST", "/v1/sandboxes", SandboxInfo, json=body))
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
         """``GET /v1/sandboxes``, newest first; only those carrying every label in ``labels``."""
         params = [("label", f"{key}={value}") for key, value in (labels or {}).items()]
-        body = await self._client.request("GET", "/v1/sandboxes", params=params)
-        return [Sandbox(self._client, info) for info in array_field(body, "sandboxes")]
+        listing = await self._client.call("GET", "/v1/sandboxes", SandboxList, params=params)
+        return [Sandbox(self._client, info) for info in listing.sandboxes]
 
     async def get(self, ref: str) -> Sandbox:
         """``GET /v1/sandboxes/{ref}``: the sandbox named by id or name."""
-        return Sandbox(self._client, await self._client.request("GET", sandbox_path(ref)))
+        return Sandbox(self._client, await self._client.call("GET", sandbox_path(ref), SandboxInfo))
 
     async def delete(self, ref: str) -> None:
         """``DELETE /v1/sandboxes/{ref}``: terminate it (idempotent)."""
         await self._client.request("DELETE", sandbox_path(ref))
+
+    async def events(self, ref: str) -> EventList:
+        """``GET /v1/sandboxes/{ref}/events`` without looking the sandbox up first: a terminated sandbox the
+        server has forgotten is still answered by id (capability ``audit``)."""
+        return await self._client.call("GET", sandbox_path(ref) + "/events", EventList)
 
 
 class Sandbox:
@@ -69,12 +83,10 @@ class Sandbox:
     properties ``name``, ``state``, ``image``, ``labels`` read ``info``.
     """
 
-    def __init__(self, client: AsyncClient, info: Any) -> None:
-        if not isinstance(info, dict) or not isinstance(info.get("id"), str):
-            raise Internal("the server answered a sandbox without an 'id'")
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
         self._client = client
-        self.info: dict[str, Any] = info
-        self.id: str = info["id"]
+        self.info = info
+        self.id: str = info.id
         self.files = Files(client, self.id)
 
     @classmethod
@@ -85,22 +97,22 @@ class Sandbox:
     @property
     def name(self) -> str:
         """The sandbox's name, ``""`` when it has none."""
-        return str(self.info.get("name") or "")
+        return self.info.name or ""
 
     @property
     def state(self) -> str:
         """``pending``, ``running``, ``terminated`` (``suspended`` where supported), as last read."""
-        return str(self.info.get("state", ""))
+        return self.info.state
 
     @property
     def image(self) -> str:
         """The image reference it runs."""
-        return str(self.info.get("image", ""))
+        return self.info.image
 
     @property
     def labels(self) -> dict[str, str]:
         """Its labels (client metadata)."""
-        return dict(self.info.get("labels") or {})
+        return dict(self.info.labels)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} state={self.state}>"
@@ -119,7 +131,7 @@ class Sandbox:
 
     async def _call(self, method: str, suffix: str = "", json: Any = None) -> Self:
         """Send a call answered by the Sandbox object; keep that answer in ``info``."""
-        self.info = as_object(await self._client.request(method, self._path + suffix, json=json), "a Sandbox")
+        self.info = await self._client.call(method, self._path + suffix, SandboxInfo, json=json)
         return self
 
     async def refresh(self) -> Self:
@@ -129,7 +141,7 @@ class Sandbox:
     async def update(self, **fields: Any) -> Self:
         """``PATCH``: any of ``network``, ``name``, ``labels``, ``idle_timeout_secs``; omitted fields
         stay as they are. Returns itself with ``info`` updated."""
-        return await self._call("PATCH", json=fields)
+        return await self._call("PATCH", json=convert_request(fields, PatchRequest))
 
     async def delete(self) -> None:
         """Terminate the sandbox: its processes stop and its disk is discarded (idempotent)."""
@@ -144,15 +156,16 @@ class Sandbox:
         """Bring a suspended sandbox back as it was. Returns itself with ``info`` updated."""
         return await self._call("POST", "/resume")
 
-    async def snapshot(self, kind: str = "memory") -> dict[str, Any]:
+    async def snapshot(self, kind: str = "memory") -> Snapshot:
         """Take a ``memory`` (everything, processes running) or ``disk`` (files only) snapshot; returns the
         Snapshot. Fork it with ``client.sandboxes.create(snapshot_id=...)``."""
-        body = await self._client.request("POST", f"{self._path}/snapshots", json={"kind": kind})
-        return as_object(body, "a Snapshot")
+        return await self._client.call(
+            "POST", f"{self._path}/snapshots", Snapshot, json=SnapshotRequest(kind)
+        )
 
     async def set_snapshot_schedule(self, every_secs: int, keep: int = 1) -> Self:
         """Snapshot every ``every_secs`` seconds keeping the newest ``keep``; ``every_secs`` 0 stops it."""
-        return await self._call("PUT", "/snapshot-schedule", {"every_secs": every_secs, "keep": keep})
+        return await self._call("PUT", "/snapshot-schedule", ScheduleRequest(every_secs, keep))
 
     async def run(
         self,
@@ -161,7 +174,7 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         stdin: bytes | None = None,
-        timeout_secs: int | None = None,
+        timeout_secs: float | None = None,
     ) -> RunResult:
         """Run ``argv`` to completion and return its output (each stream kept up to 8 MiB).
 
@@ -170,11 +183,11 @@ class Sandbox:
         ``timeout_secs`` kills the command after that many seconds (the server's default when
         omitted) and gives ``timed_out=True``, ``exit_code=-1``.
         """
-        body = _command(argv, env, cwd, stdin)
-        if timeout_secs is not None:
-            body["timeout_secs"] = timeout_secs
-        answer = await self._client.request("POST", self._path + "/run", json=body)
-        return RunResult.from_wire(as_object(answer, "a run result"))
+        _check_argv(argv)
+        body = RunRequest(
+            argv=list(argv), env=_env(env), cwd=_opt(cwd), stdin=_opt(stdin), timeout_secs=_opt(timeout_secs)
+        )
+        return await self._client.call("POST", self._path + "/run", RunResult, json=body)
 
     async def start_process(
         self,
@@ -193,29 +206,24 @@ class Sandbox:
         one output stream; ``rows``/``cols`` without ``tty`` is ``InvalidRequest``. ``stdin`` is
         written first (stdin stays open: ``write_stdin`` more, or ``close_stdin``).
         """
-        body = _command(argv, env, cwd, stdin)
-        if tty:
-            body["tty"] = True
-        if rows is not None or cols is not None:
-            if not tty:
-                raise InvalidRequest("rows and cols size a terminal: pass tty=True as well")
-            if rows is not None:
-                body["rows"] = rows
-            if cols is not None:
-                body["cols"] = cols
-        answer = await self._client.request("POST", self._path + "/processes", json=body)
-        return Process(self._client, self.id, answer)
+        _check_argv(argv)
+        if (rows is not None or cols is not None) and not tty:
+            raise InvalidRequest("rows and cols size a terminal: pass tty=True as well")
+        body = ProcessRequest(
+            argv=list(argv), env=_env(env), cwd=_opt(cwd), stdin=_opt(stdin), tty=True if tty else UNSET,
+            rows=_opt(rows), cols=_opt(cols),
+        )  # fmt: skip
+        info = await self._client.call("POST", self._path + "/processes", ProcessInfo, json=body)
+        return Process(self._client, self.id, info)
 
     async def processes(self) -> list[Process]:
         """The sandbox's processes, running and exited."""
-        body = await self._client.request("GET", self._path + "/processes")
-        # A bare array is accepted too: the spec's table says only "list of processes".
-        found = body if isinstance(body, list) else array_field(body, "processes")
-        return [Process(self._client, self.id, info) for info in found]
+        listing = await self._client.call("GET", self._path + "/processes", ProcessList)
+        return [Process(self._client, self.id, info) for info in listing.processes]
 
     async def get_process(self, pid: int) -> Process:
         """The process with server handle ``pid``."""
-        info = await self._client.request("GET", f"{self._path}/processes/{int(pid)}")
+        info = await self._client.call("GET", f"{self._path}/processes/{int(pid)}", ProcessInfo)
         return Process(self._client, self.id, info)
 
     async def attach(self, pid: int) -> Attachment:
@@ -239,8 +247,7 @@ class Sandbox:
 
     async def events(self) -> EventList:
         """The sandbox's audit events, oldest first (capability ``audit``)."""
-        body = await self._client.request("GET", self._path + "/events")
-        return EventList.from_wire(as_object(body, "an event list"))
+        return await self._client.call("GET", self._path + "/events", EventList)
 
 
 class Files:
@@ -266,25 +273,24 @@ class Files:
 
     async def list(self, path: str) -> list[DirEntry]:
         """The entries of a guest directory, by name."""
-        body = await self._client.request("GET", self._path + "/dirs", params={"path": path})
-        return [DirEntry.from_wire(e) for e in array_field(body, "entries")]
+        listing = await self._client.call("GET", self._path + "/dirs", DirListing, params={"path": path})
+        return listing.entries
 
     async def remove(self, path: str) -> None:
         """Remove a file or an empty directory."""
         await self._client.request("DELETE", self._path + "/files", params={"path": path})
 
 
-def _command(
-    argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, stdin: bytes | None
-) -> dict[str, Any]:
+def _check_argv(argv: Sequence[str]) -> None:
     if isinstance(argv, str):
         # A lone string would become one argument per character.
         raise InvalidRequest("argv is a list of strings, e.g. ['ls', '-l'], not one string")
-    body: dict[str, Any] = {"argv": list(argv)}
-    if env is not None:
-        body["env"] = dict(env)
-    if cwd is not None:
-        body["cwd"] = cwd
-    if stdin is not None:
-        body["stdin"] = base64.b64encode(stdin).decode("ascii")
-    return body
+
+
+def _opt(value: Any) -> Any:
+    """UNSET (left out of the request) for an argument not given."""
+    return UNSET if value is None else value
+
+
+def _env(env: Mapping[str, str] | None) -> Any:
+    return UNSET if env is None else dict(env)

@@ -4,10 +4,13 @@ docs/volumes.md). Snapshots are taken with ``sandbox.snapshot()`` and forked wit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from sbx.client._models import array_field, as_object
+from msgspec import UNSET
+
+from sbx.api.snapshots import Snapshot, SnapshotList
+from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
 
 if TYPE_CHECKING:
     from sbx.client._client import AsyncClient
@@ -19,9 +22,9 @@ class Snapshots:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self) -> list[Snapshot]:
         """``GET /v1/snapshots``: Snapshot objects, newest first."""
-        return array_field(await self._client.request("GET", "/v1/snapshots"), "snapshots")
+        return (await self._client.call("GET", "/v1/snapshots", SnapshotList)).snapshots
 
     async def delete(self, snapshot_id: str) -> None:
         """``DELETE /v1/snapshots/{id}``: remove a snapshot and its files; NotFound when unknown."""
@@ -34,16 +37,14 @@ class Volumes:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, name: str, size_mb: int | None = None) -> dict[str, Any]:
+    async def create(self, name: str, size_mb: int | None = None) -> Volume:
         """``POST /v1/volumes``: an empty volume of ``size_mb`` MiB (default: the server's default disk)."""
-        body: dict[str, Any] = {"name": name}
-        if size_mb is not None:
-            body["size_mb"] = size_mb
-        return as_object(await self._client.request("POST", "/v1/volumes", json=body), "a Volume")
+        body = VolumeCreateRequest(name, size_mb if size_mb is not None else UNSET)
+        return await self._client.call("POST", "/v1/volumes", Volume, json=body)
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self) -> list[Volume]:
         """``GET /v1/volumes``: Volume objects."""
-        return array_field(await self._client.request("GET", "/v1/volumes"), "volumes")
+        return (await self._client.call("GET", "/v1/volumes", VolumeList)).volumes
 
     async def delete(self, name: str) -> None:
         """``DELETE /v1/volumes/{name}``: delete it with its contents; Conflict while mounted."""

@@ -12,12 +12,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from sbx.api.codec import encode
+from sbx.api.errors import error_from_answer
 from sbx.client._endpoint import (
     CONNECT_TIMEOUT_SECS,
     DEFAULT_SOCKET,
     Endpoint,
     Params,
-    error_for,
     resolve_endpoint,
     translate_error,
 )
@@ -31,7 +32,6 @@ __all__ = [
     "Response",
     "Transport",
     "Upgraded",
-    "error_for",
     "resolve_endpoint",
 ]
 
@@ -107,9 +107,12 @@ class AiohttpTransport:
     ) -> Response:
         url = self.endpoint.base_url + path
         headers = {"Content-Type": "application/octet-stream"} if data is not None else None
+        if json is not None:
+            # The one codec: wire Structs and plain values alike.
+            data, headers = encode(json), {"Content-Type": "application/json"}
         try:
             async with self._get_session().request(
-                method, url, json=json, data=data, params=params, headers=headers
+                method, url, data=data, params=params, headers=headers
             ) as resp:
                 body = await resp.read()
                 return Response(status=resp.status, content_type=resp.content_type, body=body)
@@ -122,12 +125,15 @@ class AiohttpTransport:
         url = self.endpoint.base_url + path
         # A stream lasts as long as what it follows (a process's output): only connecting is bounded.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_SECS)
+        body, headers = (
+            (encode(json), {"Content-Type": "application/json"}) if json is not None else (None, None)
+        )
         try:
             async with self._get_session().request(
-                method, url, json=json, params=params, timeout=timeout
+                method, url, data=body, params=params, timeout=timeout, headers=headers
             ) as resp:
                 if not 200 <= resp.status < 300:
-                    raise error_for(resp.status, await resp.read())
+                    raise error_from_answer(resp.status, await resp.read())
                 async for chunk in resp.content.iter_any():
                     yield chunk
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

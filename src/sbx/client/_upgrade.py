@@ -14,17 +14,12 @@ import ssl
 from collections.abc import Mapping
 from urllib.parse import urlencode, urlsplit
 
-from sbx.api.errors import Internal, SandboxError, Unavailable
-from sbx.client._endpoint import CONNECT_TIMEOUT_SECS, Endpoint, Params, error_for, translate_error
+from sbx.api.errors import Internal, SandboxError, Unavailable, error_from_answer
+from sbx.client._endpoint import CONNECT_TIMEOUT_SECS, Endpoint, Params, translate_error
+from sbx.web.upgrade import READ_LIMIT_BYTES, parse_head, read_refusal_body, request_head
 
 #: A raw byte stream after an HTTP Upgrade.
 Upgraded = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-#: Largest error body read from a refused upgrade (bytes); the spec's error bodies are small.
-MAX_ERROR_BODY_BYTES = 1 << 20
-#: Buffer limit of the returned reader (bytes): how much the SDK holds before reading pauses,
-#: and the largest answer head accepted from a server.
-READ_LIMIT_BYTES = 256 * 1024
 
 
 def build_request(endpoint: Endpoint, path: str, protocol: str, params: Params | None) -> bytes:
@@ -35,36 +30,8 @@ def build_request(endpoint: Endpoint, path: str, protocol: str, params: Params |
         target += "?" + urlencode(list(params.items()) if isinstance(params, Mapping) else list(params))
     # Over a unix socket the guard wants a loopback Host; over TCP it is the address as written.
     host = "localhost" if endpoint.socket_path is not None else base.netloc
-    lines = [
-        f"GET {target} HTTP/1.1",
-        f"Host: {host}",
-        "Connection: Upgrade",
-        f"Upgrade: {protocol}",
-    ]
-    if endpoint.token:
-        lines.append(f"Authorization: Bearer {endpoint.token}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
-    """``(status, headers)`` of an answer head (through the blank line); names are lowercased.
-
-    Raises ``Internal`` when it is not an HTTP/1.x answer.
-    """
-    text = head.decode("latin-1")
-    status_line, _, rest = text.partition("\r\n")
-    parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-        raise Internal(f"the server did not answer the upgrade with HTTP: {status_line[:80]!r}")
-    headers: dict[str, str] = {}
-    for line in rest.split("\r\n"):
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise Internal(f"the server sent a malformed header line: {line[:80]!r}")
-        headers[name.strip().lower()] = value.strip()
-    return int(parts[1]), headers
+    headers = {"Authorization": f"Bearer {endpoint.token}"} if endpoint.token else {}
+    return request_head(target, host, protocol, headers)
 
 
 async def open_upgraded(
@@ -90,7 +57,7 @@ async def open_upgraded(
                 head = await reader.readuntil(b"\r\n\r\n")
                 status, headers = parse_head(head)
                 if status != 101:
-                    raise error_for(status, await read_refusal_body(reader, headers))
+                    raise error_from_answer(status, await read_refusal_body(reader, headers))
                 if headers.get("upgrade", "").lower() != protocol.lower():
                     raise Internal(
                         f"the server switched to {headers.get('upgrade')!r} instead of {protocol!r}"
@@ -120,12 +87,3 @@ async def _connect(endpoint: Endpoint) -> Upgraded:
     port = base.port or (443 if tls else 80)
     context = ssl.create_default_context() if tls else None
     return await asyncio.open_connection(host, port, ssl=context, limit=READ_LIMIT_BYTES)
-
-
-async def read_refusal_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    """The body of an answer that refused an upgrade (at most MAX_ERROR_BODY_BYTES), after its head."""
-    length = headers.get("content-length", "")
-    if length.isdigit():
-        return await reader.readexactly(min(int(length), MAX_ERROR_BODY_BYTES))
-    # No length: the body runs to the end of the connection (we never ask for keep-alive here).
-    return await reader.read(MAX_ERROR_BODY_BYTES)

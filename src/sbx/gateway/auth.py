@@ -1,94 +1,63 @@
 """Who is asking: the bearer key, the organisation header, and the scope each route needs.
 
 Order on every request (spec: Authentication, Gateway): Origin, then the key (``GET /v1/health`` needs none),
-then ``X-Sandbox-Org``, then the scope, all before any lookup.
+then ``X-Sandbox-Org``, then the scope the route table names for the endpoint, all before any lookup.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
 from sbx.api.errors import ForbiddenOrigin, InvalidRequest, NotFound, Refused, Unauthorized
+from sbx.api.gateway import Whoami
 from sbx.gateway.keys import SECRET_PREFIX, has_scope, hash_secret
 from sbx.gateway.state import DEFAULT_TENANT, KeyRecord, Store
 
 ORG_HEADER = "X-Sandbox-Org"
 
-_READ, _CREATE, _DELETE = "sandbox:read", "sandbox:create", "sandbox:delete"
-_SBX = r"/v1/sandboxes/[^/]+"
-
-#: (methods, path pattern, scopes needed), first match wins; no match means "any valid key".
-SCOPE_RULES: tuple[tuple[frozenset[str], re.Pattern[str], tuple[str, ...]], ...] = tuple(
-    (frozenset(methods.split()), re.compile(pattern), scopes)
-    for methods, pattern, scopes in (
-        ("GET", _SBX + r"/processes/[^/]+/attach", (_CREATE,)),  # GETs that write
-        ("GET", _SBX + r"/tunnel", (_CREATE,)),
-        ("GET POST PUT PATCH DELETE", _SBX + r"/ssh-access", ("sandbox:ssh",)),
-        ("GET", r"/v1/sandboxes(/.*)?", (_READ,)),
-        ("DELETE", _SBX, (_DELETE,)),
-        ("POST PUT PATCH DELETE", r"/v1/sandboxes(/.*)?", (_CREATE,)),
-        ("GET", r"/v1/(volumes|snapshots)(/.*)?", (_READ,)),
-        ("POST PUT PATCH", r"/v1/volumes(/.*)?", (_CREATE,)),
-        ("DELETE", r"/v1/(volumes|snapshots)/[^/]+", (_DELETE,)),
-        ("GET POST PUT PATCH DELETE", r"/v1/ssh-keys(/.*)?", ("sandbox:ssh",)),
-        ("PUT DELETE", r"/v1/secrets/[^/]+", ("secrets:write",)),
-        ("GET", r"/v1/(secrets|jobs|services)(/.*)?", (_READ,)),
-        ("DELETE", r"/v1/services/[^/]+", (_CREATE, _DELETE)),
-        ("POST PUT DELETE", r"/v1/(jobs|services)(/.*)?", (_CREATE,)),
-        ("POST", r"/v1/agent-runs", (_CREATE,)),
-        ("POST", r"/v1/orgs", ("org:create",)),
-        ("GET POST PUT PATCH DELETE", r"/v1/admin(/.*)?", ("admin",)),
-    )
-)
-
-
-def scopes_for(method: str, path: str) -> tuple[str, ...]:
-    """The scopes a call needs (all of them); ``()`` means any valid key."""
-    for methods, pattern, scopes in SCOPE_RULES:
-        if method in methods and pattern.fullmatch(path):
-            return scopes
-    return ()
-
 
 @dataclass(frozen=True)
 class Principal:
-    """The caller: the key, and the tenant the request acts in (``''`` = default)."""
+    """Who acts: a user, the tenant the request acts in (``''`` = default; an organisation through
+    ``X-Sandbox-Org``), the user's own tenant (the key's), whether it holds ``admin``, and the key (absent when
+    the gateway acts for an owner itself: a service's controller, a job)."""
 
-    key: KeyRecord
+    user: str
     tenant: str
-    org: str | None
+    key_tenant: str
+    admin: bool = False
+    key_id: str | None = None
+    scopes: frozenset[str] = frozenset()
+    org: str | None = None
 
-    @property
-    def user(self) -> str:
-        return self.key.user
+    @classmethod
+    def of_key(cls, key: KeyRecord, tenant: str | None = None, org: str | None = None) -> Principal:
+        """The holder of ``key`` acting in ``tenant`` (default: the key's own)."""
+        return cls(
+            user=key.user, tenant=key.tenant if tenant is None else tenant, key_tenant=key.tenant,
+            admin="admin" in key.scopes, key_id=key.id, scopes=key.scopes, org=org,
+        )  # fmt: skip
 
-    @property
-    def admin(self) -> bool:
-        return "admin" in self.key.scopes
+    @classmethod
+    def owner(cls, user: str, tenant: str) -> Principal:
+        """An owner the gateway acts for by itself (no key, no admin rights)."""
+        return cls(user=user, tenant=tenant, key_tenant=tenant)
 
     def owns(self, user: str, tenant: str) -> bool:
-        return self.admin or (user == self.key.user and tenant == self.tenant)
+        return self.admin or (user == self.user and tenant == self.tenant)
 
-    def whoami(self) -> dict[str, Any]:
-        return {
-            "user": self.key.user,
-            "tenant": self.key.tenant or None,
-            "key_id": self.key.id,
-            "scopes": sorted(self.key.scopes),
-            "org": self.org,
-        }
+    def whoami(self) -> Whoami:
+        return Whoami(
+            user=self.user, tenant=self.key_tenant or None, key_id=self.key_id or "", scopes=sorted(self.scopes),
+            org=self.org,
+        )  # fmt: skip
 
 
-#: Where the pipeline keeps the caller, the scopes the route needs, and the audit target on a request.
+#: Where the pipeline keeps the caller and the audit target on a request.
 PRINCIPAL_KEY: web.RequestKey[Principal] = web.RequestKey("principal", Principal)
-SCOPES_KEY: web.RequestKey[tuple[str, ...]] = web.RequestKey("scopes", tuple)
 TARGET_KEY: web.RequestKey[str] = web.RequestKey("target", str)
-#: The path's shape (``route_shape``), kept once computed.
-ROUTE_KEY: web.RequestKey[str] = web.RequestKey("route", str)
 
 
 def check_origin(origin: str | None, host: str, allowed: frozenset[str]) -> None:
@@ -132,9 +101,10 @@ def acting_tenant(store: Store, key: KeyRecord, org_headers: list[str]) -> tuple
     raise NotFound("no such organization")
 
 
-def check_scopes(key: KeyRecord, needed: tuple[str, ...]) -> None:
+def check_scopes(principal: Principal, needed: tuple[str, ...]) -> None:
+    """403 naming the first scope of ``needed`` the caller's key lacks, before anything is looked up."""
     for scope in needed:
-        if not has_scope(key.scopes, scope):
+        if not has_scope(principal.scopes, scope):
             raise Refused(f"this API key lacks the scope {scope}: ask an admin for a key with {scope}")
 
 
@@ -148,8 +118,6 @@ __all__ = [
     "DEFAULT_TENANT",
     "ORG_HEADER",
     "PRINCIPAL_KEY",
-    "ROUTE_KEY",
-    "SCOPES_KEY",
     "TARGET_KEY",
     "Principal",
     "acting_tenant",
@@ -157,5 +125,4 @@ __all__ = [
     "check_scopes",
     "is_key_still_good",
     "key_from_header",
-    "scopes_for",
 ]

@@ -2,37 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from sbx.api.network_policy import NetworkConfig, mode_rank
+from sbx.api.node import Capabilities, Limits
 
-from sbx.api.network_policy import mode_rank
 
-
-def intersect_capabilities(caps: list[dict[str, Any]]) -> dict[str, Any]:
+def intersect_capabilities(caps: list[Capabilities]) -> Capabilities:
     """What every answering node offers: a flag only if all have it, the smallest limits, the strictest
     network ceiling and default, the ``may_allow`` patterns all share. Images are never offered."""
     flags: dict[str, bool] = {}
-    for name in set().union(*(c.get("capabilities", {}).keys() for c in caps)):
-        flags[name] = all(bool(c.get("capabilities", {}).get(name)) for c in caps)
+    for name in set().union(*(c.capabilities.keys() for c in caps)):
+        flags[name] = all(c.capabilities.get(name, False) for c in caps)
     flags["images"] = False
-    limits: dict[str, int] = {}
-    for name in set().union(*(c.get("limits", {}).keys() for c in caps)):
-        values = [c["limits"][name] for c in caps if isinstance(c.get("limits", {}).get(name), int)]
-        if values:
-            limits[name] = min(values)
-    networks = [c.get("network") or {} for c in caps]
-    ceiling = min((n.get("ceiling", "none") for n in networks), key=mode_rank)
-    default = min(
-        (n.get("default") or {"mode": "none"} for n in networks),
-        key=lambda d: mode_rank(d.get("mode", "none")),
-    )
-    may_allow = set(networks[0].get("may_allow") or [])
+    limits = Limits(**{
+        name: min(getattr(c.limits, name) for c in caps) for name in Limits.__struct_fields__
+    })  # fmt: skip
+    networks = [c.network for c in caps]
+    ceiling = min((n.ceiling for n in networks), key=mode_rank)
+    default = min((n.default for n in networks), key=lambda d: mode_rank(d.mode))
+    may_allow = set(networks[0].may_allow)
     for n in networks[1:]:
-        may_allow &= set(n.get("may_allow") or [])
-    backends = {c.get("backend") for c in caps}
-    return {
-        "api_version": "v1",
-        "backend": backends.pop() if len(backends) == 1 else "mixed",
-        "capabilities": flags,
-        "limits": limits,
-        "network": {"default": default, "ceiling": ceiling, "may_allow": sorted(may_allow)},
-    }
+        may_allow &= set(n.may_allow)
+    backends = {c.backend for c in caps}
+    return Capabilities(
+        api_version="v1",
+        backend=backends.pop() if len(backends) == 1 else "mixed",
+        capabilities=flags,
+        limits=limits,
+        network=NetworkConfig(default=default, ceiling=ceiling, may_allow=tuple(sorted(may_allow))),
+    )

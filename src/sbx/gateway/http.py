@@ -1,4 +1,5 @@
-"""Request helpers every gateway handler uses: who is calling, the path's shape, the path with its query."""
+"""Request helpers every gateway handler uses: who is calling, what the route table said of the route, and the
+path with its query."""
 
 from __future__ import annotations
 
@@ -6,21 +7,12 @@ from aiohttp import web
 
 from sbx.gateway import auth
 
-
-def route_shape(path: str) -> str:
-    """The path with ids and names replaced by placeholders, for metrics and the audit log."""
-    parts = path.split("/")
-    shaped: list[str] = []
-    for i, part in enumerate(parts):
-        prev = parts[i - 1] if i > 0 else ""
-        if prev in ("sandboxes", "volumes", "snapshots", "keys", "nodes", "members", "ssh-keys", "secrets",
-                    "services", "jobs", "runs", "orgs") and i >= 3:  # fmt: skip
-            shaped.append("{id}" if prev != "sandboxes" else "{ref}")
-        elif prev == "processes" and i >= 5:
-            shaped.append("{pid}")
-        else:
-            shaped.append(part)
-    return "/".join(shaped)
+#: The scopes the route needs (the revocation recheck holds an open request to them).
+ROUTE_SCOPES: web.RequestKey[tuple[str, ...]] = web.RequestKey("route_scopes", tuple)
+#: The route's label: its path pattern (``/v1/sandboxes/{ref}/run``), for metrics and the audit log.
+ROUTE_LABEL: web.RequestKey[str] = web.RequestKey("route_label", str)
+#: The label of a request no route matches: made-up paths never grow the label set.
+UNMATCHED = "unmatched"
 
 
 def principal_of(request: web.Request) -> auth.Principal:
@@ -30,12 +22,10 @@ def principal_of(request: web.Request) -> auth.Principal:
     return principal
 
 
-def shape_of(request: web.Request) -> str:
-    """``route_shape`` of the request's path, computed once per request."""
-    shape = request.get(auth.ROUTE_KEY)
-    if shape is None:
-        shape = request[auth.ROUTE_KEY] = route_shape(request.path)
-    return shape
+def label_of(request: web.Request) -> str:
+    """The route's label, or ``unmatched``."""
+    label: str = request.get(ROUTE_LABEL, UNMATCHED)
+    return label
 
 
 def path_qs(request: web.Request, path: str) -> str:

@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Iterable
 
 from sbx.api.errors import InvalidRequest
+from sbx.api.gateway import KeyCreated
 from sbx.gateway.state import DEFAULT_TENANT, KeyRecord, now_rfc3339
 
 SECRET_PREFIX = "sgk_"
@@ -91,12 +92,9 @@ def new_key(user: str, tenant: str, scopes: Iterable[str]) -> tuple[KeyRecord, s
     return key, secret
 
 
-def created_wire(key: KeyRecord, secret: str) -> dict[str, object]:
+def created_wire(key: KeyRecord, secret: str) -> KeyCreated:
     """The spec's "API key (created)" record, the only place a secret appears."""
-    return {
-        "id": key.id, "user": key.user, "tenant": key.tenant or None, "scopes": sorted(key.scopes),
-        "created": key.created, "secret": secret,
-    }  # fmt: skip
+    return KeyCreated(key.id, key.user, key.tenant or None, sorted(key.scopes), key.created, secret)
 
 
 def has_scope(scopes: frozenset[str], needed: str) -> bool:

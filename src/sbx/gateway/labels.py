@@ -3,11 +3,15 @@ send on a create or a PATCH."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from msgspec import UNSET
+from msgspec.structs import replace
 
 from sbx.api.errors import Conflict, InvalidRequest
+from sbx.api.sandboxes import PatchRequest
 from sbx.api.validation import validate_labels
-from sbx.gateway import auth
+from sbx.gateway.auth import Principal
 from sbx.gateway.state import SandboxRecord
 
 if TYPE_CHECKING:
@@ -19,10 +23,10 @@ OWNER_LABEL = "gateway.owner"
 TENANT_LABEL = "gateway.tenant"
 
 
-def check_client_labels(labels: dict[str, Any]) -> None:
+def check_client_labels(labels: dict[str, str]) -> None:
     """``gateway.*`` labels are the gateway's (400); at most 30 labels through a gateway (400)."""
     for key in labels:
-        if isinstance(key, str) and key.startswith("gateway."):
+        if key.startswith("gateway."):
             raise InvalidRequest(
                 f"label {key!r}: labels beginning gateway. are set by the gateway, not by clients"
             )
@@ -30,21 +34,17 @@ def check_client_labels(labels: dict[str, Any]) -> None:
         raise InvalidRequest(
             f"labels: {len(labels)} labels given; at most {MAX_CLIENT_LABELS} through a gateway"
         )
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        raise InvalidRequest("labels must be an object of strings")
     validate_labels(labels)
 
 
-def patch_body(
-    gw: Gateway, principal: auth.Principal, rec: SandboxRecord, body: dict[str, Any]
-) -> dict[str, Any]:
+def patch_request(gw: Gateway, principal: Principal, rec: SandboxRecord, req: PatchRequest) -> PatchRequest:
     """A PATCH as the node gets it: ``gateway.*`` labels sent back unchanged are kept, others are 400; a new name
     must be free among the caller's sandboxes on every node."""
-    if "labels" in body and isinstance(body["labels"], dict):
+    if req.labels is not UNSET:
         ours = {OWNER_LABEL: rec.user, **({TENANT_LABEL: rec.tenant} if rec.tenant else {})}
         client = {}
-        for key, value in body["labels"].items():
-            if isinstance(key, str) and key.startswith("gateway."):
+        for key, value in req.labels.items():
+            if key.startswith("gateway."):
                 if ours.get(key) != value:
                     raise InvalidRequest(
                         f"label {key!r}: gateway. labels are the gateway's; send them back unchanged or leave them out"
@@ -52,8 +52,7 @@ def patch_body(
                 continue
             client[key] = value
         check_client_labels(client)
-        body["labels"] = {**client, **ours}
-    name = body.get("name")
-    if isinstance(name, str) and name and gw.name_taken(principal, name, except_id=rec.id):
-        raise Conflict(f"you already have a live sandbox named {name!r}: pick another name")
-    return body
+        req = replace(req, labels={**client, **ours})
+    if req.name and gw.sandboxes.name_taken(principal, req.name, except_id=rec.id):
+        raise Conflict(f"you already have a live sandbox named {req.name!r}: pick another name")
+    return req

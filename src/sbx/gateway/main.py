@@ -11,11 +11,10 @@ import asyncio
 import json
 import os
 import re
-import signal
 import ssl
 import sys
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,9 @@ from typing import Any
 import click
 from aiohttp import web
 
+from sbx.api.codec import convert_request, to_builtins
 from sbx.api.errors import SandboxError
+from sbx.api.gateway import NodeAddRequest
 from sbx.gateway import keys as keymod
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.middlewares import make_middlewares
@@ -32,10 +33,9 @@ from sbx.gateway.nodes import (
     DEFAULT_FORGET_INTERVAL_SECS,
     DEFAULT_POLL_INTERVAL_SECS,
     Registry,
-    parse_endpoint,
 )
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
-from sbx.gateway.routes import all_routes
+from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
 from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.state import (
@@ -47,9 +47,10 @@ from sbx.gateway.state import (
     acquire_lock,
 )
 from sbx.net.loopback import is_loopback
-from sbx.node.logs import setup_logging
-from sbx.node.main import parse_host_port
-from sbx.serving import server_tls, start_metrics_server, unix_listener
+from sbx.web.http import JSON_BODY_CAP
+from sbx.web.logs import setup_logging
+from sbx.web.serve import Listen, metrics_server, run, server_tls
+from sbx.web.serve import parse_host_port as serve_address
 
 DEFAULT_LISTEN = "127.0.0.1:7443"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
@@ -83,7 +84,7 @@ def load_node_file(path: Path) -> list[NodeDef]:
             if isinstance(body.get(name), str):
                 body[name] = str((path.parent / body[name]).resolve())
         try:
-            definition = node_def_from(body, Path("/"))
+            definition = node_def_from(convert_request(body, NodeAddRequest), Path("/"))
         except SandboxError as exc:
             raise click.BadParameter(f"{path}: {exc.message}", param_hint="--node-file") from None
         found.append(NodeDef(**{**definition.__dict__, "from_file": True}))
@@ -220,43 +221,50 @@ def serve(
         os.close(lock_fd)
 
 
+def parse_host_port(value: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; raises click.BadParameter naming the flag."""
+    try:
+        return serve_address(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=flag) from None
+
+
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
     metrics_addr: tuple[str, int] | None,
 ) -> None:  # fmt: skip
-    app = web.Application(middlewares=make_middlewares(gateway), client_max_size=1024 * 1024)
-    app.add_routes(all_routes(gateway))
-    await gateway.start()
+    app = build_app(gateway, metrics_addr)
+
+    def ready() -> None:
+        print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
+              file=sys.stderr, flush=True)  # fmt: skip
+
     # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
     # of a quiet process would otherwise stay open until the process writes again.
-    # A stop gives open requests (followed streams, attach, tunnel) 5 s, then cuts them.
-    runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, handler_cancellation=True, shutdown_timeout=5.0
-    )
-    await runner.setup()
-    if socket_path is not None:
-        await web.SockSite(runner, unix_listener(socket_path, backlog=512)).start()
-    if listen is not None:
-        await web.TCPSite(runner, listen[0], listen[1], ssl_context=tls).start()
-    metrics_runner = None
+    await run(app, Listen(socket_path, listen, tls), ready=ready, cancel_on_disconnect=True)
+
+
+def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.Application:
+    """The gateway's application: the gateway's loops and the audit log run while it serves; at a stop, open
+    relays (followed streams, attach, tunnel) are cut before the server waits for handlers to end."""
+    app = web.Application(middlewares=make_middlewares(gateway), client_max_size=JSON_BODY_CAP)
+    install(app, gateway)
+
+    async def run_gateway(app: web.Application) -> AsyncIterator[None]:
+        await gateway.start()
+        yield
+        await gateway.close()
+        if gateway.audit is not None:
+            gateway.audit.close()
+
+    async def cut_open_relays(app: web.Application) -> None:
+        gateway.open.cancel_all()
+
+    app.cleanup_ctx.append(run_gateway)
+    app.on_shutdown.append(cut_open_relays)
     if metrics_addr is not None:
-        metrics_runner = await start_metrics_server(gateway.metrics, *metrics_addr)
-    print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
-          file=sys.stderr, flush=True)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    gateway.open.cancel_all()
-    await runner.cleanup()
-    if metrics_runner is not None:
-        await metrics_runner.cleanup()
-    await gateway.close()
-    if gateway.audit is not None:
-        gateway.audit.close()
-    if socket_path is not None:
-        socket_path.unlink(missing_ok=True)
+        app.cleanup_ctx.append(metrics_server(gateway.metrics, metrics_addr))
+    return app
 
 
 # -- offline: keys ----------------------------------------------------------------------------------
@@ -269,7 +277,7 @@ def keys() -> None:
 
 def _emit(as_json: bool, data: Any, text: Callable[[], None]) -> None:
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(to_builtins(data), indent=2))
     else:
         text()
 
@@ -305,12 +313,12 @@ def keys_create(
 def keys_list(state_path: Path, as_json: bool) -> None:
     """List keys (never a secret)."""
     with offline_store(state_path) as store:
-        listed = [k.to_wire() for k in sorted(store.keys.values(), key=lambda k: k.created)]
+        listed = [k.wire() for k in sorted(store.keys.values(), key=lambda k: k.created)]
 
     def text() -> None:
         for k in listed:
-            revoked = f" revoked {k['revoked']}" if "revoked" in k else ""
-            click.echo(f"{k['id']}  {k['user']}  {k['tenant'] or '-'}  {','.join(k['scopes'])}{revoked}")
+            revoked = f" revoked {k.revoked}" if k.revoked else ""
+            click.echo(f"{k.id}  {k.user}  {k.tenant or '-'}  {','.join(k.scopes)}{revoked}")
 
     _emit(as_json, {"keys": listed}, text)
 
@@ -349,8 +357,7 @@ def nodes_add(state_path: Path, name: str, endpoint: str, token_file: str | None
             "cert_file": cert_file, "key_file": key_file}  # fmt: skip
     body = {k: (str(Path(v).resolve()) if k.endswith("_file") and v else v) for k, v in body.items()}
     try:
-        definition = node_def_from(body, Path("/"))
-        parse_endpoint(endpoint)
+        definition = node_def_from(convert_request(body, NodeAddRequest), Path("/"))
     except SandboxError as exc:
         raise click.BadParameter(exc.message) from None
     with offline_store(state_path) as store:

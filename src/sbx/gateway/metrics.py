@@ -11,8 +11,8 @@ Series::
     sandbox_gateway_sandboxes_lost                      gauge     records on lost nodes
     sandbox_gateway_sandboxes_terminated_total          counter   terminations through the gateway
     sandbox_gateway_node_up|node_cordoned|node_running{node}               gauges
-    sandbox_gateway_node_capacity_{cpus,memory_mb,disk_mb}{node}           gauges
-    sandbox_gateway_node_free_{cpus,memory_mb,disk_mb}{node}               gauges
+    sandbox_gateway_node_capacity_{cpus,memory_bytes,disk_bytes}{node}     gauges
+    sandbox_gateway_node_free_{cpus,memory_bytes,disk_bytes}{node}         gauges
     sandbox_gateway_ssh_connections_open, _ssh_sessions_open               gauges (0: no SSH served yet)
     sandbox_gateway_ssh_auth_failures_total                                counter
 
@@ -30,7 +30,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sbx.api.node import Resources
+
 CREATE_SECONDS_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0)
+#: Bytes in a MiB: nodes report MiB (as the API does); metrics are in base units (Prometheus convention).
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class NodeGauges:
     up: bool
     cordoned: bool
     running: int
-    capacity: tuple[int, int, int]
-    free: tuple[int, int, int]
+    capacity: Resources
+    free: Resources
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,16 @@ class GatewayMetrics:
             ("node_up", "1 while the node answers polls.", lambda n: 1 if n.up else 0),
             ("node_cordoned", "1 while the node is cordoned.", lambda n: 1 if n.cordoned else 0),
             ("node_running", "Sandboxes running on the node.", lambda n: n.running),
-            ("node_capacity_cpus", "CPUs the node offers.", lambda n: n.capacity[0]),
-            ("node_capacity_memory_mb", "Memory the node offers, MiB.", lambda n: n.capacity[1]),
-            ("node_capacity_disk_mb", "Disk the node offers, MiB.", lambda n: n.capacity[2]),
-            ("node_free_cpus", "CPUs free on the node.", lambda n: n.free[0]),
-            ("node_free_memory_mb", "Memory free on the node, MiB.", lambda n: n.free[1]),
-            ("node_free_disk_mb", "Disk free on the node, MiB.", lambda n: n.free[2]),
+            ("node_capacity_cpus", "CPUs the node offers.", lambda n: n.capacity.cpus),
+            (
+                "node_capacity_memory_bytes",
+                "Memory the node offers, bytes.",
+                lambda n: n.capacity.memory_mb * MIB,
+            ),
+            ("node_capacity_disk_bytes", "Disk the node offers, bytes.", lambda n: n.capacity.disk_mb * MIB),
+            ("node_free_cpus", "CPUs free on the node.", lambda n: n.free.cpus),
+            ("node_free_memory_bytes", "Memory free on the node, bytes.", lambda n: n.free.memory_mb * MIB),
+            ("node_free_disk_bytes", "Disk free on the node, bytes.", lambda n: n.free.disk_mb * MIB),
         ]
         for suffix, doc, value in per_node:
             family = GaugeMetricFamily(f"sandbox_gateway_{suffix}", doc, labels=["node"])

@@ -1,8 +1,7 @@
 """The gateway's request pipeline, outermost first: ``record`` (audit line and request metric, after the answer
-is known), ``error_middleware`` (the node's: every failure becomes the error body), ``authenticate`` (Origin, key,
-``X-Sandbox-Org``, scope, in the spec's order, before any handler looks anything up). Handlers then resolve what
-the caller owns and relay to its node; later route modules (services, jobs, secrets, SSH) read
-``request[auth.PRINCIPAL_KEY]`` the same way.
+is known), ``error_middleware`` (every failure becomes the error body), ``authenticate`` (Origin, key,
+``X-Sandbox-Org``, then the scope the route table names, in the spec's order, before any handler looks anything
+up). A request no route matches is answered 404 once its key is known good: no path is open by omission.
 """
 
 from __future__ import annotations
@@ -12,32 +11,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from sbx.gateway import auth
-from sbx.gateway.http import shape_of
-from sbx.node.http import Handler, error_middleware
+from sbx.gateway.http import ROUTE_LABEL, ROUTE_SCOPES, UNMATCHED, label_of
+from sbx.gateway.routes import route_of
+from sbx.web.http import Handler, error_middleware
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
-
-
-#: Sandbox sub-routes kept as their own metric label; any other tail is counted under the route's pattern, so
-#: made-up paths cannot grow the label set.
-_SUBROUTE_TAILS = (
-    "run", "processes", "processes/{pid}", "processes/{pid}/output", "processes/{pid}/stdin",
-    "processes/{pid}/signal", "processes/{pid}/attach", "tunnel", "files", "dirs", "events", "metrics",
-    "suspend", "resume", "snapshots", "snapshot-schedule", "ssh-access",
-)  # fmt: skip
-SANDBOX_SUBROUTES = frozenset("/v1/sandboxes/{ref}/" + tail for tail in _SUBROUTE_TAILS)
-
-
-def metric_route(request: web.Request, shape: str) -> str:
-    """A bounded route label: the path shape for known routes, else the matched pattern, else ``unmatched``."""
-    resource = request.match_info.route.resource
-    if resource is None:
-        return "unmatched"
-    canonical = resource.canonical
-    if "{tail}" not in canonical or shape in SANDBOX_SUBROUTES:
-        return shape
-    return canonical
 
 
 def preflight(origin: str) -> web.Response:
@@ -63,30 +42,35 @@ def make_middlewares(gw: Gateway) -> list[Any]:
                 response.headers["Access-Control-Allow-Origin"] = origin
             return response
         finally:
-            route = shape_of(request)
-            gw.metrics.count_request(metric_route(request, route), status)
+            label = label_of(request)
+            gw.metrics.count_request(label, status)
             principal = request.get(auth.PRINCIPAL_KEY)
             if isinstance(principal, auth.Principal):
-                gw.record_audit(kind="api", type="api.request", key_id=principal.key.id, user=principal.user,
+                gw.record_audit(kind="api", type="api.request", key_id=principal.key_id, user=principal.user,
                                 tenant=principal.tenant or None, org=principal.org, method=request.method,
-                                route=route, status=status, target=request.get(auth.TARGET_KEY))  # fmt: skip
+                                route=label, status=status, target=request.get(auth.TARGET_KEY))  # fmt: skip
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        auth.check_origin(
-            request.headers.get("Origin"), request.headers.get("Host", ""), gw.options.cors_origins
-        )
+        row = route_of(request)
+        request[ROUTE_LABEL] = row.label if row is not None else UNMATCHED
         origin = request.headers.get("Origin")
+        auth.check_origin(origin, request.headers.get("Host", ""), gw.options.cors_origins)
         if request.method == "OPTIONS" and origin is not None:
             return preflight(origin)
-        if request.method == "GET" and request.path == "/v1/health":
-            return await handler(request)
+        if row is not None and row.scope is None:
+            return await handler(request)  # no credential (GET /v1/health)
         key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
+        # Known before the organisation is checked, so a refused X-Sandbox-Org still leaves an audit line.
+        request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
         tenant, org = auth.acting_tenant(gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
-        request[auth.PRINCIPAL_KEY] = auth.Principal(key, tenant, org)
-        needed = auth.scopes_for(request.method, request.path)
-        request[auth.SCOPES_KEY] = needed
-        auth.check_scopes(key, needed)
+        principal = auth.Principal.of_key(key, tenant, org)
+        request[auth.PRINCIPAL_KEY] = principal
+        if row is None:
+            exc = request.match_info.http_exception
+            raise exc if exc is not None else web.HTTPNotFound()
+        request[ROUTE_SCOPES] = row.scope or ()
+        auth.check_scopes(principal, row.scope or ())
         return await handler(request)
 
     return [record, error_middleware, authenticate]

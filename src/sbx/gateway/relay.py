@@ -3,7 +3,7 @@
 Plain answers are read whole and passed on with their status and content type. Streams (ndjson output,
 file contents) are passed on chunk by chunk as they arrive. Upgrades (``sbx-stream/1`` attach, ``sbx-tunnel/1``
 tunnel) connect to the node by hand, and once the node answers 101 the client's connection is switched too
-(``sbx.node.upgrade``) and bytes are copied both ways untouched, half-closes included.
+(``sbx.web.upgrade``) and bytes are copied both ways untouched, half-closes included.
 
 Every relay is registered in ``OpenRequests`` so revocation can end it (see ``revocation``).
 
@@ -23,11 +23,10 @@ import aiohttp
 from aiohttp import web
 
 from sbx.api.errors import BadGateway, PayloadTooLarge, Unauthorized
-from sbx.client._upgrade import READ_LIMIT_BYTES, parse_head, read_refusal_body
-from sbx.gateway.nodes import CONNECT_TIMEOUT_SECS, Node, describe
+from sbx.gateway.nodeclient import NodeClient, Refusal, describe
 from sbx.gateway.revocation import OpenRequest, OpenRequests
-from sbx.node.http import stream_body
-from sbx.node.upgrade import finished_response, upgrade
+from sbx.web.http import stream_body
+from sbx.web.upgrade import finished_response, upgrade
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +58,6 @@ class CappedBody:
 
 
 Body = bytes | CappedBody | None
-
-
-#: Relayed calls wait for the node as long as it takes (a run, a followed stream); connecting is bounded.
-RELAY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS)
 
 
 async def guarded(
@@ -98,25 +93,12 @@ async def guarded(
         tracker.remove(op)
 
 
-def request_headers(request: web.Request, node: Node) -> dict[str, str]:
-    content_type = request.headers.get("Content-Type")
-    if not content_type:
-        return node.auth_headers
-    return {**node.auth_headers, "Content-Type": content_type}
-
-
 async def forward(
-    request: web.Request, node: Node, method: str, path_qs: str, body: Body, op: OpenRequest | None
+    request: web.Request, node: NodeClient, method: str, path_qs: str, body: Body, op: OpenRequest | None
 ) -> web.StreamResponse:
     """Send one request to ``node`` and relay its answer as sent; no answer at all is 502."""
     try:
-        resp = await node.session.request(
-            method,
-            node.url(path_qs),
-            data=body,
-            headers=request_headers(request, node),
-            timeout=RELAY_TIMEOUT,
-        )
+        resp = await node.request(method, path_qs, body, request.headers.get("Content-Type"))
     except (aiohttp.ClientError, OSError) as exc:
         if isinstance(body, CappedBody) and body.error is not None:
             raise body.error from None
@@ -153,56 +135,15 @@ async def forward(
         return web.Response(status=resp.status, body=data if resp.status != 204 else None, headers=headers)
 
 
-async def open_node_upgrade(
-    node: Node, path_qs: str, protocol: str
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | web.Response:
-    """Ask ``node`` to switch ``path_qs`` to ``protocol``: the raw stream on 101, else its answer as sent."""
-    target = node.target
-    try:
-        async with asyncio.timeout(CONNECT_TIMEOUT_SECS * 2):
-            if target.socket_path is not None:
-                reader, writer = await asyncio.open_unix_connection(
-                    target.socket_path, limit=READ_LIMIT_BYTES
-                )
-            else:
-                reader, writer = await asyncio.open_connection(
-                    target.host, target.port, ssl=node.ssl_context, limit=READ_LIMIT_BYTES
-                )
-            try:
-                host = "localhost" if target.socket_path is not None else f"{target.host}:{target.port}"
-                lines = [
-                    f"GET {path_qs} HTTP/1.1",
-                    f"Host: {host}",
-                    "Connection: Upgrade",
-                    f"Upgrade: {protocol}",
-                ]
-                lines += [f"{k}: {v}" for k, v in node.headers().items()]
-                writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-                await writer.drain()
-                head = await reader.readuntil(b"\r\n\r\n")
-                status, headers = parse_head(head)
-                if status == 101:
-                    return reader, writer
-                body = await read_refusal_body(reader, headers)
-                writer.close()
-                content_type = headers.get("content-type")
-                return web.Response(
-                    status=status, body=body, headers={"Content-Type": content_type} if content_type else {}
-                )
-            except BaseException:
-                writer.close()
-                raise
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-        raise BadGateway(f"node {node.name} did not answer the upgrade: {describe(exc)}") from exc
-
-
 async def relay_upgrade(
-    request: web.Request, node: Node, path_qs: str, protocol: str, op: OpenRequest
+    request: web.Request, node: NodeClient, path_qs: str, protocol: str, op: OpenRequest
 ) -> web.StreamResponse:
-    """Upgrade both sides and copy bytes until both directions have ended."""
-    opened = await open_node_upgrade(node, path_qs, protocol)
-    if isinstance(opened, web.Response):
-        return opened
+    """Upgrade both sides and copy bytes until both directions have ended; a node refusing the upgrade is
+    answered as it answered."""
+    opened = await node.open_upgrade(path_qs, protocol)
+    if isinstance(opened, Refusal):
+        headers = {"Content-Type": opened.content_type} if opened.content_type else {}
+        return web.Response(status=opened.status, body=opened.body, headers=headers)
     node_reader, node_writer = opened
     op.closers.append(node_writer.close)
     try:

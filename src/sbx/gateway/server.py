@@ -2,8 +2,9 @@
 (node poller, ownership forget sweep, revocation recheck), reconcile of records with the nodes' listings, and the
 ownership look-ups and quota usage every route uses.
 
-The request pipeline is in ``middlewares.py``; the route tables are in ``routes/`` (one module per resource,
-assembled by ``routes.all_routes``) and ``orgs.py``.
+The request pipeline is in ``middlewares.py``; the one route table is ``routes.table`` (handlers in ``routes/``
+and ``orgs.py``); sandboxes and snapshots are services (``sandboxes.py``, ``snapshots.py``) the routes and the
+gateway's own controllers call alike.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sbx.api.errors import BadGateway, Conflict, NotFound, SandboxError, Unavailable
+from sbx.api.errors import SandboxError, Unavailable
+from sbx.api.node import Resources
+from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
+from sbx.gateway.sandboxes import Sandboxes
+from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,9 @@ class Gateway:
         #: Volume creates one at a time: their names are one name space across every node.
         self.volume_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        #: The services routes and the gateway's own controllers call alike.
+        self.sandboxes = Sandboxes(self)
+        self.snapshots = Snapshots(self)
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
 
@@ -108,14 +116,11 @@ class Gateway:
     def snapshot(self) -> GatewaySnapshot:
         nodes = []
         for node in list(self.registry.nodes.values()):
-            status = node.status or {}
-            cap = status.get("capacity") or {}
-            free = status.get("free") or {}
+            status = node.status
             nodes.append(NodeGauges(
-                node.name, node.healthy, self.wanted_cordon(node.name) or bool(status.get("cordoned")),
-                int(status.get("running", 0)),
-                (int(cap.get("cpus", 0)), int(cap.get("memory_mb", 0)), int(cap.get("disk_mb", 0))),
-                (int(free.get("cpus", 0)), int(free.get("memory_mb", 0)), int(free.get("disk_mb", 0))),
+                node.name, node.healthy, self.wanted_cordon(node.name) or bool(status and status.cordoned),
+                status.running if status else 0,
+                status.capacity if status else Resources(0, 0, 0), status.free if status else Resources(0, 0, 0),
             ))  # fmt: skip
         records = list(self.store.sandboxes.values())
         return GatewaySnapshot(len(records), sum(1 for r in records if self.is_lost_node(r.node)), nodes)
@@ -126,22 +131,13 @@ class Gateway:
 
     # -- reconcile and forget ------------------------------------------------------------------
 
-    async def node_listing(self, node: Node) -> list[dict[str, Any]]:
-        body = await node.call("GET", "/v1/sandboxes", timeout_secs=30.0)
-        sandboxes = body.get("sandboxes") if isinstance(body, dict) else None
-        if not isinstance(sandboxes, list):
-            raise BadGateway(f"node {node.name} answered its listing without a sandboxes array")
-        return [s for s in sandboxes if isinstance(s, dict)]
-
     async def reconcile(self, node: Node) -> None:
         """Bring the records of ``node`` in line with its own listing: forget what it no longer runs, and take
         back a sandbox it runs with our labels but no record (the gateway stopped between the node's answer
         and the record's commit)."""
         started = time.time()
-        listing = await self.node_listing(node)
-        live = {
-            s["id"]: s for s in listing if s.get("state") != "terminated" and isinstance(s.get("id"), str)
-        }
+        listing = await node.client.sandboxes()
+        live = {s.id: s for s in listing if s.state != "terminated"}
         stale = [
             r.id for r in list(self.store.sandboxes.values())
             if r.node == node.name and r.id not in live and _created_before(r.created, started - 2)
@@ -152,15 +148,11 @@ class Gateway:
                 "forgot sandboxes the node no longer runs", extra={"node": node.name, "count": len(stale)}
             )
         for sandbox_id, wire in live.items():
-            labels = wire.get("labels") or {}
-            if (
-                sandbox_id in self.store.sandboxes
-                or not isinstance(labels, dict)
-                or OWNER_LABEL not in labels
-            ):
+            labels = wire.labels
+            if sandbox_id in self.store.sandboxes or OWNER_LABEL not in labels:
                 continue
-            await self.write(self.store.put_sandbox, self.record_from(wire, node.name, str(labels[OWNER_LABEL]),
-                                                                      str(labels.get(TENANT_LABEL, ""))))  # fmt: skip
+            await self.write(self.store.put_sandbox, self.record_from(wire, node.name, labels[OWNER_LABEL],
+                                                                      labels.get(TENANT_LABEL, "")))  # fmt: skip
         node.reconciled_at = time.monotonic()
 
     async def forget_sweep(self) -> None:
@@ -171,13 +163,10 @@ class Gateway:
             except SandboxError as exc:
                 log.warning("forget sweep skipped a node", extra={"node": node.name, "error": exc.message})
 
-    def record_from(self, wire: dict[str, Any], node: str, user: str, tenant: str) -> SandboxRecord:
-        name = wire.get("name")
+    def record_from(self, wire: Sandbox, node: str, user: str, tenant: str) -> SandboxRecord:
         return SandboxRecord(
-            id=str(wire["id"]), user=user, tenant=tenant, node=node,
-            name=name if isinstance(name, str) and name else None,
-            cpus=int(wire.get("cpus") or 0), memory_mb=int(wire.get("memory_mb") or 0),
-            created=str(wire.get("created_at") or now_rfc3339()),
+            id=wire.id, user=user, tenant=tenant, node=node, name=wire.name or None, cpus=wire.cpus,
+            memory_mb=wire.memory_mb, created=wire.created_at or now_rfc3339(),
         )  # fmt: skip
 
     # -- revocation ----------------------------------------------------------------------------
@@ -216,28 +205,6 @@ class Gateway:
 
     # -- ownership lookups ---------------------------------------------------------------------
 
-    def resolve(self, principal: auth.Principal, ref: str) -> SandboxRecord:
-        """The caller's sandbox named by id or name; 404 for one not theirs or absent either way.
-
-        The node is then asked by id, never by name: one node may hold sandboxes of several users under one
-        name. A name matching more than one (an admin's look-up among every user's, or a user's own sandbox
-        on a lost node and its namesake made meanwhile) is 409 naming the ids, never one picked silently."""
-        rec = self.store.sandboxes.get(ref)
-        if rec is not None and principal.owns(rec.user, rec.tenant):
-            return rec
-        mine = [
-            r for r in list(self.store.sandboxes.values())
-            if r.name == ref and r.user == principal.user and r.tenant == principal.tenant
-        ]  # fmt: skip
-        if not mine and principal.admin:
-            mine = [r for r in list(self.store.sandboxes.values()) if r.name == ref]
-        if len(mine) > 1:
-            ids = ", ".join(sorted(r.id for r in mine))
-            raise Conflict(f"the name {ref!r} matches {len(mine)} live sandboxes ({ids}); use the id")
-        if mine:
-            return mine[0]
-        raise NotFound(f"no sandbox {ref!r} among yours")
-
     def node_for(self, name: str, what: str) -> Node:
         node = self.registry.get(name)
         if node is None:
@@ -245,13 +212,6 @@ class Gateway:
         if not node.healthy:
             raise Unavailable(f"the node {name!r} holding {what} is not answering; try again later")
         return node
-
-    def name_taken(self, principal: auth.Principal, name: str, except_id: str | None = None) -> bool:
-        return any(
-            r.name == name and r.user == principal.user and r.tenant == principal.tenant and r.id != except_id
-            and not self.is_lost_node(r.node)
-            for r in list(self.store.sandboxes.values())
-        )  # fmt: skip
 
     def tenant_usage(self, tenant: str) -> tuple[int, int, int]:
         """(sandboxes, cpus, memory_mb) counted against ``tenant``'s quota: records not on lost nodes."""

@@ -33,6 +33,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from msgspec import UNSET
+
+from sbx.api.gateway import Key
+from sbx.api.orgs import Member, Role
 from sbx.statefile import try_lock
 
 #: Tenant of a key issued without one, as stored (the API shows it as absent, or ``default`` in org calls).
@@ -97,15 +101,12 @@ class KeyRecord:
     created: str
     revoked: str | None = None
 
-    def to_wire(self) -> dict[str, Any]:
+    def wire(self) -> Key:
         """The listed form: never a secret nor its hash."""
-        wire: dict[str, Any] = {
-            "id": self.id, "user": self.user, "tenant": self.tenant or None,
-            "scopes": sorted(self.scopes), "created": self.created,
-        }  # fmt: skip
-        if self.revoked is not None:
-            wire["revoked"] = self.revoked
-        return wire
+        return Key(
+            id=self.id, user=self.user, tenant=self.tenant or None, scopes=sorted(self.scopes),
+            created=self.created, revoked=self.revoked if self.revoked is not None else UNSET,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -170,11 +171,9 @@ class MemberRecord:
     role: str
     added: str
 
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"user": self.user, "role": self.role, "added": self.added}
-        if self.tenant:
-            wire["tenant"] = self.tenant
-        return wire
+    def wire(self) -> Member:
+        role: Role = "owner" if self.role == "owner" else "member"
+        return Member(user=self.user, tenant=self.tenant or UNSET, role=role, added=self.added)
 
 
 @dataclass(frozen=True)

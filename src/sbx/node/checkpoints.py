@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 
 from sbx.agent.client import AgentError, AgentProtocolError
 from sbx.api.errors import Conflict, Internal, InvalidRequest, SandboxError, Unsupported
-from sbx.api.models import CreateRequest
+from sbx.api.requests import CreateSpec
+from sbx.api.sandboxes import SnapshotProgress
+from sbx.api.snapshots import SnapshotKind
 from sbx.backends.base import BackendError, CheckpointBackend
 from sbx.backends.disk_copy import allocated_bytes
 from sbx.node.records import SandboxRecord, SandboxState, utc_now
-from sbx.node.snapshots import SnapshotKind, SnapshotRecord, SnapshotStore, new_snapshot_id
+from sbx.node.snapshots import SnapshotRecord, SnapshotStore, new_snapshot_id
 
 if TYPE_CHECKING:
     from sbx.node.manager import Sandbox, SandboxManager
@@ -208,7 +210,7 @@ class Checkpoints:
             )
         under_way = record.snapshotting
         if record.id in self._taking:
-            since = f" (since {under_way['started_at']})" if under_way else ""
+            since = f" (since {under_way.started_at})" if under_way else ""
             raise Conflict(f"a snapshot of sandbox {record.id} is being taken{since}; one at a time")
         task = asyncio.get_running_loop().create_task(self._take(sandbox, kind, scheduled))
         self._taking[record.id] = task
@@ -223,10 +225,9 @@ class Checkpoints:
         if kind == "memory":
             usage = await self.backend.usage(record.id)
             estimate += usage.memory_bytes if usage is not None else 0
-        record.snapshotting = {
-            "started_at": utc_now(), "phase": "capture", "bytes": 0, "estimated_bytes": estimate,
-            "scheduled": scheduled,
-        }  # fmt: skip
+        record.snapshotting = SnapshotProgress(
+            started_at=utc_now(), phase="capture", bytes=0, scheduled=scheduled, estimated_bytes=estimate
+        )
         progress = asyncio.get_running_loop().create_task(self._track_bytes(record, staging))
         try:
             if kind == "memory":
@@ -235,7 +236,7 @@ class Checkpoints:
                 await self.backend.copy_disk(record.id, staging / "disk.img")
                 next_pid = 1
             if record.snapshotting is not None:
-                record.snapshotting["phase"] = "store"
+                record.snapshotting.phase = "store"
             snapshot = SnapshotRecord(
                 id=snapshot_id, sandbox=record.id, image=record.image, kind=kind,
                 bytes=allocated_bytes(staging), created_at=utc_now(), cpus=record.cpus,
@@ -299,7 +300,7 @@ class Checkpoints:
         while True:
             await asyncio.sleep(PROGRESS_INTERVAL_SECS)
             if record.snapshotting is not None:
-                record.snapshotting["bytes"] = await asyncio.to_thread(allocated_bytes, staging)
+                record.snapshotting.bytes = await asyncio.to_thread(allocated_bytes, staging)
 
     def delete_snapshot(self, snapshot_id: str, reason: str | None = None) -> None:
         """Delete a snapshot and its files; audit ``snapshot.deleted`` (with ``reason`` when given)."""
@@ -309,7 +310,7 @@ class Checkpoints:
 
     # -- forks ------------------------------------------------------------------------------------------
 
-    def fork_request(self, req: CreateRequest) -> tuple[SnapshotRecord, CreateRequest]:
+    def fork_request(self, req: CreateSpec) -> tuple[SnapshotRecord, CreateSpec]:
         """Check a create with ``snapshot_id`` against the fork rules; returns the snapshot and the request
         with the snapshot's image and (for a memory fork) resources, or the original's for omitted ones."""
         assert req.snapshot_id is not None

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
+import msgspec
+from msgspec import UNSET
+
 from sbx.api.errors import InvalidRequest
 from sbx.api.network_policy import (
     MODE_ORDER,
@@ -30,6 +33,7 @@ from sbx.api.network_policy import (
     normalise_pattern,
     parse_mode,
 )
+from sbx.api.node import Defaults, Limits
 from sbx.net.dns import parse_server
 from sbx.net.egress import MIN_SUBNET_PREFIX, EgressConfig
 
@@ -69,34 +73,13 @@ class ConfigError(Exception):
     """
 
 
-@dataclass(frozen=True)
-class LimitsConfig:
-    """``[limits]``: the most a request may ask for (capabilities ``limits``).
-
-    ``max_idle_timeout_secs`` 0 means no upper bound, and only then may a sandbox idle forever
-    (``idle_timeout_secs`` 0).
-    """
-
-    max_cpus: int = 4
-    max_memory_mb: int = 8192
-    max_disk_mb: int = 20480
-    max_idle_timeout_secs: int = 86400
-    min_snapshot_every_secs: int = 60
-    max_snapshot_keep: int = 10
-
-
-@dataclass(frozen=True)
-class DefaultsConfig:
-    """``[defaults]``: what a create request gets for a field it omits.
-
-    ``idle_timeout_secs`` 0 means never idle out, allowed only when ``limits.max_idle_timeout_secs`` is 0.
-    """
-
-    cpus: int = 1
-    memory_mb: int = 512
-    disk_mb: int = 2048
-    idle_timeout_secs: int = 600
-    image: str = "default"
+#: ``[limits]``: the most a request may ask for (capabilities ``limits``). ``max_idle_timeout_secs`` 0 means no
+#: upper bound, and only then may a sandbox idle forever (``idle_timeout_secs`` 0). The wire type of
+#: capabilities, so request rules (``sbx.api.requests``) take it as is.
+LimitsConfig = Limits
+#: ``[defaults]``: what a create request gets for a field it omits. ``idle_timeout_secs`` 0 means never idle
+#: out, allowed only when ``limits.max_idle_timeout_secs`` is 0. Reported in NodeStatus ``defaults``.
+DefaultsConfig = Defaults
 
 
 @dataclass(frozen=True)
@@ -461,7 +444,7 @@ def _network(sec: Mapping[str, Any]) -> NetworkConfig:
     if "mode" not in raw_default:
         raise ConfigError('network.default.mode is missing; set it to "none", "allowlist" or "open"')
     mode = _wrap(lambda: parse_mode(raw_default["mode"], "network.default.mode"))
-    allow: tuple[str, ...] | None = None
+    allow: tuple[str, ...] = ()
     if "allow" in raw_default:
         if mode != "allowlist":
             raise ConfigError(
@@ -484,7 +467,9 @@ def _network(sec: Mapping[str, Any]) -> NetworkConfig:
             f"network.default.mode {mode} is above network.ceiling {ceiling}; raise the ceiling to "
             f"{mode} or choose a default mode among {', '.join(MODE_ORDER[: mode_rank(ceiling) + 1])}"
         )
-    return NetworkConfig(NetworkPolicy(mode, allow, deny), ceiling, may_allow)
+    return NetworkConfig(
+        NetworkPolicy(mode, allow if mode == "allowlist" else UNSET, deny), ceiling, may_allow
+    )
 
 
 def _idle_default(sec: Mapping[str, Any], limits: LimitsConfig, default: int) -> int:
@@ -557,7 +542,9 @@ def _no_unknown(sec: Mapping[str, Any], known: tuple[str, ...], prefix: str) -> 
             raise ConfigError(f"unknown {where} {prefix}{key}; known: {', '.join(prefix + k for k in known)}")
 
 
-def _fields(cls: type) -> tuple[str, ...]:
+def _fields(cls: Any) -> tuple[str, ...]:
+    if issubclass(cls, msgspec.Struct):
+        return tuple(cls.__struct_fields__)
     return tuple(f.name for f in dataclasses.fields(cls))
 
 

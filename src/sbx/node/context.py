@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from sbx import __version__
+from sbx.api.node import Capabilities, NodeStatus, Resources
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig
@@ -37,14 +37,12 @@ class NodeContext:
     def images(self) -> ImageService:
         return self.manager.image_service
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> Capabilities:
         """The spec's Capabilities body; only what this node really does is true."""
-        limits = self.config.limits
-        net = self.config.network
-        return {
-            "api_version": "v1",
-            "backend": self.backend.name,
-            "capabilities": {
+        return Capabilities(
+            api_version="v1",
+            backend=self.backend.name,
+            capabilities={
                 # PATCH network is applied live wherever egress is enforced (modes beyond none).
                 "network_policy_update": len(self.backend.network_modes) > 1,
                 "suspend": self.manager.checkpoints is not None,
@@ -55,33 +53,24 @@ class NodeContext:
                 "audit": self.config.audit.enabled,
                 "images": True,
             },
-            "limits": {
-                "max_cpus": limits.max_cpus,
-                "max_memory_mb": limits.max_memory_mb,
-                "max_disk_mb": limits.max_disk_mb,
-                "max_idle_timeout_secs": limits.max_idle_timeout_secs,
-                "min_snapshot_every_secs": limits.min_snapshot_every_secs,
-                "max_snapshot_keep": limits.max_snapshot_keep,
-            },
-            "network": {
-                "default": net.default.to_wire(),
-                "ceiling": net.ceiling,
-                "may_allow": list(net.may_allow),
-            },
-        }
+            limits=self.config.limits,
+            network=self.config.network,
+        )
 
-    def node_status(self) -> dict[str, Any]:
-        """The spec's NodeStatus body."""
+    def node_status(self) -> NodeStatus:
+        """The spec's NodeStatus body, with the node's create defaults (an addition)."""
         manager = self.manager
-        return {
-            "name": self.node_name,
-            "version": self.version,
-            "capabilities": self.capabilities(),
-            "capacity": asdict(manager.capacity),
-            "free": asdict(manager.free()),
-            "running": manager.count_by_state()["running"],
-            "pooled": self.pools.ready() if self.pools is not None else {},
-            "images": sorted(i.reference for i in manager.images.list()),
-            "labels": {},
-            "cordoned": manager.cordoned,
-        }
+        capacity, free = manager.capacity, manager.free()
+        return NodeStatus(
+            name=self.node_name,
+            version=self.version,
+            capabilities=self.capabilities(),
+            capacity=Resources(capacity.cpus, capacity.memory_mb, capacity.disk_mb),
+            free=Resources(free.cpus, free.memory_mb, free.disk_mb),
+            running=manager.count_by_state()["running"],
+            pooled=self.pools.ready() if self.pools is not None else {},
+            images=sorted(i.reference for i in manager.images.list()),
+            labels={},
+            cordoned=manager.cordoned,
+            defaults=self.config.defaults,
+        )

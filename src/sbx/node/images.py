@@ -25,9 +25,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any
+from typing import Literal
+
+from msgspec import UNSET
 
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound, Refused, SandboxError
+from sbx.api.images import Image, ImageProgress, ImageRemoved
 from sbx.images.blobs import collect_unused_blobs
 from sbx.images.pull import blob_store, pull_image
 from sbx.images.reference import normalize_reference, parse_reference
@@ -43,7 +46,7 @@ class _Install:
     """One install or re-check running in the background."""
 
     task: asyncio.Task[InstalledImage]
-    phase: str = "pulling"
+    phase: Literal["pulling", "building"] = "pulling"
     done_bytes: int = 0
     total_bytes: int = 0
 
@@ -115,7 +118,7 @@ class ImageService:
 
     # -- installing ---------------------------------------------------------------------------------------
 
-    def install(self, text: str) -> dict[str, Any]:
+    def install(self, text: str) -> Image:
         """Start (or join) the install of ``text``; returns its Image body (POST /v1/images)."""
         reference = self.canonical(text)
         self.check_allowed(reference)
@@ -137,7 +140,8 @@ class ImageService:
         job: _Install
 
         def progress(phase: str, done: int, total: int) -> None:
-            job.phase, job.done_bytes, job.total_bytes = phase, done, total
+            job.phase = "building" if phase == "building" else "pulling"
+            job.done_bytes, job.total_bytes = done, total
 
         task = asyncio.get_running_loop().create_task(self._run(reference, progress))
         job = _Install(task)
@@ -243,33 +247,35 @@ class ImageService:
 
     # -- reading ------------------------------------------------------------------------------------------
 
-    def describe(self, reference: str) -> dict[str, Any]:
+    def describe(self, reference: str) -> Image:
         """The spec's Image object of ``reference`` (installed, installing or failed)."""
         installed = self._installed(reference)
         job = self._installs.get(reference)
-        body: dict[str, Any] = {"image": reference}
+        state: Literal["installed", "installing", "failed"]
         if job is not None:
-            body["state"] = "installing"
+            state = "installing"
         elif reference in self._failed:
-            body["state"] = "failed"
+            state = "failed"
         else:
-            body["state"] = "installed" if installed is not None else "failed"
-        if installed is not None:
-            body["digest"] = installed.digest
-            body["bytes"] = installed.bytes
-            body["installed_at"] = installed.installed_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        else:
-            body["bytes"] = 0
-        body["in_use"] = self.users(reference)
-        body["default"] = reference == self.default_image
-        body["pooled"] = reference in self.pooled
-        if job is not None:
-            body["progress"] = {"phase": job.phase, "done": job.done_bytes, "total": job.total_bytes}
-        elif reference in self._failed:
-            body["error"] = self._failed[reference]
-        return body
+            state = "installed" if installed is not None else "failed"
+        return Image(
+            image=reference,
+            state=state,
+            digest=installed.digest if installed is not None else UNSET,
+            bytes=installed.bytes if installed is not None else 0,
+            installed_at=(
+                installed.installed_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                if installed is not None
+                else UNSET
+            ),
+            in_use=self.users(reference),
+            default=reference == self.default_image,
+            pooled=reference in self.pooled,
+            progress=ImageProgress(job.phase, job.done_bytes, job.total_bytes) if job is not None else UNSET,
+            error=self._failed[reference] if job is None and reference in self._failed else UNSET,
+        )
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> list[Image]:
         """Every installed, installing and failed image, by name."""
         names = {i.reference for i in self.store.list()} | set(self._installs) | set(self._failed)
         return [self.describe(name) for name in sorted(names)]
@@ -279,7 +285,7 @@ class ImageService:
 
     # -- removing -----------------------------------------------------------------------------------------
 
-    async def remove(self, text: str) -> dict[str, Any]:
+    async def remove(self, text: str) -> ImageRemoved:
         """DELETE /v1/images: ``{image, freed_bytes}``; the checks come before anything changes."""
         reference = self.canonical(text)
         if reference in self._installs:
@@ -299,7 +305,7 @@ class ImageService:
             raise Conflict(f"image {reference} is already being removed")
         if self._installed(reference) is None:
             if self._failed.pop(reference, None) is not None:
-                return {"image": reference, "freed_bytes": 0}
+                return ImageRemoved(reference, 0)
             raise NotFound(f"image {reference} is not installed on this node")
         self._removing.add(reference)
         try:
@@ -310,7 +316,7 @@ class ImageService:
             )
         finally:
             self._removing.discard(reference)
-        return {"image": reference, "freed_bytes": freed}
+        return ImageRemoved(reference, freed)
 
     async def close(self) -> None:
         """Cancel running installs (a restart forgets them; the store keeps nothing half done)."""

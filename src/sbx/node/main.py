@@ -16,8 +16,9 @@ import click
 from sbx.backends.base import BackendError
 from sbx.net.loopback import is_loopback
 from sbx.node.config import ConfigError, load_config
-from sbx.node.logs import setup_logging
 from sbx.node.server import ServerOptions, StateDirLocked, serve
+from sbx.web.logs import setup_logging
+from sbx.web.serve import parse_host_port as serve_address
 
 DEFAULT_SOCKET = Path("/run/sandboxd.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/sandboxd/state")
@@ -26,11 +27,10 @@ NODE_ID_PATTERN = re.compile(r"^[a-z0-9]{1,16}$")
 
 def parse_host_port(value: str, flag: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[V6]:PORT``; raises click.BadParameter naming the flag."""
-    host, sep, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{value!r} is not HOST:PORT", param_hint=flag)
-    return host, int(port)
+    try:
+        return serve_address(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=flag) from None
 
 
 def read_token(path: Path) -> str:

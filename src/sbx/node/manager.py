@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
-from sbx.api.models import CreateRequest, PatchRequest
 from sbx.api.network_policy import MODE_ORDER
+from sbx.api.requests import CreateSpec, PatchSpec
 from sbx.backends.base import Backend, BackendError, CheckpointBackend, VolumeBind
 from sbx.images.store import ImageConfig, ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
@@ -150,7 +150,7 @@ class SandboxManager:
         #: Resources held outside the manager's sandboxes (the warm pools'); set by the server.
         self.reserved: Callable[[], Capacity] = lambda: Capacity(0, 0, 0)
         #: ``take(image, request)``: a pooled sandbox that fits the request, or None; set by the server.
-        self.take_pooled: Callable[[str, CreateRequest], PooledSandbox | None] = lambda image, req: None
+        self.take_pooled: Callable[[str, CreateSpec], PooledSandbox | None] = lambda image, req: None
         self._sandboxes: dict[str, Sandbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._destroys: set[asyncio.Task[None]] = set()
@@ -329,7 +329,7 @@ class SandboxManager:
 
     # -- create -----------------------------------------------------------------------------------------
 
-    def _check_create(self, req: CreateRequest) -> None:
+    def _check_create(self, req: CreateSpec) -> None:
         """Every refusal that must leave nothing behind, in the order a user would fix them (capacity is
         checked apart, in :meth:`_check_capacity`, because a pooled sandbox brings its own)."""
         if self.cordoned:
@@ -360,7 +360,7 @@ class SandboxManager:
                 f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one"
             )
 
-    def _check_capacity(self, req: CreateRequest) -> None:
+    def _check_capacity(self, req: CreateSpec) -> None:
         free = self.free()
         short = [
             f"{what} (asked {asked}, free {have})"
@@ -374,7 +374,7 @@ class SandboxManager:
         if short:
             raise Unavailable("not enough free capacity on this node: " + ", ".join(short))
 
-    async def create(self, req: CreateRequest) -> SandboxRecord:
+    async def create(self, req: CreateSpec) -> SandboxRecord:
         """Boot a sandbox for a validated request (or take a pooled one that fits, or fork a snapshot); on
         failure nothing is left behind. An image not installed yet is installed first, and the create waits
         for it."""
@@ -470,7 +470,7 @@ class SandboxManager:
                 raise Internal(f"the sandbox could not be started: {exc}") from exc
             raise
 
-    def adopt(self, pooled: PooledSandbox, req: CreateRequest) -> SandboxRecord:
+    def adopt(self, pooled: PooledSandbox, req: CreateSpec) -> SandboxRecord:
         """Make a pooled sandbox the requester's: name, labels, env, network and idle timeout from ``req``.
 
         Nothing inside the sandbox changes (env is given per process; nothing has run in it), so this only
@@ -500,7 +500,7 @@ class SandboxManager:
 
     # -- change -----------------------------------------------------------------------------------------
 
-    async def patch(self, ref: str, req: PatchRequest) -> SandboxRecord:
+    async def patch(self, ref: str, req: PatchSpec) -> SandboxRecord:
         """Apply a validated PATCH: all fields or none."""
         sandbox = self.resolve(ref)
         record = sandbox.record

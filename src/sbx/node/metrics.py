@@ -7,8 +7,8 @@ Exactly these series, in a private registry (never the process-global one)::
     sandboxd_pool_target{image}           gauge      pool sizes by image
     sandboxd_pool_ready{image}            gauge
     sandboxd_pool_booting{image}          gauge
-    sandboxd_capacity_cpus|memory_mb|disk_mb   gauge  what the node offers (CPUs, MiB, MiB)
-    sandboxd_free_cpus|memory_mb|disk_mb       gauge  capacity less what live sandboxes hold
+    sandboxd_capacity_cpus|memory_bytes|disk_bytes   gauge  what the node offers (CPUs, bytes, bytes)
+    sandboxd_free_cpus|memory_bytes|disk_bytes       gauge  capacity less what live sandboxes hold
     sandboxd_cordoned                     gauge      1 while cordoned
     sandboxd_creates_total{status}        counter    creates by status (``created`` or an error code)
     sandboxd_create_seconds               histogram  create latency, seconds
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 #: Upper bounds of the create latency buckets, in seconds: a pooled create takes tens of
 #: milliseconds, a cold boot a few seconds; beyond 10 s only +Inf.
 CREATE_SECONDS_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0)
+#: Bytes in a MiB: the node counts MiB (as the API does); metrics are in base units (Prometheus convention).
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,21 @@ class NodeMetrics:
             "sandboxd_pool_booting", "Pooled sandboxes booting, by image.", "image", snap.pool_booting
         )
         yield _gauge("sandboxd_capacity_cpus", "CPUs the node offers.", snap.capacity_cpus)
-        yield _gauge("sandboxd_capacity_memory_mb", "Memory the node offers, MiB.", snap.capacity_memory_mb)
-        yield _gauge("sandboxd_capacity_disk_mb", "Disk the node offers, MiB.", snap.capacity_disk_mb)
+        yield _gauge(
+            "sandboxd_capacity_memory_bytes", "Memory the node offers, bytes.", snap.capacity_memory_mb * MIB
+        )
+        yield _gauge(
+            "sandboxd_capacity_disk_bytes", "Disk the node offers, bytes.", snap.capacity_disk_mb * MIB
+        )
         yield _gauge("sandboxd_free_cpus", "CPUs not given to a live sandbox.", snap.free_cpus)
         yield _gauge(
-            "sandboxd_free_memory_mb", "Memory not given to a live sandbox, MiB.", snap.free_memory_mb
+            "sandboxd_free_memory_bytes",
+            "Memory not given to a live sandbox, bytes.",
+            snap.free_memory_mb * MIB,
         )
-        yield _gauge("sandboxd_free_disk_mb", "Disk not given to a live sandbox, MiB.", snap.free_disk_mb)
+        yield _gauge(
+            "sandboxd_free_disk_bytes", "Disk not given to a live sandbox, bytes.", snap.free_disk_mb * MIB
+        )
         yield _gauge("sandboxd_cordoned", "1 while the node is cordoned.", 1 if snap.cordoned else 0)
 
         with self._lock:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from sbx.agent.client import AgentClient
 from sbx.api.errors import SandboxError
-from sbx.api.models import CreateRequest
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.requests import CreateSpec
 from sbx.backends.base import BackendError
 from sbx.images.store import InstalledImage
 from sbx.node.config import Capacity, PoolConfig
@@ -136,7 +136,7 @@ class Pools:
 
     # -- taking -------------------------------------------------------------------------------------------
 
-    def fits(self, image: str, req: CreateRequest) -> bool:
+    def fits(self, image: str, req: CreateSpec) -> bool:
         """Whether a pooled sandbox of ``image`` is exactly what ``req`` would boot."""
         return (
             image in self._pools
@@ -147,7 +147,7 @@ class Pools:
             and req.snapshot_id is None
         )
 
-    def take(self, image: str, req: CreateRequest) -> PooledSandbox | None:
+    def take(self, image: str, req: CreateSpec) -> PooledSandbox | None:
         """A ready sandbox for ``req`` (removed from the pool, which refills), or None when none fits."""
         if not self.fits(image, req):
             return None

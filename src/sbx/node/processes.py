@@ -14,10 +14,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal
+
+from msgspec import UNSET
 
 from sbx.agent.client import AgentClient, AgentError, CommandNotFound, SpawnFailed
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
+from sbx.api.processes import OutputChunk, OutputExit, Process, RunResult
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.audit import AuditLog, process_started_fields
 from sbx.node.output_log import OutputLog
@@ -55,26 +58,10 @@ class ProcessRecord:
     exit_code: int | None = None
     finished_at: str | None = None
 
-    def to_wire(self) -> dict[str, Any]:
+    def wire(self) -> Process:
         """The spec's Process object."""
-        return {
-            "pid": self.pid,
-            "argv": self.argv,
-            "state": "running" if self.exit_code is None else "exited",
-            "exit_code": self.exit_code,
-            "started_at": self.started_at,
-        }
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """The spec's run result before base64 encoding."""
-
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    truncated: bool
-    timed_out: bool
+        state: Literal["running", "exited"] = "running" if self.exit_code is None else "exited"
+        return Process(self.pid, self.argv, state, self.exit_code, self.started_at)
 
 
 class _Process:
@@ -356,16 +343,14 @@ class ProcessTable:
         self._require_running(pid)
         await self.require_agent().signal(pid, signum)
 
-    async def follow(self, pid: int) -> AsyncIterator[dict[str, Any]]:
-        """Output events from the start, then ``{exit_code}`` (and ``truncated`` if output was dropped)."""
+    async def follow(self, pid: int) -> AsyncIterator[OutputChunk | OutputExit]:
+        """Output events from the start, then the exit (``truncated`` if output was dropped)."""
         proc = self.get(pid)
         async for stream, data in proc.log.follow():
-            yield {"stream": stream, "data": data}
+            yield OutputChunk("stdout" if stream == "stdout" else "stderr", data)
         await proc.exited.wait()
-        final: dict[str, Any] = {"exit_code": proc.record.exit_code}
-        if proc.log.truncated:
-            final["truncated"] = True
-        yield final
+        assert proc.record.exit_code is not None
+        yield OutputExit(proc.record.exit_code, True if proc.log.truncated else UNSET)
 
     async def kill_all(self) -> None:
         """Mark every running process as ended (the sandbox is going away)."""

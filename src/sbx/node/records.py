@@ -9,8 +9,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sbx.api.models import VolumeMount
+from msgspec import UNSET
+
+from sbx.api.codec import convert_answer
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.sandboxes import Sandbox, SnapshotProgress, VolumeMount
 from sbx.backends.base import BootSpec, VolumeBind
 
 
@@ -66,7 +69,7 @@ class SandboxRecord:
     #: The snapshot this sandbox was forked from, None for a sandbox booted from its image.
     snapshot_id: str | None = None
     #: The spec's Snapshot progress while a snapshot is being taken; in memory only (never on disk).
-    snapshotting: dict[str, Any] | None = field(default=None, compare=False)
+    snapshotting: SnapshotProgress | None = field(default=None, compare=False)
 
     @property
     def live(self) -> bool:
@@ -80,30 +83,18 @@ class SandboxRecord:
             disk_mb=self.disk_mb, network=self.network, volumes=volumes,
         )  # fmt: skip
 
-    def to_wire(self) -> dict[str, Any]:
-        """The spec's Sandbox object."""
-        body: dict[str, Any] = {
-            "id": self.id,
-            "name": self.name,
-            "state": self.state.value,
-            "image": self.image,
-            "cpus": self.cpus,
-            "memory_mb": self.memory_mb,
-            "disk_mb": self.disk_mb,
-            "env_names": sorted(self.env),
-            "network": self.network.to_wire(),
-            "labels": dict(self.labels),
-            "idle_timeout_secs": self.idle_timeout_secs,
-            "snapshot_every_secs": self.snapshot_every_secs,
-            "snapshot_keep": self.snapshot_keep,
-            "created_at": self.created_at,
-        }
-        if self.snapshotting is not None:
-            body["snapshotting"] = dict(self.snapshotting)
-        if self.terminated_at is not None:
-            body["terminated_at"] = self.terminated_at
-            body["terminated_reason"] = self.terminated_reason
-        return body
+    def wire(self) -> Sandbox:
+        """The spec's Sandbox (env names only, never values)."""
+        return Sandbox(
+            id=self.id, name=self.name, state=self.state.value, image=self.image, cpus=self.cpus,
+            memory_mb=self.memory_mb, disk_mb=self.disk_mb, env_names=sorted(self.env), network=self.network,
+            labels=dict(self.labels), idle_timeout_secs=self.idle_timeout_secs,
+            snapshot_every_secs=self.snapshot_every_secs, snapshot_keep=self.snapshot_keep,
+            created_at=self.created_at,
+            snapshotting=self.snapshotting if self.snapshotting is not None else UNSET,
+            terminated_at=self.terminated_at if self.terminated_at is not None else UNSET,
+            terminated_reason=self.terminated_reason if self.terminated_reason is not None else UNSET,
+        )  # fmt: skip
 
     def to_disk(self) -> dict[str, Any]:
         """The on-disk form (includes env values; the state dir is root-only)."""
@@ -111,6 +102,7 @@ class SandboxRecord:
         del data["snapshotting"]
         data["state"] = self.state.value
         data["network"] = self.network.to_wire()
+        data["volumes"] = [{"name": m.name, "path": m.path, "read_only": m.read_only} for m in self.volumes]
         return data
 
     @classmethod
@@ -119,5 +111,7 @@ class SandboxRecord:
         data = dict(data)
         data["network"] = NetworkPolicy.from_wire(data["network"])
         data["state"] = SandboxState(data["state"])
-        data["volumes"] = tuple(VolumeMount(**m) for m in data.get("volumes") or ())
+        data["volumes"] = tuple(
+            convert_answer(m, VolumeMount, "volume mount") for m in data.get("volumes") or ()
+        )
         return cls(**data)

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
+from sbx.api.metrics import MetricsSample
 from sbx.backends.base import BackendUsage
 from sbx.node.manager import Sandbox, SandboxManager
 from sbx.node.records import SandboxState
@@ -49,13 +50,15 @@ class Sample:
     disk_write_bytes: int
     processes: int
 
-    def to_wire(self) -> dict[str, Any]:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
-        body["time"] = (
-            datetime.fromtimestamp(self.time, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        )
-        body["cpu_percent"] = round(self.cpu_percent, 1)
-        return body
+    def wire(self) -> MetricsSample:
+        """The spec's metrics sample: ``time`` as RFC 3339, ``cpu_percent`` to one decimal."""
+        return MetricsSample(
+            time=datetime.fromtimestamp(self.time, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            cpu_percent=round(self.cpu_percent, 1), memory_bytes=self.memory_bytes,
+            memory_limit_bytes=self.memory_limit_bytes, net_rx_bytes=self.net_rx_bytes,
+            net_tx_bytes=self.net_tx_bytes, disk_read_bytes=self.disk_read_bytes,
+            disk_write_bytes=self.disk_write_bytes, processes=self.processes,
+        )  # fmt: skip
 
 
 _NAMES = tuple(f.name for f in fields(Sample))

@@ -6,10 +6,11 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from sbx.api.network_policy import MODE_ORDER, mode_rank
@@ -19,14 +20,15 @@ from sbx.images.store import ImageStore
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig, resolve_capacity
 from sbx.node.context import NodeContext
-from sbx.node.http import error_middleware, make_guard
 from sbx.node.manager import SandboxManager
 from sbx.node.metrics import NodeMetrics, NodeSnapshot
 from sbx.node.pools import Pools
 from sbx.node.routes import all_routes
 from sbx.node.sampler import MetricsSampler, running_targets
-from sbx.serving import server_tls, start_metrics_server, unix_listener
 from sbx.statefile import try_lock
+from sbx.web.guard import make_guard
+from sbx.web.http import JSON_BODY_CAP, error_middleware
+from sbx.web.serve import Listen, metrics_server, run, server_tls
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +77,34 @@ def within_backend(config: NodeConfig, network_modes: frozenset[str]) -> NodeCon
         "network ceiling lowered to what the backend enforces",
         extra={"configured": config.network.ceiling, "effective": loosest},
     )
-    network = dataclasses.replace(config.network, ceiling=loosest)
+    network = msgspec.structs.replace(config.network, ceiling=loosest)
     return dataclasses.replace(config, network=network)
 
 
 async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
+    try:
+        app = build_app(config, options)
+        tls = server_tls(options.tls_cert, options.tls_key) if options.listen is not None else None
+        listen = Listen(options.socket_path, options.listen, tls, backlog=256)
+
+        def ready() -> None:
+            log.info(
+                "sandboxd serving",
+                extra={"socket": str(options.socket_path or ""), "listen": options.listen,
+                       "state_dir": str(options.state_dir)},
+            )  # fmt: skip
+
+        await run(app, listen, ready=ready)
+        log.info("sandboxd stopped; sandboxes keep running")
+    finally:
+        os.close(lock_fd)
+
+
+def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
+    """sandboxd's application: every component built here, started and stopped in order by ``cleanup_ctx``
+    (backend, manager, image leftovers, pools, metrics sampler, the loopback metrics server)."""
     backend = GVisorBackend(
         options.state_dir,
         config.paths.agent_path,
@@ -104,60 +127,41 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
         on_create=metrics.observe_create, pools=pools, sampler=sampler,
     )  # fmt: skip
-    await backend.start()
-    await manager.start()
-    await asyncio.to_thread(images.clean_leftovers)
-    await pools.start()
-    await sampler.start()
 
     app = web.Application(
         middlewares=[error_middleware, make_guard(
             frozenset(config.server.allowed_hosts), frozenset(config.server.allowed_origins), options.token
         )],
-        client_max_size=1024 * 1024,
+        client_max_size=JSON_BODY_CAP,
     )  # fmt: skip
     app.add_routes(all_routes(ctx))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    sites: list[web.BaseSite] = []
-    if options.socket_path is not None:
-        sites.append(web.SockSite(runner, unix_listener(options.socket_path)))
-    if options.listen is not None:
-        host, port = options.listen
-        sites.append(
-            web.TCPSite(runner, host, port, ssl_context=server_tls(options.tls_cert, options.tls_key))
-        )
-    for site in sites:
-        await site.start()
-    metrics_runner = None
-    if options.metrics_listen is not None:
-        metrics_runner = await start_metrics_server(metrics, *options.metrics_listen)
-    log.info(
-        "sandboxd serving",
-        extra={
-            "socket": str(options.socket_path or ""),
-            "listen": options.listen,
-            "state_dir": str(options.state_dir),
-        },
-    )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("sandboxd stopping; sandboxes keep running")
-    await runner.cleanup()
-    if metrics_runner is not None:
-        await metrics_runner.cleanup()
-    await sampler.close()
-    await pools.close()
-    await manager.image_service.close()
-    await manager.close()
-    await backend.close()
-    if options.socket_path is not None:
-        options.socket_path.unlink(missing_ok=True)
-    os.close(lock_fd)
+    async def run_backend(app: web.Application) -> AsyncIterator[None]:
+        await backend.start()
+        yield
+        await backend.close()
+
+    async def run_manager(app: web.Application) -> AsyncIterator[None]:
+        await manager.start()
+        await asyncio.to_thread(images.clean_leftovers)
+        yield
+        await manager.image_service.close()
+        await manager.close()
+
+    async def run_pools(app: web.Application) -> AsyncIterator[None]:
+        await pools.start()
+        yield
+        await pools.close()
+
+    async def run_sampler(app: web.Application) -> AsyncIterator[None]:
+        await sampler.start()
+        yield
+        await sampler.close()
+
+    app.cleanup_ctx.extend([run_backend, run_manager, run_pools, run_sampler])
+    if options.metrics_listen is not None:
+        app.cleanup_ctx.append(metrics_server(metrics, options.metrics_listen))
+    return app
 
 
 def _snapshot(manager: SandboxManager, pools: Pools) -> NodeSnapshot:

@@ -19,12 +19,13 @@ import secrets
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from msgspec import UNSET
 
 from sbx.api.errors import NotFound
+from sbx.api.snapshots import Snapshot, SnapshotKind
 from sbx.statefile import fsync_dir, read_json, write_json_atomic
-
-SnapshotKind = Literal["memory", "disk"]
 
 RECORD_NAME = "snapshot.json"
 STAGING_PREFIX = ".staging-"
@@ -55,19 +56,13 @@ class SnapshotRecord:
     scheduled: bool = False
     next_pid: int = 1
 
-    def to_wire(self) -> dict[str, Any]:
-        """The spec's Snapshot object: ``scheduled`` appears only when true."""
-        body: dict[str, Any] = {
-            "id": self.id,
-            "sandbox": self.sandbox,
-            "image": self.image,
-            "kind": self.kind,
-            "bytes": self.bytes,
-            "created_at": self.created_at,
-        }
-        if self.scheduled:
-            body["scheduled"] = True
-        return body
+    def wire(self) -> Snapshot:
+        """The spec's Snapshot object: ``scheduled`` appears only when true; the original's resources too."""
+        return Snapshot(
+            id=self.id, sandbox=self.sandbox, image=self.image, kind=self.kind, bytes=self.bytes,
+            created_at=self.created_at, scheduled=True if self.scheduled else UNSET, cpus=self.cpus,
+            memory_mb=self.memory_mb, disk_mb=self.disk_mb,
+        )  # fmt: skip
 
 
 class SnapshotStore:

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
-from sbx.api.models import VolumeMount
+from sbx.api.sandboxes import VolumeMount
+from sbx.api.volumes import Volume
 from sbx.backends.base import BackendError, VolumeBind
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID, is_mounted, make_ext4_image, mount_loop, run_tool
 from sbx.node.records import utc_now
@@ -230,21 +231,17 @@ class VolumeStore:
 
     # -- the API ----------------------------------------------------------------------------------------
 
-    def listing(self) -> list[dict[str, Any]]:
+    def listing(self) -> list[Volume]:
         """Every volume in wire form, by name."""
-        return [self.to_wire(r) for name, r in sorted(self._records.items()) if name not in self._busy]
+        return [self.wire(r) for name, r in sorted(self._records.items()) if name not in self._busy]
 
-    def to_wire(self, record: VolumeRecord) -> dict[str, Any]:
+    def wire(self, record: VolumeRecord) -> Volume:
         """The spec's Volume: ``attached_to`` names one holder, the writer if there is one, else the first
         reader by sandbox id; null when no live sandbox holds it."""
-        return {
-            "name": record.name,
-            "size_mb": record.size_mb,
-            "created_at": record.created_at,
-            "attached_to": _first_holder(self._holders.get(record.name) or {}),
-        }
+        holder = _first_holder(self._holders.get(record.name) or {})
+        return Volume(record.name, record.size_mb, record.created_at, holder)
 
-    async def create(self, name: str, size_mb: int) -> dict[str, Any]:
+    async def create(self, name: str, size_mb: int) -> Volume:
         """Make an empty volume of ``size_mb`` MiB; 409 when the name exists. Nothing is left on failure."""
         if name in self._records or name in self._busy:
             raise Conflict(f"a volume named {name!r} exists; pick another name or delete that volume first")
@@ -273,7 +270,7 @@ class VolumeStore:
             self._busy.discard(name)
         self._records[name] = record
         log.info("volume created", extra={"volume": name, "size_mb": size_mb})
-        return self.to_wire(record)
+        return self.wire(record)
 
     async def _format(self, directory: Path, size_mb: int) -> None:
         """The ext4 image with an empty root the sandbox user owns (lost+found removed: a new volume is

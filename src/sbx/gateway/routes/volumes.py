@@ -1,70 +1,88 @@
-"""Volume routes: one name space across the gateway; a volume is placed like a sandbox, and listed, used and
-deleted only by its owner."""
+"""Handlers of the volume routes: one name space across the gateway; a volume is placed like a sandbox, and
+listed, used and deleted only by its owner."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+from msgspec import UNSET
 
-from sbx.api.errors import Conflict, InvalidRequest, NotFound
-from sbx.gateway import bodies
+from sbx.api.codec import decode_request
+from sbx.api.errors import Conflict, NotFound, SandboxError, Unavailable
+from sbx.api.validation import validate_volume_name
+from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
+from sbx.gateway import auth
 from sbx.gateway.http import path_qs, principal_of
-from sbx.gateway.placement import Resources
+from sbx.gateway.placement import Requested, choose_node
 from sbx.gateway.relay import forward
-from sbx.gateway.routes.fanout import list_owned, place_create
 from sbx.gateway.state import VolumeRecord, now_rfc3339
-from sbx.node.http import read_json_body
+from sbx.web.http import json_response, read_json_body
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
 
 
-def routes(gw: Gateway) -> list[web.RouteDef]:
-    """List (one's own), create (placed), and calls on one volume relayed to its node."""
-    store = gw.store
+class VolumeRoutes:
+    """``/v1/volumes``."""
 
-    async def list_volumes(request: web.Request) -> web.Response:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def list(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
+        store = self.gw.store
+        nodes = self.gw.registry.healthy()
+        results = await asyncio.gather(*(n.client.volumes() for n in nodes), return_exceptions=True)
+        found: list[Volume] = []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                continue  # a node failing now is left out, as an unhealthy one is
+            for volume in result:
+                rec = store.volumes.get(volume.name)
+                if rec is not None and rec.node == node.name and principal.owns(rec.user, rec.tenant):
+                    found.append(volume)
+        return json_response(VolumeList(found))
 
-        def mine(v: dict[str, Any], node: str) -> bool:
-            rec = store.volumes.get(str(v.get("name")))
-            return rec is not None and rec.node == node and principal.owns(rec.user, rec.tenant)
-
-        return await list_owned(gw, "/v1/volumes", "volumes", mine)
-
-    async def create_volume(request: web.Request) -> web.Response:
+    async def create(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
-        raw = await read_json_body(request)
-        body = bodies.json_object(raw)
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequest("name is required: a volume name")
+        req = decode_request(await read_json_body(request), VolumeCreateRequest)
+        validate_volume_name(req.name)
+        gw = self.gw
         async with gw.volume_lock:
-            if name in store.volumes:
-                raise Conflict(f"a volume named {name!r} exists: volume names are shared across the gateway")
-            wanted = Resources(disk_mb=body["size_mb"] if isinstance(body.get("size_mb"), int) else 0)
-            status, data, node_name = await place_create(gw, request, raw, wanted, None, path="/v1/volumes")
-            if status == 201:
-                await gw.write(store.put_volume, VolumeRecord(name, principal.user, principal.tenant, node_name,
-                                                              now_rfc3339()))  # fmt: skip
-        return web.Response(status=status, body=data, content_type="application/json")
+            if req.name in gw.store.volumes:
+                raise Conflict(
+                    f"a volume named {req.name!r} exists: volume names are shared across the gateway"
+                )
+            wanted = Requested(0, 0, req.size_mb if req.size_mb is not UNSET else None)
+            excluded: set[str] = set()
+            while (choice := choose_node(gw.registry.candidates(), excluded, wanted)) is not None:
+                excluded.add(choice.name)
+                node = gw.registry.nodes[choice.name]
+                gw.metrics.scheduled.labels(node.name).inc()
+                try:
+                    volume = await node.client.create_volume(req)
+                except SandboxError as exc:
+                    if exc.status in (502, 503):
+                        continue  # no room there, or no answer: the next node
+                    raise
+                await gw.write(gw.store.put_volume, VolumeRecord(
+                    volume.name, principal.user, principal.tenant, node.name, now_rfc3339()))  # fmt: skip
+                request[auth.TARGET_KEY] = volume.name
+                return json_response(volume, status=201)
+        raise Unavailable("no node can take this volume now (none answering with free disk and not cordoned); "
+                          "try again later or ask for a smaller one")  # fmt: skip
 
-    async def volume_call(request: web.Request) -> web.StreamResponse:
+    async def delete(self, request: web.Request) -> web.StreamResponse:
         principal = principal_of(request)
         name = request.match_info["name"]
-        rec = store.volumes.get(name)
+        rec = self.gw.store.volumes.get(name)
         if rec is None or not principal.owns(rec.user, rec.tenant):
             raise NotFound(f"no volume {name!r} among yours")
-        node = gw.node_for(rec.node, f"volume {name}")
-        body = await read_json_body(request) if request.method in ("POST", "PUT", "PATCH") else None
-        response = await forward(request, node, request.method, path_qs(request, request.path), body, None)
-        if request.method == "DELETE" and response.status == 204:
-            await gw.write(store.forget_volume, name)
+        request[auth.TARGET_KEY] = name
+        node = self.gw.node_for(rec.node, f"volume {name}").client
+        response = await forward(request, node, request.method, path_qs(request, request.path), None, None)
+        if response.status == 204:
+            await self.gw.write(self.gw.store.forget_volume, name)
         return response
-
-    return [
-        web.get("/v1/volumes", list_volumes),
-        web.post("/v1/volumes", create_volume),
-        web.route("*", "/v1/volumes/{name}", volume_call),
-    ]

@@ -1,9 +1,11 @@
-"""Route tables of sandboxd, one module per resource; each module's ``routes(ctx)`` lists its endpoints."""
+"""Route tables of sandboxd, one module per resource; each module's ``routes(ctx)`` lists its endpoints, bound to
+the API's catalogue (``sbx.api.endpoints``)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from sbx.api.endpoints import served_by
 from sbx.node.context import NodeContext
 from sbx.node.routes import (
     attach,
@@ -21,8 +23,9 @@ from sbx.node.routes import (
 
 
 def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
-    """Every endpoint sandboxd serves under /v1."""
-    return [
+    """Every endpoint sandboxd serves: exactly those the API's catalogue marks for a node (checked here, and by
+    a test)."""
+    routes = [
         *node.routes(ctx),
         *sandboxes.routes(ctx),
         *processes.routes(ctx),
@@ -35,3 +38,8 @@ def all_routes(ctx: NodeContext) -> list[web.RouteDef]:
         *volumes.routes(ctx),
         *snapshots.routes(ctx),
     ]
+    served = {(r.method, r.path) for r in routes if isinstance(r, web.RouteDef)}
+    wanted = {ep.key for ep in served_by("node")}
+    if served != wanted:
+        raise RuntimeError(f"sandboxd's routes and the API catalogue differ: {sorted(served ^ wanted)}")
+    return routes

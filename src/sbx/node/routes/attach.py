@@ -13,11 +13,12 @@ from aiohttp import web
 
 from sbx.api import frames
 from sbx.api.errors import InvalidRequest, SandboxError
+from sbx.api.processes import OutputChunk
 from sbx.node.context import NodeContext
 from sbx.node.manager import Sandbox
 from sbx.node.processes import SIGNALS
 from sbx.node.routes.processes import parse_pid
-from sbx.node.upgrade import RawStream, check_upgrade, finished_response, upgrade
+from sbx.web.upgrade import RawStream, check_upgrade, finished_response, upgrade
 
 _STREAM_TYPES = {"stdout": frames.STDOUT, "stderr": frames.STDERR}
 
@@ -50,10 +51,10 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
 async def _send_output(sandbox: Sandbox, pid: int, stream: RawStream) -> None:
     async for event in sandbox.processes.follow(pid):
-        if "data" in event:
-            stream.writer.write(frames.encode_chunks(_STREAM_TYPES[event["stream"]], event["data"]))
+        if isinstance(event, OutputChunk):
+            stream.writer.write(frames.encode_chunks(_STREAM_TYPES[event.stream], event.data))
         else:
-            stream.writer.write(frames.exit_frame(int(event["exit_code"])))
+            stream.writer.write(frames.exit_frame(event.exit_code))
         # Backpressure: wait while the client is slow; the output log keeps the rest.
         await stream.writer.drain()
 

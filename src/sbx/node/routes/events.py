@@ -7,8 +7,9 @@ import asyncio
 from aiohttp import web
 
 from sbx.api.errors import NotFound, Unsupported
+from sbx.api.events import EventList
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response
+from sbx.web.http import json_response
 
 #: Events returned per call (spec: the newest 5000).
 MAX_EVENTS = 5000
@@ -25,6 +26,6 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         found, truncated = await asyncio.to_thread(ctx.audit.events_for, sandbox_id, limit=MAX_EVENTS)
         if sandbox is None and not found:
             raise NotFound(f"no sandbox {ref!r} on this node")
-        return json_response({"events": found, "truncated": truncated})
+        return json_response(EventList(found, truncated))
 
     return [web.get("/v1/sandboxes/{ref}/events", events)]

@@ -9,11 +9,12 @@ from aiohttp import web
 
 from sbx.agent.client import AgentClient, AgentFileError
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError
+from sbx.api.files import DirEntry, DirListing
 from sbx.api.validation import validate_guest_path
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.context import NodeContext
-from sbx.node.http import FILE_BODY_CAP, json_response, query_one, stream_body
 from sbx.node.manager import Sandbox
+from sbx.web.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
 
 def file_error(exc: AgentFileError, path: str) -> SandboxError:
@@ -105,12 +106,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         except AgentFileError as exc:
             raise file_error(exc, path) from None
         return json_response(
-            {
-                "entries": [
-                    {"name": e.name, "type": e.type, "size": e.size}
-                    for e in sorted(entries, key=lambda e: e.name)
-                ]
-            }
+            DirListing([DirEntry(e.name, e.type, e.size) for e in sorted(entries, key=lambda e: e.name)])
         )
 
     base = "/v1/sandboxes/{ref}"

@@ -4,30 +4,23 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from sbx.api.errors import InvalidRequest
-from sbx.api.models import decode_object
+from sbx.api.codec import decode_request
+from sbx.api.images import ImageList, ImageRequest
 from sbx.api.validation import validate_image_ref
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response, query_one, read_json_body
+from sbx.web.http import json_response, query_one, read_json_body
 
 
 def parse_install(body: bytes) -> str:
     """The ``image`` of a ``{image}`` body; anything else is 400."""
-    obj = decode_object(body)
-    unknown = sorted(set(obj) - {"image"})
-    if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0]!r}; POST /v1/images takes only image")
-    image = obj.get("image")
-    if not isinstance(image, str):
-        raise InvalidRequest("image is required: a reference such as 'python:3.12'")
-    return validate_image_ref(image)
+    return validate_image_ref(decode_request(body, ImageRequest).image)
 
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
     images = ctx.images
 
     async def list_images(request: web.Request) -> web.Response:
-        return json_response({"images": images.list()})
+        return json_response(ImageList(images.list()))
 
     async def install(request: web.Request) -> web.Response:
         return json_response(images.install(parse_install(await read_json_body(request))), status=202)

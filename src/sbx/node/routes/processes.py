@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import base64
-import json
-
 from aiohttp import web
 
+from sbx.api.codec import encode
 from sbx.api.errors import InvalidRequest
-from sbx.api.models import decode_object, parse_process, parse_run, parse_signal
+from sbx.api.processes import ProcessList
+from sbx.api.requests import parse_process, parse_run, parse_signal
+from sbx.api.validation import DEFAULT_CWD
 from sbx.node.context import NodeContext
-from sbx.node.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 from sbx.node.manager import Sandbox
 from sbx.node.processes import BASE_ENV
+from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 
 
 def process_env(sandbox: Sandbox, request_env: dict[str, str]) -> dict[str, str]:
@@ -21,11 +21,11 @@ def process_env(sandbox: Sandbox, request_env: dict[str, str]) -> dict[str, str]
     return {**BASE_ENV, **sandbox.image_env, **sandbox.record.env, **request_env}
 
 
-def process_cwd(sandbox: Sandbox, body: bytes, parsed_cwd: str) -> str:
-    """The request's cwd when it gives one, else the image's WorkingDir, else the parsed default (home)."""
-    if sandbox.working_dir is not None and "cwd" not in decode_object(body):
-        return sandbox.working_dir
-    return parsed_cwd
+def process_cwd(sandbox: Sandbox, cwd: str | None) -> str:
+    """The request's cwd when it gives one, else the image's WorkingDir, else the sandbox user's home."""
+    if cwd is not None:
+        return cwd
+    return sandbox.working_dir if sandbox.working_dir is not None else DEFAULT_CWD
 
 
 def parse_pid(request: web.Request) -> int:
@@ -40,48 +40,38 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def run(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
-        body = await read_json_body(request)
-        req = parse_run(body)
+        req = parse_run(await read_json_body(request))
         result = await sandbox.processes.run(
             list(req.argv),
             process_env(sandbox, dict(req.env)),
             sorted(req.env),
-            process_cwd(sandbox, body, req.cwd),
+            process_cwd(sandbox, req.cwd),
             req.stdin,
             req.timeout_secs,
         )
         sandbox.touch()
-        return json_response(
-            {
-                "exit_code": result.exit_code,
-                "stdout": base64.b64encode(result.stdout).decode(),
-                "stderr": base64.b64encode(result.stderr).decode(),
-                "truncated": result.truncated,
-                "timed_out": result.timed_out,
-            }
-        )
+        return json_response(result)
 
     async def start(request: web.Request) -> web.Response:
         sandbox = manager.resolve_running(request.match_info["ref"])
-        body = await read_json_body(request)
-        req = parse_process(body)
+        req = parse_process(await read_json_body(request))
         env = process_env(sandbox, dict(req.env))
         tty = (req.rows, req.cols) if req.tty else None
         if tty is not None:
             env.setdefault("TERM", "xterm-256color")
-        cwd = process_cwd(sandbox, body, req.cwd)
+        cwd = process_cwd(sandbox, req.cwd)
         proc = await sandbox.processes.start(
             list(req.argv), env, sorted(req.env), cwd, tty=tty, stdin=req.stdin
         )
-        return json_response(proc.record.to_wire(), status=201)
+        return json_response(proc.record.wire(), status=201)
 
     async def list_processes(request: web.Request) -> web.Response:
         sandbox = manager.resolve(request.match_info["ref"])
-        return json_response({"processes": [p.to_wire() for p in sandbox.processes.records()]})
+        return json_response(ProcessList([p.wire() for p in sandbox.processes.records()]))
 
     async def get(request: web.Request) -> web.Response:
         sandbox = manager.resolve(request.match_info["ref"])
-        return json_response(sandbox.processes.get(parse_pid(request)).record.to_wire())
+        return json_response(sandbox.processes.get(parse_pid(request)).record.wire())
 
     async def output(request: web.Request) -> web.StreamResponse:
         sandbox = manager.resolve(request.match_info["ref"])
@@ -90,9 +80,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         async for event in sandbox.processes.follow(pid):
-            if "data" in event:
-                event = {"stream": event["stream"], "data": base64.b64encode(event["data"]).decode()}
-            await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+            await response.write(encode(event) + b"\n")
         await response.write_eof()
         return response
 

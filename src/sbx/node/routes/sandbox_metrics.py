@@ -5,8 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.api.errors import Unsupported
+from sbx.api.metrics import SandboxMetrics
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response
+from sbx.web.http import json_response
 
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -17,8 +18,6 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         # Reading metrics is not activity: it must not keep a sandbox from idling out.
         sandbox = ctx.manager.resolve(request.match_info["ref"], touch=False)
         samples = sampler.samples(sandbox.record.id)
-        return json_response(
-            {"interval_secs": sampler.interval_secs, "samples": [s.to_wire() for s in samples]}
-        )
+        return json_response(SandboxMetrics(sampler.interval_secs, [s.wire() for s in samples]))
 
     return [web.get("/v1/sandboxes/{ref}/metrics", metrics)]

@@ -7,9 +7,10 @@ import time
 from aiohttp import web
 
 from sbx.api.errors import InvalidRequest, SandboxError
-from sbx.api.models import parse_create, parse_patch
+from sbx.api.requests import parse_create, parse_patch
+from sbx.api.sandboxes import SandboxList
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response, read_json_body
+from sbx.web.http import json_response, read_json_body
 
 
 def parse_label_filters(request: web.Request) -> dict[str, str]:
@@ -33,7 +34,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
             req = parse_create(await read_json_body(request), ctx.config)
             record = await manager.create(req)
             status = "created"
-            return json_response(record.to_wire(), status=201)
+            return json_response(record.wire(), status=201)
         except SandboxError as exc:
             status = exc.code
             raise
@@ -42,17 +43,17 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def list_sandboxes(request: web.Request) -> web.Response:
         records = manager.records(parse_label_filters(request))
-        return json_response({"sandboxes": [r.to_wire() for r in records]})
+        return json_response(SandboxList([r.wire() for r in records]))
 
     async def get(request: web.Request) -> web.Response:
-        return json_response(manager.resolve(request.match_info["ref"]).record.to_wire())
+        return json_response(manager.resolve(request.match_info["ref"]).record.wire())
 
     async def patch(request: web.Request) -> web.Response:
         ref = request.match_info["ref"]
         manager.resolve(ref)  # 404 before parsing, so a typo in the ref is named first
         req = parse_patch(await read_json_body(request), ctx.config)
         record = await manager.patch(ref, req)
-        return json_response(record.to_wire())
+        return json_response(record.wire())
 
     async def delete(request: web.Request) -> web.Response:
         await manager.delete(request.match_info["ref"])

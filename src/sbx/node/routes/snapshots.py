@@ -5,10 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from sbx.api.errors import Unsupported
-from sbx.api.models import parse_schedule, parse_snapshot_create
+from sbx.api.requests import parse_schedule, parse_snapshot_create
+from sbx.api.snapshots import SnapshotList
 from sbx.node.checkpoints import Checkpoints
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response, read_json_body
+from sbx.web.http import json_response, read_json_body
 
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -23,11 +24,11 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def suspend(request: web.Request) -> web.Response:
         record = await checkpoints("suspend sandboxes").suspend(request.match_info["ref"])
-        return json_response(record.to_wire())
+        return json_response(record.wire())
 
     async def resume(request: web.Request) -> web.Response:
         record = await checkpoints("resume sandboxes").resume(request.match_info["ref"])
-        return json_response(record.to_wire())
+        return json_response(record.wire())
 
     async def take(request: web.Request) -> web.Response:
         service = checkpoints("take snapshots")
@@ -35,11 +36,11 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         manager.resolve(ref)  # 404 before parsing, so a typo in the ref is named first
         kind = parse_snapshot_create(await read_json_body(request))
         snapshot = await service.snapshot(ref, kind)
-        return json_response(snapshot.to_wire(), status=201)
+        return json_response(snapshot.wire(), status=201)
 
     async def list_snapshots(request: web.Request) -> web.Response:
         service = checkpoints("take snapshots")
-        return json_response({"snapshots": [s.to_wire() for s in service.store.records()]})
+        return json_response(SnapshotList([s.wire() for s in service.store.records()]))
 
     async def delete(request: web.Request) -> web.Response:
         checkpoints("take snapshots").delete_snapshot(request.match_info["id"])
@@ -53,7 +54,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         record = checkpoints("take snapshots, so it keeps no schedule").set_schedule(
             ref, req.every_secs, req.keep
         )
-        return json_response(record.to_wire())
+        return json_response(record.wire())
 
     return [
         web.post("/v1/sandboxes/{ref}/suspend", suspend),

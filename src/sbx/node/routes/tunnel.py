@@ -17,8 +17,8 @@ from aiohttp import web
 from sbx.agent.client import AgentConnectionLost, AgentRequestError, AgentTcpStream
 from sbx.api.errors import Conflict, InvalidRequest, SandboxError
 from sbx.node.context import NodeContext
-from sbx.node.http import query_one
-from sbx.node.upgrade import RawStream, check_upgrade, finished_response, upgrade
+from sbx.web.http import query_one
+from sbx.web.upgrade import RawStream, check_upgrade, finished_response, upgrade
 
 PROTOCOL = "sbx-tunnel/1"
 _CHUNK_BYTES = 64 * 1024

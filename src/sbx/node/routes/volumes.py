@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from sbx.api.models import parse_volume_create
+from sbx.api.requests import parse_volume_create
+from sbx.api.volumes import VolumeList
 from sbx.node.context import NodeContext
-from sbx.node.http import json_response, read_json_body
+from sbx.web.http import json_response, read_json_body
 
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
@@ -17,7 +18,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return json_response(await volumes.create(req.name, req.size_mb), status=201)
 
     async def list_volumes(request: web.Request) -> web.Response:
-        return json_response({"volumes": volumes.listing()})
+        return json_response(VolumeList(volumes.listing()))
 
     async def delete(request: web.Request) -> web.Response:
         # Looked up among existing volumes only (a malformed name is simply not one of them: 404).

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from sbx.api import models as m
+from sbx.api import requests as m
 from sbx.api.errors import InvalidRequest, Refused, SandboxError
 from sbx.api.network_policy import NetworkConfig, NetworkPolicy
-from sbx.api.validation import DEFAULT_CWD, MAX_STDIN_BYTES
+from sbx.api.sandboxes import VolumeMount
+from sbx.api.validation import MAX_STDIN_BYTES
 from sbx.node.config import DefaultsConfig, LimitsConfig, NodeConfig
 
 CONFIG = NodeConfig(
@@ -89,7 +90,7 @@ def test_unknown_fields_are_all_named_with_the_known_ones() -> None:
 
 def test_create_empty_object_applies_every_default() -> None:
     req = m.parse_create(b"{}", CONFIG)
-    assert req == m.CreateRequest(
+    assert req == m.CreateSpec(
         image="default",
         cpus=1,
         memory_mb=512,
@@ -131,7 +132,7 @@ def test_create_full_request() -> None:
     assert req.labels == {"team": "infra"}
     assert req.idle_timeout_secs == 86400
     assert (req.snapshot_every_secs, req.snapshot_keep) == (60, 10)
-    assert req.volumes == (m.VolumeMount("data", "/data", True), m.VolumeMount("c", "/c", False))
+    assert req.volumes == (VolumeMount("data", "/data", True), VolumeMount("c", "/c", False))
     assert "cpus" in req.fields_given and "snapshot_id" not in req.fields_given
 
 
@@ -237,26 +238,24 @@ def test_create_rejects(obj: dict[str, Any], error: type[SandboxError], message:
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        pytest.param({}, m.PatchRequest(), id="nothing"),
-        pytest.param({"name": ""}, m.PatchRequest(name=""), id="remove-name"),
-        pytest.param({"name": "new"}, m.PatchRequest(name="new"), id="rename"),
-        pytest.param({"labels": {}}, m.PatchRequest(labels={}), id="remove-labels"),
-        pytest.param({"labels": {"a": "b"}}, m.PatchRequest(labels={"a": "b"}), id="replace-labels"),
-        pytest.param({"idle_timeout_secs": 1}, m.PatchRequest(idle_timeout_secs=1), id="idle-one"),
+        pytest.param({}, m.PatchSpec(), id="nothing"),
+        pytest.param({"name": ""}, m.PatchSpec(name=""), id="remove-name"),
+        pytest.param({"name": "new"}, m.PatchSpec(name="new"), id="rename"),
+        pytest.param({"labels": {}}, m.PatchSpec(labels={}), id="remove-labels"),
+        pytest.param({"labels": {"a": "b"}}, m.PatchSpec(labels={"a": "b"}), id="replace-labels"),
+        pytest.param({"idle_timeout_secs": 1}, m.PatchSpec(idle_timeout_secs=1), id="idle-one"),
+        pytest.param({"idle_timeout_secs": 86400}, m.PatchSpec(idle_timeout_secs=86400), id="idle-at-limit"),
         pytest.param(
-            {"idle_timeout_secs": 86400}, m.PatchRequest(idle_timeout_secs=86400), id="idle-at-limit"
-        ),
-        pytest.param(
-            {"network": {"mode": "none"}}, m.PatchRequest(network=NetworkPolicy("none")), id="network-none"
+            {"network": {"mode": "none"}}, m.PatchSpec(network=NetworkPolicy("none")), id="network-none"
         ),
         pytest.param(
             {"network": {}},
-            m.PatchRequest(network=NetworkPolicy("allowlist", ("pypi.org",))),
+            m.PatchSpec(network=NetworkPolicy("allowlist", ("pypi.org",))),
             id="network-default",
         ),
     ],
 )
-def test_patch_accepts(obj: dict[str, Any], expected: m.PatchRequest) -> None:
+def test_patch_accepts(obj: dict[str, Any], expected: m.PatchSpec) -> None:
     assert m.parse_patch(body(obj), CONFIG) == expected
 
 
@@ -305,7 +304,8 @@ def b64(data: bytes) -> str:
 
 
 def test_run_minimal_applies_defaults() -> None:
-    assert m.parse_run(body({"argv": ["ls"]})) == m.RunRequest(argv=("ls",), cwd=DEFAULT_CWD)
+    # cwd None: the sandbox's default (its image's WorkingDir, else the home), chosen where the sandbox is known.
+    assert m.parse_run(body({"argv": ["ls"]})) == m.RunSpec(argv=("ls",), cwd=None)
 
 
 def test_run_full() -> None:
@@ -320,7 +320,7 @@ def test_run_full() -> None:
             }
         )
     )
-    assert req == m.RunRequest(("cat",), {"X": "1"}, "/tmp/x", b"\x00hi", 1.5)
+    assert req == m.RunSpec(("cat",), {"X": "1"}, "/tmp/x", b"\x00hi", 1.5)
 
 
 def test_run_stdin_size_boundary() -> None:
@@ -387,15 +387,15 @@ def test_run_timeout_accepts(timeout: float) -> None:
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        pytest.param({"argv": ["sleep", "9"]}, m.ProcessRequest(("sleep", "9")), id="background"),
-        pytest.param({"argv": ["sh"], "tty": True}, m.ProcessRequest(("sh",), tty=True, rows=24, cols=80), id="tty-24x80"),
-        pytest.param({"argv": ["sh"], "tty": True, "rows": 50, "cols": 200}, m.ProcessRequest(("sh",), tty=True, rows=50, cols=200), id="tty-sized"),
-        pytest.param({"argv": ["sh"], "tty": True, "rows": 65535, "cols": 1}, m.ProcessRequest(("sh",), tty=True, rows=65535, cols=1), id="tty-bounds"),
-        pytest.param({"argv": ["sh"], "tty": False}, m.ProcessRequest(("sh",)), id="tty-false"),
-        pytest.param({"argv": ["cat"], "stdin": b64(b"x")}, m.ProcessRequest(("cat",), stdin=b"x"), id="stdin"),
+        pytest.param({"argv": ["sleep", "9"]}, m.ProcessSpec(("sleep", "9")), id="background"),
+        pytest.param({"argv": ["sh"], "tty": True}, m.ProcessSpec(("sh",), tty=True, rows=24, cols=80), id="tty-24x80"),
+        pytest.param({"argv": ["sh"], "tty": True, "rows": 50, "cols": 200}, m.ProcessSpec(("sh",), tty=True, rows=50, cols=200), id="tty-sized"),
+        pytest.param({"argv": ["sh"], "tty": True, "rows": 65535, "cols": 1}, m.ProcessSpec(("sh",), tty=True, rows=65535, cols=1), id="tty-bounds"),
+        pytest.param({"argv": ["sh"], "tty": False}, m.ProcessSpec(("sh",)), id="tty-false"),
+        pytest.param({"argv": ["cat"], "stdin": b64(b"x")}, m.ProcessSpec(("cat",), stdin=b"x"), id="stdin"),
     ],
 )  # fmt: skip
-def test_process_accepts(obj: dict[str, Any], expected: m.ProcessRequest) -> None:
+def test_process_accepts(obj: dict[str, Any], expected: m.ProcessSpec) -> None:
     assert m.parse_process(body(obj)) == expected
 
 
@@ -462,12 +462,12 @@ def test_cordon_rejects(obj: dict[str, Any], message: str) -> None:
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        pytest.param({"every_secs": 0}, m.ScheduleRequest(0, 1), id="stop"),
-        pytest.param({"every_secs": 60}, m.ScheduleRequest(60, 1), id="keep-defaults-to-1"),
-        pytest.param({"every_secs": 3600, "keep": 10}, m.ScheduleRequest(3600, 10), id="keep-at-limit"),
+        pytest.param({"every_secs": 0}, m.ScheduleSpec(0, 1), id="stop"),
+        pytest.param({"every_secs": 60}, m.ScheduleSpec(60, 1), id="keep-defaults-to-1"),
+        pytest.param({"every_secs": 3600, "keep": 10}, m.ScheduleSpec(3600, 10), id="keep-at-limit"),
     ],
 )
-def test_schedule_accepts(obj: dict[str, Any], expected: m.ScheduleRequest) -> None:
+def test_schedule_accepts(obj: dict[str, Any], expected: m.ScheduleSpec) -> None:
     assert m.parse_schedule(body(obj), CONFIG) == expected
 
 
@@ -487,11 +487,11 @@ def test_schedule_rejects(obj: dict[str, Any], message: str) -> None:
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        pytest.param({"name": "data"}, m.VolumeCreateRequest("data", 2048), id="default-size"),
-        pytest.param({"name": "data", "size_mb": 20480}, m.VolumeCreateRequest("data", 20480), id="at-limit"),
+        pytest.param({"name": "data"}, m.VolumeSpec("data", 2048), id="default-size"),
+        pytest.param({"name": "data", "size_mb": 20480}, m.VolumeSpec("data", 20480), id="at-limit"),
     ],
 )
-def test_volume_create_accepts(obj: dict[str, Any], expected: m.VolumeCreateRequest) -> None:
+def test_volume_create_accepts(obj: dict[str, Any], expected: m.VolumeSpec) -> None:
     assert m.parse_volume_create(body(obj), CONFIG) == expected
 
 

@@ -1,31 +1,21 @@
-"""The HTTP edge of sandboxd: the request guard, body caps, and the one place errors become responses.
+"""The HTTP edge both servers share: JSON answers through the one codec, body caps and streaming, query
+parameters, and the one place errors become responses.
 
-Handlers raise ``SandboxError``s and return plain data; ``error_middleware`` turns every failure, including
+Handlers raise ``SandboxError``s and return wire types; ``error_middleware`` turns every failure, including
 aiohttp's own (unknown route, wrong method) and bugs, into ``{"error": {"code", "message"}}``.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
-from sbx.api.errors import (
-    ForbiddenOrigin,
-    Internal,
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-    SandboxError,
-    Unauthorized,
-)
-from sbx.net.loopback import host_header_name, is_loopback
+from sbx.api.codec import encode
+from sbx.api.errors import Internal, InvalidRequest, NotFound, PayloadTooLarge, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +27,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    """A JSON answer (UTF-8, compact)."""
-    return web.Response(
-        body=json.dumps(data, separators=(",", ":")).encode(), status=status, content_type="application/json"
-    )
+    """A JSON answer (UTF-8, compact) of a wire type or plain JSON values."""
+    return web.Response(body=encode(data), status=status, content_type="application/json")
 
 
 def error_response(error: SandboxError, close: bool = False) -> web.Response:
@@ -49,31 +37,6 @@ def error_response(error: SandboxError, close: bool = False) -> web.Response:
         # The unread rest of an over-cap body is not drained: the client gets the answer, then the close.
         response.force_close()
     return response
-
-
-def make_guard(
-    allowed_hosts: frozenset[str], allowed_origins: frozenset[str], token: str | None
-) -> Middleware:
-    """The request guard: Host, then Origin, then the bearer token, before any handler runs."""
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        host = request.headers.get("Host", "")
-        name = host_header_name(host)
-        if not host or not (is_loopback(name) or name in allowed_hosts):
-            raise ForbiddenOrigin(
-                f"Host {host!r} is not served here: use a loopback name or add it to [server] allowed_hosts"
-            )
-        origin = request.headers.get("Origin")
-        if origin is not None and origin not in allowed_origins:
-            raise ForbiddenOrigin(f"Origin {origin!r} is not allowed: add it to [server] allowed_origins")
-        if token is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise Unauthorized("missing or wrong token: send Authorization: Bearer <token>")
-        return await handler(request)
-
-    return guard
 
 
 @web.middleware
@@ -123,7 +86,7 @@ async def read_body(request: web.Request, cap: int) -> bytes:
 
 
 async def read_json_body(request: web.Request) -> bytes:
-    """The raw JSON body (parsed by the api models), capped at 1 MiB."""
+    """The raw JSON body (decoded by ``sbx.api.codec``), capped at 1 MiB."""
     return await read_body(request, JSON_BODY_CAP)
 
 

@@ -1,0 +1,85 @@
+"""Wire types of what a server is and offers (spec: Capabilities, NodeStatus, cordon).
+
+``Limits`` and ``Defaults`` are also the node's own configuration of them (``[limits]``, ``[defaults]``), so
+that request rules (``sbx.api.requests``) depend on nothing above this package.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from sbx.api.network_policy import NetworkConfig
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's limits: resources per sandbox (CPUs, MiB), the longest idle timeout in seconds (0: no
+    bound, and 0 may then mean "never"), the shortest snapshot interval in seconds and the most scheduled
+    snapshots kept."""
+
+    max_cpus: int = 4
+    max_memory_mb: int = 8192
+    max_disk_mb: int = 20480
+    max_idle_timeout_secs: int = 86400
+    min_snapshot_every_secs: int = 60
+    max_snapshot_keep: int = 10
+
+
+class Defaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What a create gets for what it omits: image, CPUs, memory and disk (MiB), idle timeout in seconds
+    (0: never, only where ``max_idle_timeout_secs`` is 0)."""
+
+    cpus: int = 1
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    idle_timeout_secs: int = 600
+    image: str = "default"
+
+
+class Resources(msgspec.Struct, frozen=True):
+    """An amount of CPUs and MiB of memory and disk."""
+
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+
+
+class Capabilities(msgspec.Struct, kw_only=True):
+    """``GET /v1/capabilities``: what this server offers; a client asks rather than assumes."""
+
+    api_version: str
+    backend: str
+    capabilities: dict[str, bool]
+    limits: Limits
+    network: NetworkConfig
+
+
+class NodeStatus(msgspec.Struct, kw_only=True):
+    """``GET /v1/node``: a node's name (empty when standalone), version, capabilities, capacity and what is
+    free (capacity less what every live sandbox holds, pooled ones included), sandboxes running, pooled
+    sandboxes ready by image, installed images, labels and cordon. Additions: ``defaults`` (what a create
+    gets for what it omits; a gateway counts quotas with it) and ``runtime`` (the backend's own facts, such
+    as its version and platform)."""
+
+    name: str
+    version: str
+    capabilities: Capabilities
+    capacity: Resources
+    free: Resources
+    running: int
+    pooled: dict[str, int]
+    images: list[str]
+    labels: dict[str, str]
+    cordoned: bool
+    defaults: Defaults | UnsetType = UNSET
+    runtime: dict[str, str] | UnsetType = UNSET
+
+
+class CordonRequest(msgspec.Struct):
+    """``POST /v1/node/cordon`` (and a gateway's admin cordon): ``{cordoned: bool}``."""
+
+    required_hints: ClassVar[dict[str, str]] = {"cordoned": "cordoned is required: true or false"}
+
+    cordoned: bool

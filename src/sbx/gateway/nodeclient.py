@@ -1,0 +1,273 @@
+"""A typed client of one node (a ``sandboxd``): what the gateway asks a node, in the wire contract's types, and
+the raw primitives the relay passes client requests through.
+
+Endpoints: ``https://host:port`` (optionally a CA file, a client certificate and key), ``unix:///path``, or
+``http://host:port`` on loopback only. A token file's contents are sent as the bearer token.
+
+Every failure is the project's own error: a node's error answer is its ``SandboxError`` (re-raised as sent);
+no answer at all (cannot connect, cut off, timed out, malformed) is ``BadGateway`` (502) naming the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlencode, urlsplit
+
+import aiohttp
+
+from sbx.api.codec import decode_answer, encode
+from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
+from sbx.api.node import CordonRequest, NodeStatus
+from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
+from sbx.api.snapshots import Snapshot, SnapshotList
+from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
+from sbx.gateway.state import NodeDef
+from sbx.net.loopback import is_loopback
+from sbx.web.upgrade import READ_LIMIT_BYTES, parse_head, read_refusal_body, request_head
+
+T = TypeVar("T")
+
+#: Seconds to connect to a node before the call counts as the node not answering.
+CONNECT_TIMEOUT_SECS = 5.0
+#: Seconds a typed call waits for the node's whole answer.
+CALL_TIMEOUT_SECS = 30.0
+#: Relayed calls wait for the node as long as it takes (a run, a followed stream); connecting is bounded.
+RELAY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECS)
+
+#: A raw byte stream after an HTTP Upgrade.
+Upgraded = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A node's answer to an upgrade that is not 101: passed on to the client as sent."""
+
+    status: int
+    content_type: str | None
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a node listens: ``socket_path`` for unix, else ``host``/``port`` and TLS for https."""
+
+    base_url: str
+    socket_path: str | None
+    host: str
+    port: int
+    tls: bool
+
+
+def parse_endpoint(endpoint: str) -> Target:
+    """Check and split a node endpoint; raises ``InvalidRequest`` naming the accepted forms."""
+    forms = "use https://HOST:PORT, unix:///PATH, or http://HOST:PORT on loopback"
+    if endpoint.startswith("unix://"):
+        path = endpoint[len("unix://") :]
+        if not path.startswith("/"):
+            raise InvalidRequest(f"node endpoint {endpoint!r} needs an absolute socket path: unix:///PATH")
+        return Target("http://localhost", path, "localhost", 0, False)
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest(f"node endpoint {endpoint!r} is not accepted: {forms}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise InvalidRequest(f"node endpoint {endpoint!r} takes no path or query: {forms}")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise InvalidRequest(
+            f"node endpoint {endpoint!r}: plain http is allowed on loopback only (the token would travel in "
+            "clear); use https"
+        )
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise InvalidRequest(f"node endpoint {endpoint!r} has a bad port: {forms}") from None
+    return Target(f"{parts.scheme}://{parts.netloc}", None, parts.hostname, port, parts.scheme == "https")
+
+
+def describe(exc: BaseException) -> str:
+    """A short, secret-free description of a connection failure."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    return type(exc).__name__ + (f": {exc}" if str(exc) else "")
+
+
+class NodeClient:
+    """Talks to one node over its own kept-alive connections."""
+
+    def __init__(
+        self, name: str, target: Target, token: str | None, ssl_context: ssl.SSLContext | None
+    ) -> None:
+        self.name = name
+        self.target = target
+        self.ssl_context = ssl_context
+        #: The headers every call carries (the token), shared and built once: aiohttp copies what it is given.
+        self.auth_headers: dict[str, str] = {"Authorization": f"Bearer {token}"} if token else {}
+        connector: aiohttp.BaseConnector
+        if target.socket_path is not None:
+            connector = aiohttp.UnixConnector(path=target.socket_path, limit=0)
+        else:
+            connector = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else False, limit=0)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    def url(self, path_qs: str) -> str:
+        return self.target.base_url + path_qs
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    # -- typed calls -------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        answer: type[T] | None,
+        body: object = None,
+        timeout_secs: float = CALL_TIMEOUT_SECS,
+    ) -> T | None:
+        """One call whose 2xx answer is ``answer`` (None: no body expected); a node's error answer raises its
+        ``SandboxError``, no (or a malformed) answer ``BadGateway``."""
+        headers = dict(self.auth_headers)
+        data = None
+        if body is not None:
+            data = encode(body)
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.session.request(
+                method, self.url(path), data=data, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_secs, connect=CONNECT_TIMEOUT_SECS),
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        if status >= 300:
+            raise error_from_answer(status, raw)
+        if answer is None:
+            return None
+        try:
+            return decode_answer(raw, answer, answer.__name__)
+        except SandboxError as exc:
+            raise BadGateway(f"node {self.name}: {exc.message}") from None
+
+    async def _expect(
+        self,
+        method: str,
+        path: str,
+        answer: type[T],
+        body: object = None,
+        timeout_secs: float = CALL_TIMEOUT_SECS,
+    ) -> T:
+        found = await self.call(method, path, answer, body, timeout_secs)
+        assert found is not None
+        return found
+
+    async def status(self, timeout_secs: float = CALL_TIMEOUT_SECS) -> NodeStatus:
+        """``GET /v1/node``."""
+        return await self._expect("GET", "/v1/node", NodeStatus, timeout_secs=timeout_secs)
+
+    async def cordon(self, cordoned: bool, timeout_secs: float = CALL_TIMEOUT_SECS) -> NodeStatus:
+        """``POST /v1/node/cordon``."""
+        return await self._expect(
+            "POST", "/v1/node/cordon", NodeStatus, CordonRequest(cordoned), timeout_secs=timeout_secs
+        )
+
+    async def sandboxes(self, labels: Iterable[tuple[str, str]] = ()) -> list[Sandbox]:
+        """``GET /v1/sandboxes`` (with ``label=key=value`` filters), newest first."""
+        query = urlencode([("label", f"{k}={v}") for k, v in labels])
+        path = "/v1/sandboxes" + (f"?{query}" if query else "")
+        return (await self._expect("GET", path, SandboxList)).sandboxes
+
+    async def create_sandbox(self, request: CreateRequest) -> Sandbox:
+        """``POST /v1/sandboxes``."""
+        return await self._expect("POST", "/v1/sandboxes", Sandbox, request)
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """``DELETE /v1/sandboxes/{id}`` (idempotent)."""
+        await self.call("DELETE", f"/v1/sandboxes/{sandbox_id}", None)
+
+    async def snapshots(self) -> list[Snapshot]:
+        """``GET /v1/snapshots``."""
+        return (await self._expect("GET", "/v1/snapshots", SnapshotList)).snapshots
+
+    async def volumes(self) -> list[Volume]:
+        """``GET /v1/volumes``."""
+        return (await self._expect("GET", "/v1/volumes", VolumeList)).volumes
+
+    async def create_volume(self, request: VolumeCreateRequest) -> Volume:
+        """``POST /v1/volumes``."""
+        return await self._expect("POST", "/v1/volumes", Volume, request)
+
+    # -- the relay's primitives --------------------------------------------------------------------
+
+    def request(
+        self, method: str, path_qs: str, data: Any, content_type: str | None
+    ) -> aiohttp.client._RequestContextManager:
+        """A raw request, answered as the node answers (the relay passes it on as sent)."""
+        headers = (
+            self.auth_headers if not content_type else {**self.auth_headers, "Content-Type": content_type}
+        )
+        return self.session.request(
+            method, self.url(path_qs), data=data, headers=headers, timeout=RELAY_TIMEOUT
+        )
+
+    async def open_upgrade(self, path_qs: str, protocol: str) -> Upgraded | Refusal:
+        """Ask the node to switch ``path_qs`` to ``protocol``: the raw stream on 101, else its answer."""
+        target = self.target
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_SECS * 2):
+                if target.socket_path is not None:
+                    reader, writer = await asyncio.open_unix_connection(
+                        target.socket_path, limit=READ_LIMIT_BYTES
+                    )
+                else:
+                    reader, writer = await asyncio.open_connection(
+                        target.host, target.port, ssl=self.ssl_context, limit=READ_LIMIT_BYTES
+                    )
+                try:
+                    host = "localhost" if target.socket_path is not None else f"{target.host}:{target.port}"
+                    writer.write(request_head(path_qs, host, protocol, self.auth_headers))
+                    await writer.drain()
+                    status, headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
+                    if status == 101:
+                        return reader, writer
+                    body = await read_refusal_body(reader, headers)
+                    writer.close()
+                    return Refusal(status, headers.get("content-type"), body)
+                except BaseException:
+                    writer.close()
+                    raise
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            raise BadGateway(f"node {self.name} did not answer the upgrade: {describe(exc)}") from exc
+
+
+def read_token_file(path: str | None) -> str | None:
+    if path is None:
+        return None
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def make_ssl_context(definition: NodeDef) -> ssl.SSLContext | None:
+    if not definition.endpoint.startswith("https://"):
+        return None
+    context = ssl.create_default_context(cafile=definition.ca_file)
+    if definition.cert_file:
+        context.load_cert_chain(definition.cert_file, definition.key_file)
+    return context
+
+
+def connect(definition: NodeDef) -> NodeClient:
+    """A client of the node ``definition`` names; raises ``InvalidRequest`` or ``OSError``/``ValueError`` for a
+    bad endpoint or unreadable files."""
+    target = parse_endpoint(definition.endpoint)
+    token = read_token_file(definition.token_file)
+    return NodeClient(definition.name, target, token, make_ssl_context(definition))

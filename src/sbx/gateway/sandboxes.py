@@ -1,0 +1,256 @@
+"""The gateway's sandboxes as a service: create, get, list and delete for a principal, with a typed spec.
+
+The HTTP routes call it, and so will what the gateway runs by itself (services' replicas, jobs' runs, SSH):
+every sandbox the gateway makes goes through :meth:`Sandboxes.create`, with the owner's labels, names, quota
+and placement.
+
+Create (spec: On create through a gateway):
+
+1. the request is checked as a node would (shape, names, labels, env, mounts) and by the gateway's own rules
+   (no ``gateway.*`` label, at most 30 labels), before anything is looked up;
+2. a fork goes to the node holding its snapshot, a sandbox with volumes to the node holding them (409 when
+   they are on two); their owner must be the caller;
+3. under the owner's lock a name must be free among their live sandboxes (409), and under the tenant's lock
+   the quota must hold for what the node will really give: the request's resources, else the snapshot's (a
+   fork), else the node's own defaults as it reports them (403);
+4. placement picks a node; one refusing for capacity (503) or not answering (502) is skipped; the node gets
+   the request with the resources made explicit, so what was counted is exactly what it gives; any other
+   refusal is the caller's, as the node sent it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+from msgspec import UNSET
+from msgspec.structs import replace
+
+from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
+from sbx.api.node import Resources
+from sbx.api.requests import check_create
+from sbx.api.sandboxes import CreateRequest, Sandbox
+from sbx.api.snapshots import Snapshot
+from sbx.gateway.auth import Principal
+from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL, check_client_labels
+from sbx.gateway.nodes import Node
+from sbx.gateway.placement import Candidate, Requested, choose_node
+from sbx.gateway.quotas import quota_problem
+from sbx.gateway.state import SandboxRecord
+
+if TYPE_CHECKING:
+    from sbx.gateway.server import Gateway
+
+
+class Sandboxes:
+    """Sandboxes through the gateway, owned by the principal that made them."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    # -- lookups -------------------------------------------------------------------------------------
+
+    def resolve(self, principal: Principal, ref: str) -> SandboxRecord:
+        """The caller's sandbox named by id or name; 404 for one not theirs or absent either way.
+
+        The node is then asked by id, never by name: one node may hold sandboxes of several users under one
+        name. A name matching more than one (an admin's look-up among every user's, or a user's own sandbox
+        on a lost node and its namesake made meanwhile) is 409 naming the ids, never one picked silently."""
+        store = self.gw.store
+        rec = store.sandboxes.get(ref)
+        if rec is not None and principal.owns(rec.user, rec.tenant):
+            return rec
+        mine = [
+            r for r in list(store.sandboxes.values())
+            if r.name == ref and r.user == principal.user and r.tenant == principal.tenant
+        ]  # fmt: skip
+        if not mine and principal.admin:
+            mine = [r for r in list(store.sandboxes.values()) if r.name == ref]
+        if len(mine) > 1:
+            ids = ", ".join(sorted(r.id for r in mine))
+            raise Conflict(f"the name {ref!r} matches {len(mine)} live sandboxes ({ids}); use the id")
+        if mine:
+            return mine[0]
+        raise NotFound(f"no sandbox {ref!r} among yours")
+
+    def name_taken(self, principal: Principal, name: str, except_id: str | None = None) -> bool:
+        """Whether ``name`` is held by another live sandbox of the caller (on any node but a lost one)."""
+        return any(
+            r.name == name and r.user == principal.user and r.tenant == principal.tenant and r.id != except_id
+            and not self.gw.is_lost_node(r.node)
+            for r in list(self.gw.store.sandboxes.values())
+        )  # fmt: skip
+
+    async def get(self, principal: Principal, ref: str) -> Sandbox:
+        """The caller's sandbox as its node answers it now."""
+        rec = self.resolve(principal, ref)
+        node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
+        answer = await node.client.call("GET", f"/v1/sandboxes/{rec.id}", Sandbox)
+        assert answer is not None
+        return answer
+
+    async def list(self, principal: Principal, labels: Iterable[tuple[str, str]] = ()) -> list[Sandbox]:
+        """The caller's sandboxes (admin: every one, with those the gateway has no record of) on every
+        answering node, newest first; a node failing now is left out, as an unhealthy one is. A malformed label
+        filter is 400, as every node would say."""
+        gw = self.gw
+        nodes = gw.registry.healthy()
+        wanted = list(labels)
+        results = await asyncio.gather(*(n.client.sandboxes(wanted) for n in nodes), return_exceptions=True)
+        merged: list[Sandbox] = []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, InvalidRequest):
+                raise result
+            if isinstance(result, BaseException):
+                continue
+            for sandbox in result:
+                rec = gw.store.sandboxes.get(sandbox.id)
+                mine = rec is not None and rec.node == node.name and principal.owns(rec.user, rec.tenant)
+                if mine or (rec is None and principal.admin):
+                    merged.append(sandbox)
+        merged.sort(key=lambda s: s.created_at, reverse=True)
+        return merged
+
+    async def delete(self, principal: Principal, ref: str) -> None:
+        """Terminate the caller's sandbox (idempotent); its name is free again at once."""
+        rec = self.resolve(principal, ref)
+        node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
+        await node.client.delete_sandbox(rec.id)
+        await self.terminated(rec)
+
+    async def terminated(self, rec: SandboxRecord) -> None:
+        """The node terminated ``rec``'s sandbox for us: count it, free its name. The record stays until the
+        node forgets the sandbox."""
+        self.gw.metrics.terminated.inc()
+        if rec.name is not None:
+            await self.gw.write(self.gw.store.put_sandbox, dataclasses.replace(rec, name=None))
+
+    # -- create ------------------------------------------------------------------------------------------
+
+    async def create(self, principal: Principal, req: CreateRequest) -> tuple[Sandbox, str]:
+        """Make a sandbox for ``principal`` (see the module's steps); returns it and its node's name."""
+        gw = self.gw
+        started = time.monotonic()
+        labels = req.labels if req.labels is not UNSET else {}
+        check_client_labels(labels)
+        check_create(req)
+        stamped = {**labels, OWNER_LABEL: principal.user}
+        if principal.tenant:
+            stamped[TENANT_LABEL] = principal.tenant
+        req = replace(req, labels=stamped)
+        pinned, snapshot = await self._pinned(principal, req)
+        requested = _requested(req, snapshot)
+        name = req.name or None
+        user_lock = gw.user_locks[(principal.user, principal.tenant)] if name else None
+        tenant_lock = gw.tenant_locks[principal.tenant] if gw.store.quotas.get(principal.tenant) else None
+        async with _holding(user_lock), _holding(tenant_lock):
+            if name is not None and self.name_taken(principal, name):
+                raise Conflict(
+                    f"you already have a live sandbox named {name!r}: pick another name or delete it"
+                )
+            sandbox, node, given = await self._place(principal, req, requested, pinned)
+            await gw.write(
+                gw.store.put_sandbox, gw.record_from(sandbox, node.name, principal.user, principal.tenant)
+            )
+        node.took(given)
+        gw.metrics.created.inc()
+        gw.metrics.create_seconds.observe(time.monotonic() - started)
+        return sandbox, node.name
+
+    async def _place(
+        self, principal: Principal, req: CreateRequest, requested: Requested, pinned: str | None
+    ) -> tuple[Sandbox, Node, Resources]:
+        gw = self.gw
+        excluded: set[str] = set()
+        over_quota: Refused | None = None
+        while True:
+            candidates = gw.registry.candidates()
+            if pinned is not None:
+                candidates = [c for c in candidates if c.name == pinned]
+            choice = choose_node(candidates, excluded, requested)
+            if choice is None:
+                break
+            excluded.add(choice.name)
+            given = requested.on(choice)
+            problem = quota_problem(gw, principal.tenant, 1, given.cpus, given.memory_mb)
+            if problem is not None:
+                over_quota = Refused(problem)
+                continue
+            node = gw.registry.nodes[choice.name]
+            gw.metrics.scheduled.labels(node.name).inc()
+            try:
+                sandbox = await node.client.create_sandbox(_explicit(req, requested, given, choice))
+            except SandboxError as exc:
+                if exc.status in (502, 503):
+                    continue  # no room there, or no answer: the next node
+                raise  # the caller's own refusal, as the node sent it
+
+            # What the node really gave (it decides what the gateway could not know) is what counts.
+            return sandbox, node, Resources(sandbox.cpus, sandbox.memory_mb, sandbox.disk_mb)
+        if over_quota is not None:
+            gw.metrics.refused.labels("quota").inc()
+            raise over_quota
+        gw.metrics.refused.labels("capacity").inc()
+        where = f"node {pinned}" if pinned else "any node"
+        raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned); "
+                          "try again later or ask for fewer resources")  # fmt: skip
+
+    async def _pinned(self, principal: Principal, req: CreateRequest) -> tuple[str | None, Snapshot | None]:
+        """The node a create must go to (the one holding its snapshot or volumes; 409 when they are on two),
+        and the snapshot a fork starts from."""
+        nodes: set[str] = set()
+        snapshot = None
+        if req.snapshot_id is not UNSET:
+            node_name, snapshot = await self.gw.snapshots.find(principal, req.snapshot_id)
+            nodes.add(node_name)
+        for mount in req.volumes or ():
+            vol = self.gw.store.volumes.get(mount.name)
+            if vol is None or not principal.owns(vol.user, vol.tenant):
+                raise NotFound(f"no volume {mount.name!r} among yours")
+            nodes.add(vol.node)
+        if len(nodes) > 1:
+            raise Conflict(f"the volumes and snapshot named are on different nodes ({', '.join(sorted(nodes))}): "
+                           "a sandbox can use only what one node holds")  # fmt: skip
+        return (nodes.pop() if nodes else None), snapshot
+
+
+def _requested(req: CreateRequest, snapshot: Snapshot | None) -> Requested:
+    """What the create asks for; a fork defaults to the resources of the sandbox its snapshot was taken from."""
+
+    def pick(given: int | object, original: int | object) -> int | None:
+        if isinstance(given, int):
+            return given
+        return original if isinstance(original, int) else None
+
+    return Requested(
+        pick(req.cpus, snapshot.cpus if snapshot else UNSET),
+        pick(req.memory_mb, snapshot.memory_mb if snapshot else UNSET),
+        pick(req.disk_mb, snapshot.disk_mb if snapshot else UNSET),
+    )
+
+
+def _explicit(req: CreateRequest, requested: Requested, given: Resources, node: Candidate) -> CreateRequest:
+    """The request as the node gets it: every amount the gateway counted made explicit, so the node gives
+    exactly that. An amount it could not know (neither asked for, a snapshot's, nor reported by the node as
+    its default) stays the node's to choose."""
+    known = node.defaults is not None
+    return replace(
+        req,
+        cpus=given.cpus if requested.cpus is not None or known else UNSET,
+        memory_mb=given.memory_mb if requested.memory_mb is not None or known else UNSET,
+        disk_mb=given.disk_mb if requested.disk_mb is not None or known else UNSET,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _holding(lock: asyncio.Lock | None) -> AsyncIterator[None]:
+    """``async with`` an optional lock."""
+    if lock is None:
+        yield
+        return
+    async with lock:
+        yield

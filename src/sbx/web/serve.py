@@ -1,0 +1,173 @@
+"""How sandboxd and sandbox-gateway listen and run: a private unix socket or TCP (with TLS), a loopback
+``/metrics`` port, and one run loop with the same start-up and shutdown for both.
+
+A server is an aiohttp application whose components start and stop as ``cleanup_ctx`` generators, in the
+order they were appended (and stop in reverse). :func:`run` serves it until SIGTERM or SIGINT, then stops
+taking connections, runs the ``on_shutdown`` hooks (a server ends its long-lived requests there), gives
+requests still open ``shutdown_timeout_secs`` to finish, and only then stops the components.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from aiohttp import web
+
+from sbx.net.loopback import is_loopback
+
+log = logging.getLogger(__name__)
+
+
+def check_loopback(host: str) -> None:
+    """Raise ``ValueError`` unless ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``.
+
+    The metrics endpoint takes no credential, so it must not be reachable from other machines.
+    """
+    if is_loopback(host):
+        return
+    raise ValueError(
+        f"metrics address {host!r} is not loopback: the metrics endpoint has no credential, so it listens "
+        "only on 127.0.0.1, ::1 or localhost; put a proxy in front of it to expose it further"
+    )
+
+
+class Renders(Protocol):
+    """Metrics that render the Prometheus exposition: ``(body, content type)``."""
+
+    def render(self) -> tuple[bytes, str]: ...
+
+
+def unix_listener(path: Path, backlog: int = 256) -> socket.socket:
+    """A listening unix socket at ``path`` (a stale one replaced) with mode 0600 from the start: never open
+    to other users, even briefly. Non-blocking, for an event loop."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """A server TLS context (TLS 1.2 at least) for ``cert`` and ``key``; None unless both are given."""
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
+
+
+async def start_metrics_server(metrics: Renders, host: str, port: int) -> web.AppRunner:
+    """Serve ``GET /metrics`` on ``host:port`` (loopback only; port 0 picks a free one).
+
+    Returns the started runner: ``runner.addresses`` tells the bound address, ``runner.cleanup()``
+    stops it. Raises ``ValueError`` for a non-loopback host before anything is bound.
+    """
+    check_loopback(host)
+
+    async def handle(request: web.Request) -> web.Response:
+        try:
+            body, content_type = metrics.render()
+        except Exception:
+            # A 500 makes the scrape fail visibly (up == 0) rather than drop the gauges silently.
+            log.exception("metrics snapshot failed")
+            return web.Response(status=500, text="metrics snapshot failed; see the server's log\n")
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; ``ValueError`` saying so otherwise."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def metrics_server(
+    metrics: Renders, address: tuple[str, int]
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` generator serving ``metrics`` on the loopback ``address`` while the app runs."""
+
+    async def serving(app: web.Application) -> AsyncIterator[None]:
+        runner = await start_metrics_server(metrics, *address)
+        yield
+        await runner.cleanup()
+
+    return serving
+
+
+#: Seconds requests still open at a stop (followed output, attach, tunnel) are given before they are cut.
+SHUTDOWN_TIMEOUT_SECS = 5.0
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where a server listens: a unix socket (mode 0600), TCP (with TLS when ``tls`` is set), or both."""
+
+    socket_path: Path | None = None
+    address: tuple[str, int] | None = None
+    tls: ssl.SSLContext | None = None
+    backlog: int = 512
+
+
+async def run(
+    app: web.Application,
+    listen: Listen,
+    *,
+    ready: Callable[[], None] = lambda: None,
+    shutdown_timeout_secs: float = SHUTDOWN_TIMEOUT_SECS,
+    cancel_on_disconnect: bool = False,
+) -> None:
+    """Start ``app`` (its ``cleanup_ctx`` in order), listen, call ``ready``, serve until SIGTERM or SIGINT,
+    then stop as the module says. ``cancel_on_disconnect``: a client going away cancels its handler (and what
+    it waits on), as a relay wants; otherwise a handler finishes its work (a node's run, a snapshot)."""
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, handler_cancellation=cancel_on_disconnect,
+        shutdown_timeout=shutdown_timeout_secs,
+    )  # fmt: skip
+    await runner.setup()
+    try:
+        if listen.socket_path is not None:
+            await web.SockSite(runner, unix_listener(listen.socket_path, backlog=listen.backlog)).start()
+        if listen.address is not None:
+            host, port = listen.address
+            await web.TCPSite(runner, host, port, ssl_context=listen.tls, backlog=listen.backlog).start()
+        ready()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await runner.cleanup()
+        if listen.socket_path is not None:
+            listen.socket_path.unlink(missing_ok=True)

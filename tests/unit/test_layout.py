@@ -1,0 +1,50 @@
+"""The layout tells the architecture (docs/architecture.md): which package may import which, checked on the
+source itself, so an arrow pointing up fails here rather than in a review."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "sbx"
+
+#: package -> prefixes of project modules it must not import (``sbx.api`` imports nothing above itself).
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "api": ("sbx.web", "sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.backends", "sbx.images",
+            "sbx.net", "sbx.agent"),
+    "web": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.backends", "sbx.images", "sbx.agent"),
+    "backends": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.web", "aiohttp.web"),
+    "gateway": ("sbx.node", "sbx.client", "sbx.cli", "sbx.backends"),
+    "node": ("sbx.gateway", "sbx.client", "sbx.cli"),
+    "client": ("sbx.node", "sbx.gateway", "sbx.cli", "sbx.backends"),
+    "cli": ("sbx.node", "sbx.gateway", "sbx.backends"),
+}  # fmt: skip
+
+
+def imports_of(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_arrow_points_up(package: str) -> None:
+    wrong = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted((SRC / package).rglob("*.py"))
+        for name in sorted(imports_of(path))
+        if any(name == p or name.startswith(p + ".") for p in FORBIDDEN[package])
+    ]
+    assert wrong == []
+
+
+def test_the_check_sees_a_wrong_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from sbx.node.manager import SandboxManager\nimport aiohttp.web\n", encoding="utf-8")
+    assert {"sbx.node.manager", "aiohttp.web"} <= imports_of(module)
