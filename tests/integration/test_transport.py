@@ -16,8 +16,20 @@ from sandboxd_harness import Sandboxd
         ({"Host": "127.0.0.1:8080"}, 200, None, None),
         ({"Host": "[::1]"}, 200, None, None),
         ({"Origin": "https://evil.example"}, 403, "forbidden_origin", "Origin 'https://evil.example'"),
+        # A Host is a host and an optional port, compared whole: a loopback address with a suffix is not one.
+        ({"Host": "[::1].evil.example"}, 403, "forbidden_origin", "Host '[::1].evil.example'"),
+        ({"Host": "[::1]evil"}, 403, "forbidden_origin", "Host '[::1]evil'"),
+        ({"Host": "localhost:80:80"}, 403, "forbidden_origin", "Host 'localhost:80:80'"),
     ],
-    ids=["foreign-host", "loopback-ip-host", "ipv6-loopback-host", "foreign-origin"],
+    ids=[
+        "foreign-host",
+        "loopback-ip-host",
+        "ipv6-loopback-host",
+        "foreign-origin",
+        "bracket-suffix",
+        "bracket-glued",
+        "two-ports",
+    ],
 )
 def test_request_guard(sandboxd: Sandboxd, headers: dict[str, str], status: int, code: str | None,
                        needle: str | None) -> None:  # fmt: skip

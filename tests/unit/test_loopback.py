@@ -39,6 +39,18 @@ def test_is_loopback(host: str, expected: bool) -> None:
         ("[::1]", "::1"),
         ("::1", "::1"),
         ("127.0.0.1:1", "127.0.0.1"),
+        # Anything but a host and an optional port is no host at all (issue: a suffix after brackets passed).
+        ("[::1].evil.example", ""),
+        ("[::1]evil", ""),
+        ("[::1]:", ""),
+        ("[::1]:80x", ""),
+        ("[evil.example]", ""),
+        ("[::1", ""),
+        ("localhost:80:80", ""),
+        ("localhost:x", ""),
+        ("local host", ""),
+        ("localhost/", ""),
+        ("", ""),
     ],
 )
 def test_host_header_name(header: str, name: str) -> None:

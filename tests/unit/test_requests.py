@@ -69,6 +69,12 @@ PARSERS: list[tuple[str, Callable[[bytes], object]]] = [
         pytest.param(b'{"x": Infinity}', "Infinity is not a JSON number", id="infinity"),
         pytest.param(b'{"x": 1, "x": 2}', "'x' appears twice", id="duplicate-key"),
         pytest.param(b'{"zzz": 1}', "unknown field 'zzz'", id="unknown-field"),
+        # Hostile bodies: once a 500 (the interpreter's recursion and digit limits), now 400 like any other.
+        pytest.param(
+            b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply", id="deep-nesting"
+        ),
+        pytest.param(b'{"cpus": ' + b"9" * 5000 + b"}", "number too long", id="5000-digit-integer"),
+        pytest.param(b'{"a": "\\ud800"}', "unpaired surrogate", id="lone-surrogate"),
     ],
 )
 def test_every_parser_rejects_malformed_bodies(

@@ -16,6 +16,7 @@ import sys
 import tomllib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from sbx.gateway.state import (
     acquire_lock,
 )
 from sbx.net.loopback import is_loopback
+from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED
 from sbx.web.http import JSON_BODY_CAP
 from sbx.web.logs import setup_logging
 from sbx.web.serve import Listen, metrics_server, run, server_tls
@@ -145,6 +147,10 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 )
 @click.option("--max-orgs-per-user", default=10, show_default=True, type=click.IntRange(min=0),
               help="Organisations a user may make or own.")  # fmt: skip
+@click.option("--idle-timeout", default=str(IDLE_TIMEOUT_SECS), show_default=True,
+              help="Close a connection with no whole request head this long after opening or its last answer.")  # fmt: skip
+@click.option("--max-unauthenticated", default=MAX_UNAUTHENTICATED, show_default=True, type=click.IntRange(min=1),
+              help="TCP connections not yet authenticated kept at most (a new one closes the oldest).")  # fmt: skip
 @click.option("--poll-interval", default=str(DEFAULT_POLL_INTERVAL_SECS), hidden=True)
 @click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
 @click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
@@ -153,8 +159,8 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
-    metrics_listen: str | None, max_orgs_per_user: int, poll_interval: str, failures_unhealthy: int,
-    forget_interval: str, recheck_interval: str, log_level: str,
+    metrics_listen: str | None, max_orgs_per_user: int, idle_timeout: str, max_unauthenticated: int,
+    poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
     socket_path: Path | None = None
@@ -215,7 +221,8 @@ def serve(
     gateway = Gateway(store, registry, audit, options)
     tls = server_tls(tls_cert, tls_key)
     try:
-        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr))
+        limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
+        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits))
     finally:
         store.close()
         os.close(lock_fd)
@@ -229,9 +236,17 @@ def parse_host_port(value: str, flag: str) -> tuple[str, int]:
         raise click.BadParameter(str(exc), param_hint=flag) from None
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What a connection may do before it authenticates (see ``sbx.web.connections``)."""
+
+    idle_timeout_secs: float
+    max_unauthenticated: int
+
+
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
-    metrics_addr: tuple[str, int] | None,
+    metrics_addr: tuple[str, int] | None, limits: ConnectionLimits,
 ) -> None:  # fmt: skip
     app = build_app(gateway, metrics_addr)
 
@@ -241,7 +256,10 @@ async def _serve(
 
     # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
     # of a quiet process would otherwise stay open until the process writes again.
-    await run(app, Listen(socket_path, listen, tls), ready=ready, cancel_on_disconnect=True)
+    await run(
+        app, Listen(socket_path, listen, tls), ready=ready, cancel_on_disconnect=True,
+        idle_timeout_secs=limits.idle_timeout_secs, max_unauthenticated=limits.max_unauthenticated,
+    )  # fmt: skip
 
 
 def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.Application:

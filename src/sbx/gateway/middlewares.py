@@ -13,6 +13,7 @@ from aiohttp import web
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL, ROUTE_SCOPES, UNMATCHED, label_of
 from sbx.gateway.routes import route_of
+from sbx.web.connections import mark_authenticated
 from sbx.web.http import Handler, error_middleware
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         if row is not None and row.scope is None:
             return await handler(request)  # no credential (GET /v1/health)
         key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
+        mark_authenticated(request)
         # Known before the organisation is checked, so a refused X-Sandbox-Org still leaves an audit line.
         request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
         tenant, org = auth.acting_tenant(gw.store, key, request.headers.getall(auth.ORG_HEADER, []))

@@ -104,14 +104,19 @@ class Capacity:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``[server]``: request guard additions.
+    """``[server]``: request guard additions, and what a connection may do before it authenticates.
 
     ``allowed_hosts`` are Host names accepted besides the loopback names (``localhost``, 127.0.0.1,
     ::1), lowercased, without a port. ``allowed_origins`` are exact origins ``scheme://host[:port]``.
+    ``idle_timeout_secs``: a connection with no whole request head that long after opening or after its previous
+    answer is closed. ``max_unauthenticated``: TCP connections not yet authenticated kept at most (a new one past
+    that closes the oldest). See ``sbx.web.connections``.
     """
 
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    idle_timeout_secs: int = 30
+    max_unauthenticated: int = 256
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,10 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     server = ServerConfig(
         allowed_hosts=_str_list(srv, "server.allowed_hosts", _host_entry),
         allowed_origins=_str_list(srv, "server.allowed_origins", _origin_entry),
+        idle_timeout_secs=_int(srv, "server.idle_timeout_secs", ServerConfig.idle_timeout_secs, minimum=1),
+        max_unauthenticated=_int(
+            srv, "server.max_unauthenticated", ServerConfig.max_unauthenticated, minimum=1
+        ),
     )
 
     pth = sections["paths"]

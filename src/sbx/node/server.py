@@ -96,7 +96,10 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
                        "state_dir": str(options.state_dir)},
             )  # fmt: skip
 
-        await run(app, listen, ready=ready)
+        await run(
+            app, listen, ready=ready, idle_timeout_secs=config.server.idle_timeout_secs,
+            max_unauthenticated=config.server.max_unauthenticated,
+        )  # fmt: skip
         log.info("sandboxd stopped; sandboxes keep running")
     finally:
         os.close(lock_fd)

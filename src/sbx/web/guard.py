@@ -9,6 +9,7 @@ from aiohttp.typedefs import Middleware
 
 from sbx.api.errors import ForbiddenOrigin, Unauthorized
 from sbx.net.loopback import host_header_name, is_loopback
+from sbx.web.connections import mark_authenticated
 from sbx.web.http import Handler
 
 
@@ -21,7 +22,7 @@ def make_guard(
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host", "")
         name = host_header_name(host)
-        if not host or not (is_loopback(name) or name in allowed_hosts):
+        if not name or not (is_loopback(name) or name in allowed_hosts):
             raise ForbiddenOrigin(
                 f"Host {host!r} is not served here: use a loopback name or add it to [server] allowed_hosts"
             )
@@ -32,6 +33,7 @@ def make_guard(
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 raise Unauthorized("missing or wrong token: send Authorization: Bearer <token>")
+        mark_authenticated(request)
         return await handler(request)
 
     return guard

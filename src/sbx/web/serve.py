@@ -23,6 +23,7 @@ from typing import Protocol
 from aiohttp import web
 
 from sbx.net.loopback import is_loopback
+from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED, ConnectionGate, GatedRunner
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +146,18 @@ async def run(
     ready: Callable[[], None] = lambda: None,
     shutdown_timeout_secs: float = SHUTDOWN_TIMEOUT_SECS,
     cancel_on_disconnect: bool = False,
+    idle_timeout_secs: float = IDLE_TIMEOUT_SECS,
+    max_unauthenticated: int = MAX_UNAUTHENTICATED,
 ) -> None:
     """Start ``app`` (its ``cleanup_ctx`` in order), listen, call ``ready``, serve until SIGTERM or SIGINT,
     then stop as the module says. ``cancel_on_disconnect``: a client going away cancels its handler (and what
-    it waits on), as a relay wants; otherwise a handler finishes its work (a node's run, a snapshot)."""
-    runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, handler_cancellation=cancel_on_disconnect,
-        shutdown_timeout=shutdown_timeout_secs,
+    it waits on), as a relay wants; otherwise a handler finishes its work (a node's run, a snapshot). What a
+    connection may do before it authenticates (``idle_timeout_secs``, ``max_unauthenticated``) and the answer
+    to a malformed request: ``sbx.web.connections``."""
+    runner = GatedRunner(
+        app, ConnectionGate(max_unauthenticated), access_log=None, handle_signals=False,
+        handler_cancellation=cancel_on_disconnect, shutdown_timeout=shutdown_timeout_secs,
+        keepalive_timeout=idle_timeout_secs,
     )  # fmt: skip
     await runner.setup()
     try:
