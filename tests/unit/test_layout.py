@@ -23,6 +23,16 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
+#: Parts of the node's lifecycle written against the narrow interfaces of ``sbx.node.host``, never the manager.
+NARROW = (
+    "node/pools.py",
+    "node/checkpoints.py",
+    "node/volumes.py",
+    "node/sandbox.py",
+    "node/reservations.py",
+)
+
+
 def imports_of(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -42,6 +52,11 @@ def test_no_arrow_points_up(package: str) -> None:
         if any(name == p or name.startswith(p + ".") for p in FORBIDDEN[package])
     ]
     assert wrong == []
+
+
+@pytest.mark.parametrize("module", NARROW)
+def test_the_lifecycle_parts_do_not_import_the_manager(module: str) -> None:
+    assert not {name for name in imports_of(SRC / module) if name.startswith("sbx.node.manager")}
 
 
 def test_the_check_sees_a_wrong_import(tmp_path: Path) -> None:

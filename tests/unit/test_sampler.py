@@ -15,6 +15,7 @@ from sbx.node.audit import AuditLog
 from sbx.node.config import Capacity, NodeConfig
 from sbx.node.manager import KEEP_TERMINATED, SandboxManager
 from sbx.node.records import SandboxRecord, SandboxState
+from sbx.node.reservations import Reservations
 from sbx.node.sampler import (
     CounterTotal,
     MetricsSampler,
@@ -240,7 +241,7 @@ async def test_the_manager_tells_the_sampler_what_it_forgets(tmp_path: Path) -> 
         write_json_atomic(state / "sandboxes" / record.id / "sandbox.json", record.to_disk(), durable=False)
     manager = SandboxManager(
         NodeConfig(), state, backend=None, images=ImageStore(tmp_path / "images"),  # type: ignore[arg-type]
-        audit=AuditLog(tmp_path / "audit"), capacity=Capacity(cpus=4, memory_mb=4096, disk_mb=10000),
+        audit=AuditLog(tmp_path / "audit"), reservations=Reservations(Capacity(cpus=4, memory_mb=4096, disk_mb=10000)),
     )  # fmt: skip
     sampler = MetricsSampler(list, FakeCounters({}))
     for i in range(KEEP_TERMINATED + 1):

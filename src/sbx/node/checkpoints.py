@@ -34,7 +34,8 @@ from sbx.node.records import SandboxRecord, SandboxState, utc_now
 from sbx.node.snapshots import SnapshotRecord, SnapshotStore, new_snapshot_id
 
 if TYPE_CHECKING:
-    from sbx.node.manager import Sandbox, SandboxManager
+    from sbx.node.host import SandboxHost
+    from sbx.node.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ QUIESCE_TIMEOUT_SECS = 10.0
 class Checkpoints:
     """Suspend/resume, snapshots, forks and schedules of the manager's sandboxes."""
 
-    def __init__(self, manager: SandboxManager, backend: CheckpointBackend, store: SnapshotStore) -> None:
-        self.manager = manager
+    def __init__(self, host: SandboxHost, backend: CheckpointBackend, store: SnapshotStore) -> None:
+        self.host = host
         self.backend = backend
         self.store = store
         #: Snapshots being taken, by sandbox id (one at a time per sandbox).
@@ -66,7 +67,7 @@ class Checkpoints:
 
     def start(self) -> None:
         """Start the schedules of the sandboxes taken back (call after the manager's start)."""
-        for record in self.manager.records():
+        for record in self.host.records():
             if record.live and record.snapshot_every_secs > 0:
                 self._start_schedule(record.id)
 
@@ -98,19 +99,19 @@ class Checkpoints:
         try:
             if sandbox.record.live and await self.backend.is_running(sandbox_id):
                 await self.backend.wake(sandbox_id)
-                await self.manager.reattach_agent(sandbox)
+                await self.host.reattach_agent(sandbox)
                 return
         except (AgentError, BackendError, OSError) as exc:
             log.warning("sandbox could not be reconnected", extra={"sandbox": sandbox_id, "error": str(exc)})
         sandbox.processes.paused_reason = None
         if sandbox.record.live:
-            await self.manager.terminate_locked(sandbox, "crashed")
+            await self.host.terminate_locked(sandbox, "crashed")
 
     # -- suspend and resume -----------------------------------------------------------------------------
 
     async def suspend(self, ref: str) -> SandboxRecord:
         """Save a running sandbox with no process running and stop it (memory given back); 409 otherwise."""
-        sandbox = self.manager.resolve(ref)
+        sandbox = self.host.resolve(ref)
         async with sandbox.lock:
             record = sandbox.record
             if record.state is not SandboxState.RUNNING:
@@ -138,12 +139,12 @@ class Checkpoints:
             sandbox.processes.paused_reason = "suspended"
             record.state = SandboxState.SUSPENDED
             sandbox.save()
-            self.manager.audit.record("sandbox.suspended", record.id)
+            self.host.audit.record("sandbox.suspended", record.id)
             return record
 
     async def resume(self, ref: str) -> SandboxRecord:
         """Bring a suspended sandbox back as it was; 409 when it is not suspended."""
-        sandbox = self.manager.resolve(ref)
+        sandbox = self.host.resolve(ref)
         async with sandbox.lock:
             record = sandbox.record
             if record.state is not SandboxState.SUSPENDED:
@@ -151,14 +152,14 @@ class Checkpoints:
             image = sandbox.directory / SUSPEND_IMAGE
             try:
                 await self.backend.restore(record.id, image)
-                await self.manager.reattach_agent(sandbox)
+                await self.host.reattach_agent(sandbox)
             except (BackendError, AgentError, OSError) as exc:
                 # Still suspended, the checkpoint kept: a retry restores from it again.
                 raise Internal(f"the sandbox could not be resumed: {exc}") from exc
             record.state = SandboxState.RUNNING
             sandbox.save()
             sandbox.touch()
-            self.manager.audit.record("sandbox.resumed", record.id)
+            self.host.audit.record("sandbox.resumed", record.id)
             await asyncio.to_thread(shutil.rmtree, image, True)
             return record
 
@@ -172,14 +173,14 @@ class Checkpoints:
             sandbox.save()
             sandbox.processes.load()
             sandbox.processes.paused_reason = "suspended"
-            self.manager.audit.record("sandbox.suspended", record.id)
+            self.host.audit.record("sandbox.suspended", record.id)
             log.info("an interrupted suspend was finished", extra={"sandbox": record.id})
             return True
         image = sandbox.directory / CAPTURE_IMAGE
         if (image / CHECKPOINT_FILE).is_file():
             sandbox.processes.load()
             await self.backend.restore(record.id, image)
-            await self.manager.reattach_agent(sandbox)
+            await self.host.reattach_agent(sandbox)
             await asyncio.to_thread(shutil.rmtree, image, True)
             log.info("restored after an interrupted snapshot", extra={"sandbox": record.id})
             return True
@@ -197,7 +198,7 @@ class Checkpoints:
     async def snapshot(self, ref: str, kind: SnapshotKind, scheduled: bool = False) -> SnapshotRecord:
         """Take a snapshot of a running sandbox; the answer waits for it, but a closed connection does not
         cancel it (it runs in a task of its own)."""
-        sandbox = self.manager.resolve(ref, touch=not scheduled)
+        sandbox = self.host.resolve(ref, touch=not scheduled)
         record = sandbox.record
         if record.state is not SandboxState.RUNNING:
             raise Conflict(
@@ -219,7 +220,7 @@ class Checkpoints:
 
     async def _take(self, sandbox: Sandbox, kind: SnapshotKind, scheduled: bool) -> SnapshotRecord:
         record = sandbox.record
-        snapshot_id = new_snapshot_id(self.manager.node_id)
+        snapshot_id = new_snapshot_id(self.host.node_id)
         staging = self.store.staging(snapshot_id)
         estimate = self.backend.disk_used_bytes(record.id)
         if kind == "memory":
@@ -252,7 +253,7 @@ class Checkpoints:
         finally:
             progress.cancel()
             record.snapshotting = None
-        self.manager.audit.record("snapshot.created", record.id, snapshot=snapshot.id, bytes=snapshot.bytes)
+        self.host.audit.record("snapshot.created", record.id, snapshot=snapshot.id, bytes=snapshot.bytes)
         log.info("snapshot taken", extra={"sandbox": record.id, "snapshot": snapshot.id, "kind": kind})
         return snapshot
 
@@ -288,13 +289,13 @@ class Checkpoints:
         """Bring the checkpointed sandbox back from ``image`` after a capture; terminate it if it cannot be."""
         try:
             await self.backend.restore(sandbox.record.id, image)
-            await self.manager.reattach_agent(sandbox)
+            await self.host.reattach_agent(sandbox)
         except (BackendError, AgentError, OSError) as exc:
             log.error("sandbox could not be restored after a snapshot",
                       extra={"sandbox": sandbox.record.id, "error": str(exc)})  # fmt: skip
             sandbox.processes.paused_reason = None
             if sandbox.record.live:
-                await self.manager.terminate_locked(sandbox, "crashed")
+                await self.host.terminate_locked(sandbox, "crashed")
 
     async def _track_bytes(self, record: SandboxRecord, staging: Path) -> None:
         while True:
@@ -306,7 +307,7 @@ class Checkpoints:
         """Delete a snapshot and its files; audit ``snapshot.deleted`` (with ``reason`` when given)."""
         snapshot = self.store.remove(snapshot_id)
         extra = {"reason": reason} if reason else {}
-        self.manager.audit.record("snapshot.deleted", snapshot.sandbox, snapshot=snapshot_id, **extra)
+        self.host.audit.record("snapshot.deleted", snapshot.sandbox, snapshot=snapshot_id, **extra)
 
     # -- forks ------------------------------------------------------------------------------------------
 
@@ -364,7 +365,7 @@ class Checkpoints:
 
     def set_schedule(self, ref: str, every_secs: int, keep: int) -> SandboxRecord:
         """Start, change (``every_secs`` > 0) or stop (0) a running sandbox's snapshot schedule."""
-        sandbox = self.manager.resolve(ref)
+        sandbox = self.host.resolve(ref)
         record = sandbox.record
         if record.state is not SandboxState.RUNNING:
             raise Conflict(
@@ -397,7 +398,7 @@ class Checkpoints:
     async def _schedule_loop(self, sandbox_id: str) -> None:
         """Snapshot every ``snapshot_every_secs``, counted from the end of the previous one (rule 1)."""
         while True:
-            sandbox = self.manager.resolve_or_none(sandbox_id)
+            sandbox = self.host.resolve_or_none(sandbox_id)
             if sandbox is None or not sandbox.record.live or sandbox.record.snapshot_every_secs <= 0:
                 return
             await asyncio.sleep(sandbox.record.snapshot_every_secs)

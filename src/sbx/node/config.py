@@ -33,7 +33,7 @@ from sbx.api.network_policy import (
     normalise_pattern,
     parse_mode,
 )
-from sbx.api.node import Defaults, Limits
+from sbx.api.node import Defaults, Limits, Resources
 from sbx.net.dns import parse_server
 from sbx.net.egress import MIN_SUBNET_PREFIX, EgressConfig
 
@@ -93,13 +93,8 @@ class CapacityConfig:
     cpu_overcommit: int = 8
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """Capacity with every 0 replaced by a measurement (cpus in cores, memory and disk in MiB)."""
-
-    cpus: int
-    memory_mb: int
-    disk_mb: int
+#: Capacity with every 0 replaced by a measurement (cpus in cores, memory and disk in MiB).
+Capacity = Resources
 
 
 @dataclass(frozen=True)

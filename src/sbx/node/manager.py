@@ -10,10 +10,9 @@ Warm pools (pools.py) boot sandboxes through :meth:`SandboxManager.boot` and han
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import shutil
-import stat
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
@@ -22,21 +21,25 @@ from typing import TYPE_CHECKING, Any
 from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
 from sbx.api.network_policy import MODE_ORDER
+from sbx.api.node import Resources
 from sbx.api.requests import CreateSpec, PatchSpec
 from sbx.backends.base import Backend, BackendError, CheckpointBackend, VolumeBind
-from sbx.images.store import ImageConfig, ImageStore, InstalledImage
+from sbx.images.store import ImageStore, InstalledImage
 from sbx.node.audit import AuditLog
 from sbx.node.checkpoints import Checkpoints
-from sbx.node.config import Capacity, NodeConfig
+from sbx.node.config import NodeConfig
+from sbx.node.host import PoolSource
 from sbx.node.images import ImageService
-from sbx.node.processes import ProcessTable
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+from sbx.node.reservations import Reservations
+from sbx.node.sandbox import Sandbox
 from sbx.node.snapshots import SnapshotStore
 from sbx.node.volumes import VolumeStore, check_mount_points
-from sbx.statefile import read_json, remove_stale_tmp_files, write_json_atomic
+from sbx.statefile import read_json, remove_stale_tmp_files
 
 if TYPE_CHECKING:
     from sbx.node.pools import PooledSandbox
+    from sbx.node.snapshots import SnapshotRecord
 
 log = logging.getLogger(__name__)
 
@@ -58,63 +61,6 @@ def name_scope(labels: dict[str, str]) -> tuple[str | None, ...]:
     return tuple(labels.get(key) for key in NAME_SCOPE_LABELS)
 
 
-class Sandbox:
-    """A sandbox known to this node: its record, its processes and its agent connection."""
-
-    def __init__(self, record: SandboxRecord, directory: Path, audit: AuditLog) -> None:
-        self.record = record
-        self.directory = directory
-        self.last_activity = time.monotonic()
-        self.processes = ProcessTable(record.id, directory / "processes", audit, on_change=self.touch)
-        self.lock = asyncio.Lock()
-        #: Environment from the image, below the sandbox's own env (see routes/processes.py).
-        self.image_env: dict[str, str] = {}
-        #: Default cwd of processes: the image's WorkingDir when it names a directory, else None (home).
-        self.working_dir: str | None = None
-
-    def set_image_config(self, config: ImageConfig, rootfs: Path | None) -> None:
-        """Take Env and WorkingDir from the image config (User, Entrypoint and Cmd are not used)."""
-        self.image_env = dict(config.env)
-        self.working_dir = None
-        wd = (config.working_dir or "").strip("/")
-        if config.working_dir and config.working_dir.startswith("/") and rootfs is not None:
-            try:
-                # lstat, not is_dir: a symlink in an image must never lead the host's check outside it.
-                is_dir = stat.S_ISDIR(os.lstat(rootfs / wd).st_mode) if wd else True
-            except OSError:
-                is_dir = False
-            if is_dir:
-                self.working_dir = "/" + wd
-            else:
-                log.info("image WorkingDir is not a directory; processes start in the home",
-                         extra={"sandbox": self.record.id, "working_dir": config.working_dir})  # fmt: skip
-
-    def save_image_config(self) -> None:
-        write_json_atomic(
-            self.directory / "image-config.json",
-            {"env": self.image_env, "working_dir": self.working_dir},
-            durable=False,
-        )
-
-    def load_image_config(self) -> bool:
-        """Read image-config.json; False when there is none (a sandbox created before it existed)."""
-        data = read_json(self.directory / "image-config.json")
-        if not isinstance(data, dict):
-            return False
-        self.image_env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
-        wd = data.get("working_dir")
-        self.working_dir = wd if isinstance(wd, str) else None
-        return True
-
-    def touch(self) -> None:
-        """Note activity: a request naming the sandbox, or a process starting or exiting."""
-        self.last_activity = time.monotonic()
-
-    def save(self, durable: bool = True) -> None:
-        """Persist the record atomically (``durable``: fsynced, surviving a power loss too)."""
-        write_json_atomic(self.directory / "sandbox.json", self.record.to_disk(), durable=durable)
-
-
 class SandboxManager:
     """Owns every sandbox of the node. All methods run on the server's event loop."""
 
@@ -125,7 +71,7 @@ class SandboxManager:
         backend: Backend,
         images: ImageStore,
         audit: AuditLog,
-        capacity: Capacity,
+        reservations: Reservations,
         node_id: str | None = None,
         image_service: ImageService | None = None,
     ) -> None:
@@ -136,7 +82,9 @@ class SandboxManager:
         self.image_service = image_service or ImageService(config, images)
         self.image_service.users = self.image_users
         self.audit = audit
-        self.capacity = capacity
+        #: The node's capacity and who holds it: the live sandboxes (reported here), the pools.
+        self.reservations = reservations
+        reservations.add_holder("sandboxes", self._held)
         self.node_id = node_id
         #: Volumes (see volumes.py): held by live sandboxes from create to terminate.
         self.volumes = VolumeStore(state_dir / "volumes")
@@ -147,10 +95,8 @@ class SandboxManager:
             else None
         )
         self.cordoned = False
-        #: Resources held outside the manager's sandboxes (the warm pools'); set by the server.
-        self.reserved: Callable[[], Capacity] = lambda: Capacity(0, 0, 0)
-        #: ``take(image, request)``: a pooled sandbox that fits the request, or None; set by the server.
-        self.take_pooled: Callable[[str, CreateSpec], PooledSandbox | None] = lambda image, req: None
+        #: Where a create finds a sandbox booted ahead of it (the warm pools; None: a node without them).
+        self.pools: PoolSource | None = None
         self._sandboxes: dict[str, Sandbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._destroys: set[asyncio.Task[None]] = set()
@@ -295,28 +241,22 @@ class SandboxManager:
     def live(self) -> Iterable[Sandbox]:
         return (s for s in self._sandboxes.values() if s.record.live)
 
-    def used(self) -> Capacity:
-        """Resources given to every non-terminated sandbox, pooled ones included."""
-        live = list(self.live())
-        reserved = self.reserved()
-        return Capacity(
-            cpus=sum(s.record.cpus for s in live) + reserved.cpus,
-            memory_mb=sum(s.record.memory_mb for s in live) + reserved.memory_mb,
-            disk_mb=sum(s.record.disk_mb for s in live) + reserved.disk_mb,
-        )
+    @property
+    def capacity(self) -> Resources:
+        """What the node offers."""
+        return self.reservations.capacity
+
+    def _held(self) -> Iterable[Resources]:
+        """What each live sandbox holds (the reservations' holder ``sandboxes``)."""
+        return (Resources(s.record.cpus, s.record.memory_mb, s.record.disk_mb) for s in self.live())
 
     def image_users(self, reference: str) -> int:
         """Live sandboxes (starting or running) whose root is the image ``reference``."""
         return sum(1 for s in self.live() if s.record.image == reference)
 
-    def free(self) -> Capacity:
-        """Capacity less what live sandboxes were given, never negative."""
-        used = self.used()
-        return Capacity(
-            cpus=max(0, self.capacity.cpus - used.cpus),
-            memory_mb=max(0, self.capacity.memory_mb - used.memory_mb),
-            disk_mb=max(0, self.capacity.disk_mb - used.disk_mb),
-        )
+    def free(self) -> Resources:
+        """Capacity less what every live sandboxes holds, pooled ones included, never negative."""
+        return self.reservations.free()
 
     def count_by_state(self) -> dict[str, int]:
         counts = {state.value: 0 for state in SandboxState}
@@ -360,20 +300,6 @@ class SandboxManager:
                 f"the name {req.name!r} is in use by a live sandbox; pick another or delete that one"
             )
 
-    def _check_capacity(self, req: CreateSpec) -> None:
-        free = self.free()
-        short = [
-            f"{what} (asked {asked}, free {have})"
-            for what, asked, have in (
-                ("cpus", req.cpus, free.cpus),
-                ("memory_mb", req.memory_mb, free.memory_mb),
-                ("disk_mb", req.disk_mb, free.disk_mb),
-            )
-            if asked > have
-        ]
-        if short:
-            raise Unavailable("not enough free capacity on this node: " + ", ".join(short))
-
     async def create(self, req: CreateSpec) -> SandboxRecord:
         """Boot a sandbox for a validated request (or take a pooled one that fits, or fork a snapshot); on
         failure nothing is left behind. An image not installed yet is installed first, and the create waits
@@ -390,10 +316,12 @@ class SandboxManager:
         image = await self.image_service.ensure(req.image)
         self._check_create(req)  # again: the install may have taken a while
         check_mount_points(image.rootfs, req.volumes)
-        pooled = self.take_pooled(image.reference, req) if snapshot is None else None
+        pooled = (
+            self.pools.take(image.reference, req) if self.pools is not None and snapshot is None else None
+        )
         if pooled is not None:
             return self.adopt(pooled, req)
-        self._check_capacity(req)
+        self.reservations.check(Resources(req.cpus, req.memory_mb, req.disk_mb))
         record = SandboxRecord(
             id=new_sandbox_id(self.node_id),
             state=SandboxState.PENDING,
@@ -412,18 +340,39 @@ class SandboxManager:
             snapshot_every_secs=req.snapshot_every_secs or 0,
             snapshot_keep=(req.snapshot_keep or 1) if req.snapshot_every_secs else 0,
         )
-        directory = self.root / record.id
-        directory.mkdir(mode=0o700)
-        sandbox = Sandbox(record, directory, self.audit)
-        sandbox.set_image_config(image.config, image.rootfs)
-        # Registered before the first await, so a concurrent create sees the name and the capacity taken.
-        self._sandboxes[record.id] = sandbox
         try:
-            # No await since _check_create: the volumes it found free still are (a refusal here is cleaned up).
+            sandbox = await self._start(record, image, req, snapshot)
+        except (BackendError, AgentError, OSError) as exc:
+            raise Internal(f"the sandbox could not be started: {exc}") from exc
+        record.state = SandboxState.RUNNING
+        sandbox.touch()
+        sandbox.save()
+        self._audit_created(record)
+        if record.snapshot_every_secs and self.checkpoints is not None:
+            self.checkpoints.set_schedule(record.id, record.snapshot_every_secs, record.snapshot_keep)
+        return record
+
+    async def _start(
+        self, record: SandboxRecord, image: InstalledImage, req: CreateSpec, snapshot: SnapshotRecord | None
+    ) -> Sandbox:
+        """Every step of making ``record``'s sandbox, each undone (last first, by one cleanup stack) when a later
+        one fails or the create is cancelled: nothing of a failed create is left."""
+        async with contextlib.AsyncExitStack() as undo:
+            directory = self.root / record.id
+            directory.mkdir(mode=0o700)
+            undo.callback(shutil.rmtree, directory, True)
+            sandbox = Sandbox(record, directory, self.audit)
+            sandbox.set_image_config(image.config, image.rootfs)
+            # Registered before the first await, so a concurrent create sees the name and the capacity taken.
+            self._sandboxes[record.id] = sandbox
+            undo.callback(self._sandboxes.pop, record.id, None)
+            # No await since _check_create: the volumes it found free still are.
             self.volumes.hold(record.id, req.volumes)
+            undo.push_async_callback(_shielded, self.volumes.release, record.id)
             # Not durable: a pending record that a crash loses is a sandbox that never answered its create.
             sandbox.save(durable=False)
             sandbox.save_image_config()
+            undo.push_async_callback(_shielded, self.backend.destroy, record.id)
             if snapshot is not None and self.checkpoints is not None:
                 await self.checkpoints.boot_fork(snapshot, sandbox, image.rootfs)
                 agent = await self.connect_agent(record.id)
@@ -432,21 +381,9 @@ class SandboxManager:
                 agent = await self.boot(record, image, binds)
             await sandbox.processes.attach_agent(agent)
             self._watch_agent(sandbox, agent)
-        except BaseException as exc:
-            self._sandboxes.pop(record.id, None)
-            shutil.rmtree(directory, ignore_errors=True)
-            await asyncio.shield(self.backend.destroy(record.id))
-            await asyncio.shield(self.volumes.release(record.id))
-            if isinstance(exc, (BackendError, AgentError, OSError)):
-                raise Internal(f"the sandbox could not be started: {exc}") from exc
-            raise
-        record.state = SandboxState.RUNNING
-        sandbox.touch()
-        sandbox.save()
-        self._audit_created(record)
-        if record.snapshot_every_secs and self.checkpoints is not None:
-            self.checkpoints.set_schedule(record.id, record.snapshot_every_secs, record.snapshot_keep)
-        return record
+            undo.pop_all()  # made: nothing to undo
+            return sandbox
+        raise AssertionError("unreachable")  # pragma: no cover - the stack re-raises what failed
 
     def _audit_created(self, record: SandboxRecord, **extra: object) -> None:
         self.audit.record(
@@ -657,3 +594,8 @@ class SandboxManager:
                     async with sandbox.lock:
                         if sandbox.record.live:
                             await self._terminate(sandbox, "idle")
+
+
+async def _shielded(step: Callable[[str], Coroutine[Any, Any, None]], sandbox_id: str) -> None:
+    """Run an undo step to its end even when the create was cancelled (a teardown must not be cut short)."""
+    await asyncio.shield(step(sandbox_id))

@@ -27,13 +27,15 @@ from pathlib import Path
 from sbx.agent.client import AgentClient
 from sbx.api.errors import SandboxError
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.node import Resources
 from sbx.api.requests import CreateSpec
-from sbx.backends.base import BackendError
+from sbx.backends.base import Backend, BackendError
 from sbx.images.store import InstalledImage
-from sbx.node.config import Capacity, PoolConfig
+from sbx.node.config import DefaultsConfig, PoolConfig
+from sbx.node.host import SandboxHost
 from sbx.node.images import ImageService
-from sbx.node.manager import SandboxManager
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
+from sbx.node.reservations import Reservations
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +75,30 @@ class _Pool:
 class Pools:
     """Every configured pool of the node; methods run on the server's event loop."""
 
-    def __init__(self, manager: SandboxManager, images: ImageService, directory: Path) -> None:
-        self.manager = manager
+    def __init__(
+        self,
+        host: SandboxHost,
+        backend: Backend,
+        images: ImageService,
+        reservations: Reservations,
+        defaults: DefaultsConfig,
+        pools: tuple[PoolConfig, ...],
+        directory: Path,
+        sandboxes_dir: Path,
+    ) -> None:
+        """``host`` boots pooled sandboxes (and adopts them, keeping them under ``sandboxes_dir``);
+        ``reservations`` counts what the pools hold; ``directory`` keeps their markers."""
+        self.host = host
+        self.backend = backend
         self.images = images
+        self.reservations = reservations
+        self.defaults = defaults
         self.directory = directory
-        defaults = manager.config.defaults
-        self.size = Capacity(defaults.cpus, defaults.memory_mb, defaults.disk_mb)
-        self._pools = {p.image: _Pool(p) for p in manager.config.pools if p.size > 0}
+        self.sandboxes_dir = sandboxes_dir
+        self.size = Resources(defaults.cpus, defaults.memory_mb, defaults.disk_mb)
+        self._pools = {p.image: _Pool(p) for p in pools if p.size > 0}
         self._destroying: set[asyncio.Task[None]] = set()
-        manager.reserved = self.held
-        manager.take_pooled = self.take
+        reservations.add_holder("pools", self._held)
         images.before_replace = self.drain
         images.after_install = self._resume
 
@@ -92,7 +108,7 @@ class Pools:
         """Destroy what an earlier run left in the pools, then fill them in the background."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for marker in sorted(self.directory.iterdir()):
-            if (self.manager.root / marker.name / "sandbox.json").exists():
+            if (self.sandboxes_dir / marker.name / "sandbox.json").exists():
                 shutil.rmtree(marker, ignore_errors=True)  # adopted just before a kill: the manager has it
             else:
                 log.info("destroying a pooled sandbox left by an earlier run", extra={"sandbox": marker.name})
@@ -120,10 +136,9 @@ class Pools:
 
     # -- what the node reports --------------------------------------------------------------------------
 
-    def held(self) -> Capacity:
-        """Resources of the ready and booting pooled sandboxes."""
-        count = sum(len(p.ready) + p.booting for p in self._pools.values())
-        return Capacity(self.size.cpus * count, self.size.memory_mb * count, self.size.disk_mb * count)
+    def _held(self) -> list[Resources]:
+        """What the ready and booting pooled sandboxes hold (the reservations' holder ``pools``)."""
+        return [self.size] * sum(len(p.ready) + p.booting for p in self._pools.values())
 
     def target(self) -> dict[str, int]:
         return {image: p.config.size for image, p in self._pools.items()}
@@ -187,7 +202,7 @@ class Pools:
         while len(pool.ready) + pool.booting < pool.config.size:
             if pool.paused:
                 return True  # resumed (and woken) when the install that paused it ends
-            free = self.manager.free()
+            free = self.reservations.free()
             if (
                 free.cpus < self.size.cpus
                 or free.memory_mb < self.size.memory_mb
@@ -212,9 +227,9 @@ class Pools:
         return True
 
     async def _boot(self, image: InstalledImage) -> PooledSandbox:
-        defaults = self.manager.config.defaults
+        defaults = self.defaults
         record = SandboxRecord(
-            id=new_sandbox_id(self.manager.node_id),
+            id=new_sandbox_id(self.host.node_id),
             state=SandboxState.RUNNING,
             image=image.reference,
             cpus=defaults.cpus,
@@ -227,7 +242,7 @@ class Pools:
         marker = self.directory / record.id
         marker.mkdir(mode=0o700)
         try:
-            agent = await self.manager.boot(record, image)
+            agent = await self.host.boot(record, image)
         except BaseException:
             shutil.rmtree(marker, ignore_errors=True)
             raise
@@ -259,7 +274,7 @@ class Pools:
             if agent is not None:
                 await agent.close()
             try:
-                await self.manager.backend.destroy(sandbox_id)
+                await self.backend.destroy(sandbox_id)
             except (BackendError, OSError) as exc:
                 log.error("pooled sandbox teardown failed", extra={"sandbox": sandbox_id, "error": str(exc)})
             shutil.rmtree(marker, ignore_errors=True)

@@ -21,8 +21,9 @@ from typing import Any
 
 from sbx.api.metrics import MetricsSample
 from sbx.backends.base import BackendUsage
-from sbx.node.manager import Sandbox, SandboxManager
+from sbx.node.manager import SandboxManager
 from sbx.node.records import SandboxState
+from sbx.node.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from sbx.node.context import NodeContext
 from sbx.node.manager import SandboxManager
 from sbx.node.metrics import NodeMetrics, NodeSnapshot
 from sbx.node.pools import Pools
+from sbx.node.reservations import Reservations
 from sbx.node.routes import all_routes
 from sbx.node.sampler import MetricsSampler, running_targets
 from sbx.statefile import try_lock
@@ -118,11 +119,15 @@ def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     config = within_backend(config, backend.network_modes)
     images = ImageStore(config.paths.images_dir)
     audit = AuditLog(options.state_dir / "audit")
+    reservations = Reservations(resolve_capacity(config.capacity, options.state_dir))
     manager = SandboxManager(
-        config, options.state_dir, backend, images, audit,
-        capacity=resolve_capacity(config.capacity, options.state_dir), node_id=options.node_id,
+        config, options.state_dir, backend, images, audit, reservations, node_id=options.node_id
+    )
+    pools = Pools(
+        manager, backend, manager.image_service, reservations, config.defaults, config.pools,
+        options.state_dir / "pool", manager.root,
     )  # fmt: skip
-    pools = Pools(manager, manager.image_service, options.state_dir / "pool")
+    manager.pools = pools
     metrics = NodeMetrics(lambda: _snapshot(manager, pools))
     sampler = MetricsSampler(lambda: running_targets(manager), backend.usage)
     manager.on_forget.append(sampler.forget)

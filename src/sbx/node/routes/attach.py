@@ -15,9 +15,9 @@ from sbx.api import frames
 from sbx.api.errors import InvalidRequest, SandboxError
 from sbx.api.processes import OutputChunk
 from sbx.node.context import NodeContext
-from sbx.node.manager import Sandbox
 from sbx.node.processes import SIGNALS
 from sbx.node.routes.processes import parse_pid
+from sbx.node.sandbox import Sandbox
 from sbx.web.upgrade import RawStream, check_upgrade, finished_response, upgrade
 
 _STREAM_TYPES = {"stdout": frames.STDOUT, "stderr": frames.STDERR}

@@ -13,7 +13,7 @@ from sbx.api.files import DirEntry, DirListing
 from sbx.api.validation import validate_guest_path
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.context import NodeContext
-from sbx.node.manager import Sandbox
+from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
 

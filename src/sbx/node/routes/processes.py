@@ -10,8 +10,8 @@ from sbx.api.processes import ProcessList
 from sbx.api.requests import parse_process, parse_run, parse_signal
 from sbx.api.validation import DEFAULT_CWD
 from sbx.node.context import NodeContext
-from sbx.node.manager import Sandbox
 from sbx.node.processes import BASE_ENV
+from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 
 
