@@ -107,6 +107,7 @@ def test_exported_names() -> None:
         "Refused",
         "ForbiddenOrigin",
         "NotFound",
+        "NotServed",
         "Conflict",
         "PayloadTooLarge",
         "Unsupported",

@@ -91,6 +91,9 @@ class StandIn:
             self.uploaded = len(await request.read())
             return web.Response(status=204)
 
+        async def echo_path(request: web.Request) -> web.Response:
+            return web.json_response({"pid": request.match_info["pid"], "query": dict(request.query)})
+
         async def slow_run(request: web.Request) -> web.Response:
             await asyncio.sleep(30)
             return web.json_response({})
@@ -99,6 +102,7 @@ class StandIn:
         app.add_routes([
             web.get("/v1/node", node), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
             web.post("/v1/sandboxes/{id}/run", slow_run), web.put("/v1/sandboxes/{id}/files", put_file),
+            web.get("/v1/sandboxes/{id}/processes/{pid}", echo_path),
         ])  # fmt: skip
         return app
 
@@ -607,3 +611,19 @@ async def test_every_route_with_each_scope(setup: Setup) -> None:
         assert (resp.status, (await resp.json())["error"]["code"]) == (404, "not_found")
         resp = await setup.client.request(method, path)
         assert resp.status == 401  # the key first, even for a path no route serves
+
+
+@pytest.mark.parametrize(
+    ("pid", "decoded"),
+    [("0%3Fclose%3D1", "0?close=1"), ("0%2F..%2F..%2Fevents", "0/../../events"), ("1%23x", "1#x")],
+    ids=["encoded-question-mark", "encoded-slashes", "encoded-hash"],
+)
+async def test_a_relayed_path_stays_as_the_client_encoded_it(setup: Setup, pid: str, decoded: str) -> None:
+    """Found by fuzzing: a segment relayed as it decodes turned ``processes/0%3F...`` into another route of the
+    node. The node gets the path as sent: the same route, the same segment, the same query."""
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+    resp = await setup.client.get(
+        f"/v1/sandboxes/{created['id']}/processes/{pid}?a=%26b", headers=bearer(setup.user)
+    )
+    assert resp.status == 200, await resp.text()
+    assert await resp.json() == {"pid": decoded, "query": {"a": "&b"}}

@@ -9,6 +9,7 @@ Each class maps to exactly one (HTTP status, code) pair of the spec's Errors tab
     ├── Refused            403 refused           well-formed but refused by policy
     ├── ForbiddenOrigin    403 forbidden_origin  the request guard refused Host or Origin
     ├── NotFound           404 not_found         no such sandbox, process, file or endpoint
+    │   └── NotServed      404 unsupported       (gateway) an SSH endpoint of a gateway serving no SSH
     ├── Conflict           409 conflict          a name in use, or a sandbox in the wrong state
     ├── PayloadTooLarge    413 invalid_request   a body over its cap
     ├── Unsupported        501 unsupported       the endpoint lacks the capability
@@ -93,6 +94,12 @@ class NotFound(SandboxError):
     code = "not_found"
 
 
+class NotServed(NotFound):
+    """(gateway) The SSH endpoints of a gateway that serves no SSH (404 with code unsupported, as the spec says)."""
+
+    code = "unsupported"
+
+
 class Conflict(SandboxError):
     """A name in use, or a sandbox in the wrong state (409)."""
 
@@ -143,6 +150,7 @@ _BY_STATUS_AND_CODE: dict[tuple[int, str], type[SandboxError]] = {
         Refused,
         ForbiddenOrigin,
         NotFound,
+        NotServed,
         Conflict,
         PayloadTooLarge,
         Unsupported,

@@ -29,5 +29,17 @@ def label_of(request: web.Request) -> str:
 
 
 def path_qs(request: web.Request, path: str) -> str:
-    """``path`` with the request's query string, as relayed to a node."""
-    return path + ("?" + request.query_string if request.query_string else "")
+    """``path`` (percent-encoded, as sent on the wire) with the request's query string as the client sent it."""
+    query = request.rel_url.raw_query_string
+    return path + ("?" + query if query else "")
+
+
+def relayed_path(request: web.Request, sandbox_id: str | None = None) -> str:
+    """The path a node is asked, percent-encoded exactly as the client sent it (never decoded: an encoded ``?``,
+    ``/`` or ``..`` in a segment must stay inside that segment), with the ``{ref}`` segment of a sandbox route
+    replaced by the sandbox's id (the node is always asked by id), and the query string."""
+    segments = request.rel_url.raw_path.split("/")
+    if sandbox_id is not None:
+        assert segments[1:3] == ["v1", "sandboxes"] and len(segments) > 3
+        segments[3] = sandbox_id
+    return path_qs(request, "/".join(segments))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from sbx.api.errors import NotFound, Unavailable, Unsupported
+from sbx.api.errors import NotFound, NotServed, Unavailable, Unsupported
 from sbx.api.gateway import Health
 from sbx.api.openapi import openapi_json
 from sbx.gateway.capabilities import intersect_capabilities
@@ -16,12 +16,6 @@ from sbx.web.http import json_response
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
-
-
-class NoSsh(NotFound):
-    """The gateway serves no SSH (404 with code ``unsupported``, as the spec's SSH endpoints say)."""
-
-    code = "unsupported"
 
 
 class MetaRoutes:
@@ -52,7 +46,7 @@ class MetaRoutes:
         raise Unsupported("a gateway does not manage images: install them on each node with its images API")
 
     async def no_ssh(self, request: web.Request) -> web.Response:
-        raise NoSsh("this gateway serves no SSH")
+        raise NotServed("this gateway serves no SSH")
 
     async def later(self, request: web.Request) -> web.Response:
         raise Unsupported(f"this gateway does not serve {request.path.split('/')[2]} yet")

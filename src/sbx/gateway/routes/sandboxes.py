@@ -16,7 +16,7 @@ from sbx.api.errors import InvalidRequest
 from sbx.api.sandboxes import CreateRequest, PatchRequest, Sandbox, SandboxList
 from sbx.api.snapshots import Snapshot
 from sbx.gateway import auth
-from sbx.gateway.http import ROUTE_SCOPES, label_of, path_qs, principal_of
+from sbx.gateway.http import ROUTE_SCOPES, label_of, principal_of, relayed_path
 from sbx.gateway.labels import patch_request
 from sbx.gateway.relay import Body, CappedBody, forward, guarded, relay_upgrade
 from sbx.gateway.revocation import OpenRequest
@@ -99,27 +99,17 @@ class SandboxRoutes:
         upgrade: str | None = None,
     ) -> web.StreamResponse:  # fmt: skip
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}").client
-        # The node is asked by id, never by the name the caller used.
-        prefix = "/v1/sandboxes/" + request.match_info["ref"]
-        path = (
-            "/v1/sandboxes/" + rec.id + request.path[len(prefix) :]
-            if request.path.startswith(prefix)
-            else request.path
-        )
+        # The node is asked by id, never by the name the caller used, on the path exactly as the client sent it.
+        target = relayed_path(request, rec.id)
         op = OpenRequest(
             key_id=principal.key_id or "", user=principal.user, key_tenant=principal.key_tenant,
             tenant=principal.tenant, scopes=request.get(ROUTE_SCOPES, ()), route=f"{request.method} {label_of(request)}",
             sandbox=rec.id, node=node.name,
         )  # fmt: skip
         if upgrade is not None and _asks_upgrade(request, upgrade):
-            return await guarded(
-                request, op, self.gw.open, relay_upgrade(request, node, path_qs(request, path), upgrade, op)
-            )
+            return await guarded(request, op, self.gw.open, relay_upgrade(request, node, target, upgrade, op))
         return await guarded(
-            request,
-            op,
-            self.gw.open,
-            forward(request, node, request.method, path_qs(request, path), body, op),
+            request, op, self.gw.open, forward(request, node, request.method, target, body, op)
         )
 
     # -- what the records learn from a node's answer -------------------------------------------------------

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from sbx.api.snapshots import SnapshotList
 from sbx.gateway import auth
-from sbx.gateway.http import path_qs, principal_of
+from sbx.gateway.http import principal_of, relayed_path
 from sbx.gateway.relay import forward
 from sbx.web.http import json_response
 
@@ -31,7 +31,7 @@ class SnapshotRoutes:
         request[auth.TARGET_KEY] = snapshot_id
         node_name = await self.gw.snapshots.where(principal_of(request), snapshot_id)
         node = self.gw.node_for(node_name, f"snapshot {snapshot_id}").client
-        response = await forward(request, node, request.method, path_qs(request, request.path), None, None)
+        response = await forward(request, node, request.method, relayed_path(request), None, None)
         if response.status == 204:
             await self.gw.write(self.gw.store.forget_snapshot, snapshot_id)
         return response

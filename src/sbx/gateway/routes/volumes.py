@@ -14,7 +14,7 @@ from sbx.api.errors import Conflict, NotFound, SandboxError, Unavailable
 from sbx.api.validation import validate_volume_name
 from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
 from sbx.gateway import auth
-from sbx.gateway.http import path_qs, principal_of
+from sbx.gateway.http import principal_of, relayed_path
 from sbx.gateway.placement import Requested, choose_node
 from sbx.gateway.relay import forward
 from sbx.gateway.state import VolumeRecord, now_rfc3339
@@ -82,7 +82,7 @@ class VolumeRoutes:
             raise NotFound(f"no volume {name!r} among yours")
         request[auth.TARGET_KEY] = name
         node = self.gw.node_for(rec.node, f"volume {name}").client
-        response = await forward(request, node, request.method, path_qs(request, request.path), None, None)
+        response = await forward(request, node, request.method, relayed_path(request), None, None)
         if response.status == 204:
             await self.gw.write(self.gw.store.forget_volume, name)
         return response
