@@ -23,7 +23,8 @@ CASES = [
     ("excluded skipped", [node("a", 2), node("b", 6)], {"b"}, Requested(), "a"),
     ("not taking new skipped", [node("a", 2), node("b", 6, taking=False)], set(), Requested(), "a"),
     ("too small skipped", [node("a", 1), node("b", 2)], set(), Requested(cpus=2), "b"),
-    ("nothing fits", [node("a", 1), node("b", 1)], set(), Requested(cpus=2), None),
+    # By the last reports nothing fits: still tried, least loaded first (the node decides; it may have room now).
+    ("nothing fits by the reports", [node("a", 1), node("b", 0)], set(), Requested(cpus=2), "a"),
     # An omitted amount is the node's own default (as it reports it): a node whose default is too big for
     # what it has free is skipped even though the request named no CPUs.
     (

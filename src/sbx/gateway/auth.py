@@ -108,6 +108,26 @@ def check_scopes(principal: Principal, needed: tuple[str, ...]) -> None:
             raise Refused(f"this API key lacks the scope {scope}: ask an admin for a key with {scope}")
 
 
+def has_access(store: Store, user: str, tenant: str, scope: str | None = None) -> bool:
+    """Whether ``user`` still holds an active key that acts in ``tenant`` with ``scope`` (``admin`` holds every
+    scope; None: any scope at all). A key acts in its own tenant, in an organisation its user is a member of
+    (through a key of the member's tenant), and, for an admin key, anywhere. What services, jobs and SSH hold
+    their owners to (spec: Revocation 2-4)."""
+    member = store.members.get((tenant, user))
+    for key in list(store.keys.values()):
+        if key.user != user or key.revoked is not None:
+            continue
+        if scope is not None and not has_scope(key.scopes, scope):
+            continue
+        if (
+            key.tenant == tenant
+            or "admin" in key.scopes
+            or (member is not None and member.tenant == key.tenant)
+        ):
+            return True
+    return False
+
+
 def is_key_still_good(store: Store, key_id: str, needed: tuple[str, ...]) -> bool:
     """Whether the key is still present, active and holds ``needed`` (the revocation recheck)."""
     key = store.keys.get(key_id)
@@ -123,6 +143,7 @@ __all__ = [
     "acting_tenant",
     "check_origin",
     "check_scopes",
+    "has_access",
     "is_key_still_good",
     "key_from_header",
 ]

@@ -173,10 +173,7 @@ class OrgRoutes:
         if member.role == "owner" and len(owners_of(gw, name)) <= 1:
             raise Conflict(f"{user} is the last owner of {name}: make another member owner first")
         await gw.write(store.remove_member, name, user)
-        ended = await gw.open.end_where(
-            lambda op: op.user == user and op.key_tenant == member.tenant and op.tenant == name
-        )
-        gw.audit_closed(ended)
+        await gw.access_changed()  # what they had open in the organisation ends before this answers
         gw.record_audit(kind="org", type="org.member_removed", key_id=principal.key_id, user=principal.user,
                         org=name, target=f"{member.tenant or 'default'}/{user}", result="removed")  # fmt: skip
         return web.Response(status=204)

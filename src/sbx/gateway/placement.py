@@ -1,11 +1,12 @@
 """Placement: which node takes a new sandbox.
 
 ``choose_node(nodes, excluded, requested)`` is the interface; this module's strategy is least-loaded
-first: among nodes taking new sandboxes, not excluded, with enough free CPUs, memory and disk for what the
-request will get there (an amount the request leaves to the node counts as that node's default, as it last
-reported; 0 when it reports none, and the node itself then refuses when it lacks room, so the caller excludes
-it and asks again), the one with the largest share of its capacity free wins. Ties go to the fewest running
-sandboxes, then the name (so results are stable).
+first: among nodes taking new sandboxes and not excluded, those with enough free CPUs, memory and disk for what
+the request will get there (an amount the request leaves to the node counts as that node's default, as it last
+reported) come first, and the one with the largest share of its capacity free wins. When by the last reports no
+node has room, the others are still tried in the same order: the node is the authority on its room (it refuses
+with 503 when it has none, and the caller excludes it and asks again). Ties go to the fewest running sandboxes,
+then the name (so results are stable).
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ def load_share(node: Candidate) -> float:
 def choose_node(
     nodes: Sequence[Candidate], excluded: Collection[str], requested: Requested
 ) -> Candidate | None:
-    """The node to try next, or None when no node can take what is ``requested``."""
-    eligible = [n for n in nodes if n.taking_new and n.name not in excluded and fits(n.free, requested.on(n))]
+    """The node to try next, or None when no node is left to try.
+
+    Nodes that have room for what is ``requested`` (by their last report) come first; when none has, the others
+    taking new sandboxes are still tried, least loaded first: a report is a few seconds old, a sandbox may have
+    ended since, and the node itself is the authority on its room (it answers 503 when it has none)."""
+    taking = [n for n in nodes if n.taking_new and n.name not in excluded]
+    roomy = [n for n in taking if fits(n.free, requested.on(n))]
+    eligible = roomy or taking
     if not eligible:
         return None
     return min(eligible, key=lambda n: (load_share(n), n.running, n.name))

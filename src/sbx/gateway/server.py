@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sbx.api.errors import SandboxError, Unavailable
 from sbx.api.node import Resources
@@ -49,6 +49,13 @@ class GatewayOptions:
     file_nodes: list[NodeDef] = field(default_factory=list)
 
 
+class AccessWatcher(Protocol):
+    """Something the gateway runs for an owner (an SSH connection, a job, a service's traffic and replicas)."""
+
+    async def access_changed(self) -> None:
+        """End what may no longer run (see ``auth.has_access``), before returning."""
+
+
 class Gateway:
     """Everything a serving gateway holds."""
 
@@ -70,6 +77,8 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
+        #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
+        self.watchers: list[AccessWatcher] = []
         self.snapshots = Snapshots(self)
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
@@ -86,7 +95,7 @@ class Gateway:
         self._tasks.append(
             asyncio.create_task(self._every(self.options.forget_interval_secs, self.forget_sweep))
         )
-        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.recheck)))
+        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.access_changed)))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -171,10 +180,16 @@ class Gateway:
 
     # -- revocation ----------------------------------------------------------------------------
 
-    async def end_for_key(self, key_id: str) -> list[OpenRequest]:
-        ended = await self.open.end_where(lambda op: op.key_id == key_id)
-        self.audit_closed(ended)
-        return ended
+    async def access_changed(self) -> None:
+        """Keys, scopes or memberships changed (a revocation, a member removed, an SSH key deleted), or the 30 s
+        recheck came: end every open request, and let every watcher end whatever of its own, that may no longer
+        run. Done before the call that changed access returns (spec: Revocation)."""
+        await self.recheck()
+        for watcher in list(self.watchers):
+            try:
+                await watcher.access_changed()
+            except Exception:
+                log.exception("an access watcher failed", extra={"watcher": type(watcher).__name__})
 
     def audit_closed(self, ended: list[OpenRequest]) -> None:
         for op in ended:

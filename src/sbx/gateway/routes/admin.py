@@ -78,7 +78,7 @@ class AdminRoutes:
         if key_id not in self.store.keys:
             raise NotFound(f"no API key {key_id!r}")
         await self.gw.write(self.store.revoke_key, key_id)
-        await self.gw.end_for_key(key_id)
+        await self.gw.access_changed()
         return web.Response(status=204)
 
     # -- nodes --------------------------------------------------------------------------------------
