@@ -2,8 +2,9 @@
 
 ``python3 hostile_guest.py tcp HOST:PORT SECS``: open TCP connections to HOST:PORT as fast as it can for SECS
 seconds, keeping every one that opens (sending nothing). ``python3 hostile_guest.py udp-dns HOST NAME SECS``:
-send TXT queries for NAME to HOST:53 as fast as it can for SECS seconds. ``python3 hostile_guest.py output
-SECS``: write to stdout as fast as it can for SECS seconds. Prints one JSON line of counts at the end.
+send TXT queries for NAME to HOST:53 as fast as it can for SECS seconds. Both print one JSON line of counts
+on stderr at the end. ``python3 hostile_guest.py output SECS FILE``: write to stdout and stderr as fast as it
+can for SECS seconds, then write the counts to FILE (its output is what the host may drop).
 """
 
 import json
@@ -56,7 +57,7 @@ def flood_output(secs: float) -> dict[str, int]:
     counts = {"written": 0}
     deadline = time.monotonic() + secs
     while time.monotonic() < deadline:
-        counts["written"] += os.write(1, chunk)
+        counts["written"] += os.write(1, chunk) + os.write(2, chunk[:4096])
     return counts
 
 
@@ -67,5 +68,7 @@ if __name__ == "__main__":
     elif kind == "udp-dns":
         result = flood_dns(sys.argv[2], sys.argv[3], float(sys.argv[4]))
     else:
-        result = flood_output(float(sys.argv[2]))
+        with open(sys.argv[3], "w") as counts:
+            counts.write(json.dumps(flood_output(float(sys.argv[2]))))
+        sys.exit(0)
     sys.stderr.write(json.dumps(result) + "\n")

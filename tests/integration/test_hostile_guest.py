@@ -23,6 +23,7 @@ from net_world import free_subnet
 from sandboxd_harness import Sandboxd
 
 from sbx.net.limits import EgressLimits
+from sbx.node.output_log import DEFAULT_BUDGET_BYTES, SUMMARY_BYTES
 
 GUEST_SCRIPT = Path(__file__).with_name("hostile_guest.py").read_bytes()
 FLOOD_SECS = 5.0
@@ -161,3 +162,57 @@ def test_a_flood_of_resolver_and_proxy_connections_and_queries_leaves_the_host_w
         assert time.monotonic() < deadline, open_descriptors(node.proc.pid)
         time.sleep(0.1)
     node.request("DELETE", f"/v1/sandboxes/{bystander}")
+
+
+def processes_dir_bytes(node: Sandboxd, sandbox_id: str) -> tuple[int, int]:
+    """(bytes of the output logs, bytes of everything) in the sandbox's processes directory on the host."""
+    directory = node.state_dir / "sandboxes" / sandbox_id / "processes"
+    files = [f for f in directory.iterdir() if f.is_file()]
+    return sum(f.stat().st_size for f in files if f.suffix == ".out"), sum(f.stat().st_size for f in files)
+
+
+def wait_exited(node: Sandboxd, ref: str, pids: list[int], timeout_secs: float = 60) -> None:
+    deadline = time.monotonic() + timeout_secs
+    while True:
+        listing = node.request("GET", f"/v1/sandboxes/{ref}/processes").json()["processes"]
+        if all(p["state"] == "exited" for p in listing if p["pid"] in pids):
+            return
+        assert time.monotonic() < deadline, listing
+        time.sleep(0.1)
+
+
+def test_output_written_as_fast_as_possible_is_bounded_on_the_host_and_gone_after_delete(
+    node: Sandboxd,
+) -> None:
+    box = node.create(disk_mb=32)["id"]
+    assert node.request("PUT", f"/v1/sandboxes/{box}/files?path=/tmp/hostile_guest.py",
+                        body=GUEST_SCRIPT).status == 204  # fmt: skip
+    pids = [start(node, box, "output", "4", f"/tmp/count-{n}") for n in range(3)]
+    wait_exited(node, box, pids)
+    written = sum(
+        json.loads(node.request("GET", f"/v1/sandboxes/{box}/files?path=/tmp/count-{n}").body)["written"]
+        for n in range(3)
+    )
+    assert written > 2 * DEFAULT_BUDGET_BYTES, written  # the attack: far more than the bound
+    logs, everything = processes_dir_bytes(node, box)
+    assert logs <= DEFAULT_BUDGET_BYTES + 10 * SUMMARY_BYTES, logs
+    assert everything <= DEFAULT_BUDGET_BYTES + 64 * 1024
+    # A follower sees what was kept, then the exit with truncated: true.
+    events = list(node.follow(box, pids[-1]))
+    assert events[-1] == {"exit_code": 0, "truncated": True}
+    # The spec's run result still holds 8 MiB per stream, though the budget is used up.
+    result = node.run(
+        box, ["python3", "-c", "import os; os.write(1, b'o' * (8 << 20)); os.write(2, b'e' * 4096)"]
+    )
+    assert len(result["stdout"]) == 8 << 20 and result["stderr"] == b"e" * 4096 and not result["truncated"]
+    logs, _ = processes_dir_bytes(node, box)
+    assert logs <= DEFAULT_BUDGET_BYTES + 10 * SUMMARY_BYTES, logs
+
+    assert node.request("DELETE", f"/v1/sandboxes/{box}").status == 204
+    logs, everything = processes_dir_bytes(node, box)
+    assert logs <= 10 * SUMMARY_BYTES and everything < 8 * 1024, (logs, everything)
+    # The records stay while the node remembers the sandbox; their output is gone.
+    listing = node.request("GET", f"/v1/sandboxes/{box}/processes").json()["processes"]
+    assert {p["pid"]: p["exit_code"] for p in listing if p["pid"] in pids} == dict.fromkeys(pids, 0), listing
+    for pid in pids:
+        assert list(node.follow(box, pid)) == [{"exit_code": 0, "truncated": True}]
