@@ -216,3 +216,10 @@ def test_output_written_as_fast_as_possible_is_bounded_on_the_host_and_gone_afte
     assert {p["pid"]: p["exit_code"] for p in listing if p["pid"] in pids} == dict.fromkeys(pids, 0), listing
     for pid in pids:
         assert list(node.follow(box, pid)) == [{"exit_code": 0, "truncated": True}]
+    # Also after a restart: the records are read back, the output stays gone.
+    node.stop()
+    node.start()
+    listing = node.request("GET", f"/v1/sandboxes/{box}/processes").json()["processes"]
+    assert {p["pid"]: p["exit_code"] for p in listing if p["pid"] in pids} == dict.fromkeys(pids, 0), listing
+    assert list(node.follow(box, pids[0])) == [{"exit_code": 0, "truncated": True}]
+    assert processes_dir_bytes(node, box)[0] <= 10 * SUMMARY_BYTES
