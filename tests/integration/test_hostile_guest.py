@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -223,3 +224,84 @@ def test_output_written_as_fast_as_possible_is_bounded_on_the_host_and_gone_afte
     assert {p["pid"]: p["exit_code"] for p in listing if p["pid"] in pids} == dict.fromkeys(pids, 0), listing
     assert list(node.follow(box, pids[0])) == [{"exit_code": 0, "truncated": True}]
     assert processes_dir_bytes(node, box)[0] <= 10 * SUMMARY_BYTES
+
+
+# -- root in the guest against the control directory (issue 11, item 5) ----------------------------------------
+
+# Copies id(1) with the setuid bit, then replaces /.sbx/ctl/wake with a symlink to a host path, atomically and
+# over and over for SECS seconds of wall time (which jumps over a suspend, so the loop ends after a resume).
+PLANT_WAKE_LINK = """
+import os, shutil, sys, time
+target, secs = sys.argv[1], float(sys.argv[2])
+end = time.time() + secs
+while True:
+    try:
+        os.symlink(target, "/.sbx/ctl/.wake-new")
+    except FileExistsError:
+        pass
+    if time.time() >= end:
+        break
+    os.rename("/.sbx/ctl/.wake-new", "/.sbx/ctl/wake")
+    time.sleep(0.002)
+"""
+
+
+def guest_root_argv(node: Sandboxd, box: str, *argv: str) -> list[str]:
+    """The host command that runs ``argv`` inside the sandbox as root (uid 0), the way root in a guest would
+    act: through runsc exec, since no API call runs anything as root."""
+    return ["runsc", "--root", str(node.state_dir / "gvisor" / "runsc"), "exec", "--user", "0:0", box, *argv]
+
+
+def as_guest_root(node: Sandboxd, box: str, *argv: str) -> str:
+    done = subprocess.run(guest_root_argv(node, box, *argv), capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_setuid_binaries_do_not_make_the_sandbox_user_root(node: Sandboxd) -> None:
+    box = node.create()["id"]
+    as_guest_root(
+        node,
+        box,
+        "sh",
+        "-c",
+        "cp /usr/bin/id /usr/local/bin/id-setuid && chmod 4755 /usr/local/bin/id-setuid",
+    )
+    assert "uid=0(root)" in as_guest_root(node, box, "/usr/local/bin/id-setuid")
+    result = node.run(box, ["/usr/local/bin/id-setuid"])
+    assert result["exit_code"] == 0 and result["stdout"].startswith(b"uid=1000(sandbox)"), result
+    assert b"euid=0" not in result["stdout"], result  # no_new_privs: the setuid bit is ignored
+    for program in ("su", "mount", "passwd"):  # what the image ships setuid still runs, unprivileged
+        assert node.run(box, ["sh", "-c", f"command -v {program}"])["exit_code"] == 0
+    node.request("DELETE", f"/v1/sandboxes/{box}")
+
+
+def test_a_wake_file_replaced_by_a_symlink_is_never_followed_by_the_host(node: Sandboxd) -> None:
+    box = node.create()["id"]
+    target = node.workdir / "created-by-the-guest"
+    ctl = node.state_dir / "gvisor" / box / "ctl"
+    # Started as a daemon of guest root, holding no host descriptor: a process of the runsc exec session itself
+    # would not survive the checkpoint well (this runsc's exec --detach is broken, too).
+    put = node.request("PUT", f"/v1/sandboxes/{box}/files?path=/tmp/plant.py", body=PLANT_WAKE_LINK.encode())
+    assert put.status == 204
+    daemon = f"setsid python3 /tmp/plant.py {target} 4 </dev/null >/dev/null 2>&1 &"
+    as_guest_root(node, box, "sh", "-c", daemon)
+    deadline = time.monotonic() + 10
+    while not (ctl / "wake").is_symlink():
+        assert time.monotonic() < deadline, "the guest never planted its link"
+        time.sleep(0.01)
+    resp = node.request("POST", f"/v1/sandboxes/{box}/suspend")
+    assert resp.status == 200, resp.body
+    assert (ctl / "wake").is_symlink(), "the guest's link is in place when the host wakes the sandbox"
+    time.sleep(4)  # the guest's loop ends at its next turn after the resume (wall time went on)
+    resp = node.request("POST", f"/v1/sandboxes/{box}/resume")
+    assert not target.exists() and not target.is_symlink(), "the host followed the guest's link"
+    if resp.status == 200:  # the link was replaced by the wake file: the sandbox works on
+        assert node.run(box, ["echo", "still here"])["stdout"] == b"still here\n"
+    else:  # or it fails cleanly: an error body, the sandbox still suspended, sandboxd serving
+        assert resp.error[0] in ("internal", "conflict", "unavailable"), resp.body
+        assert node.request("GET", f"/v1/sandboxes/{box}").json()["state"] == "suspended"
+    assert node.request("GET", "/v1/node").status == 200
+    assert not target.exists()
+    node.request("DELETE", f"/v1/sandboxes/{box}")

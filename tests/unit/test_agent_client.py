@@ -11,6 +11,7 @@ import errno
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ from sbx.agent.client import (
     AgentProtocolError,
     AgentRequestError,
     AgentTcpStream,
+    AgentUnavailable,
     CommandNotFound,
     FileReader,
 )
@@ -354,3 +356,26 @@ async def test_file_transfers_past_the_cap_are_refused_until_one_ends(
 async def _chunks(*chunks: bytes) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+# ---- the socket in a directory the guest can write --------------------------------------------------------
+
+
+async def test_connect_never_follows_a_symlink_at_the_socket(tmp_path: Path) -> None:
+    host_socket = tmp_path / "host.sock"  # some other host service
+    connections: list[bool] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(True)
+        writer.close()
+
+    server = await asyncio.start_unix_server(accept, str(host_socket))
+    try:
+        (tmp_path / "agent.sock").symlink_to(host_socket)
+        with pytest.raises(AgentUnavailable, match="not a socket"):
+            await AgentClient.connect(tmp_path / "agent.sock", timeout_secs=0.2)
+        assert connections == []
+        await asyncio.sleep(0.05)
+        assert connections == []
+    finally:
+        server.close()

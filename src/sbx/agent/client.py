@@ -30,6 +30,8 @@ import asyncio
 import contextlib
 import errno as errno_mod
 import logging
+import os
+import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -193,7 +195,7 @@ class AgentClient:
         last: Exception | None = None
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(socket_path), limit=_READ_BUFFER)
+                reader, writer = await _connect_unix_nofollow(socket_path)
                 break
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 last = e
@@ -805,6 +807,20 @@ class AgentClient:
         tunnels, self._tunnels = self._tunnels, {}
         for tunnel in tunnels.values():  # the agent closes them too: tunnels are not resumable
             tunnel._end(error)
+
+
+async def _connect_unix_nofollow(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the unix socket file at ``path`` itself, never to one a symlink there points to: the
+    socket lives in a directory the guest can write (docs/backends.md), where root in the guest could plant
+    a link to a host socket. The file is opened with O_PATH | O_NOFOLLOW, checked to be a socket, and
+    connected to through /proc/self/fd. ConnectionRefusedError when what is there is no socket."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionRefusedError(f"{path} is not a socket (it was replaced inside the sandbox)")
+        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=_READ_BUFFER)
+    finally:
+        os.close(fd)
 
 
 class FileReader:
