@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from sbx.api.network_policy import NetworkPolicy
+from sbx.net import proxy as proxy_module
 from sbx.net.attachment import Attachment
 from sbx.net.dns import LookupFailed, Upstream
 from sbx.net.proxy import EgressProxy
@@ -200,3 +201,13 @@ async def test_an_address_neither_given_nor_the_upstreams_is_refused(setup: Setu
     assert await reset_or_closed(reader)
     writer.close()
     assert isinstance(setup.proxy.upstream, Zone) and setup.proxy.upstream.asked == ["elsewhere.test"]
+
+
+def test_keep_alive_notices_a_vanished_peer_within_two_minutes() -> None:
+    with socket.socket() as sock:
+        proxy_module.keep_alive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+    assert idle + interval * probes <= 120

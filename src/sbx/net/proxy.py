@@ -258,6 +258,8 @@ class EgressProxy:
         attachment.relays.add(relay)
         loop = asyncio.get_running_loop()
         assert relay.upstream is not None
+        for sock in (relay.client, relay.upstream):
+            keep_alive(sock)  # before a wait for late first bytes too: both sides may stay silent
         if late_check is not None:
             # Nothing goes out before the first bytes are checked; the server may speak first meanwhile.
             first = await self._late_first_bytes(attachment, relay, late_check)
@@ -266,8 +268,6 @@ class EgressProxy:
             buffered = first
         if buffered:
             await asyncio.wait_for(loop.sock_sendall(relay.upstream, buffered), CONNECT_TIMEOUT_SECS)
-        for sock in (relay.client, relay.upstream):
-            keep_alive(sock)
         splice = SpliceRelay(relay.client, relay.upstream)
         relay.on_cut = splice.stop
         await splice.wait()
