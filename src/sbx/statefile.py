@@ -36,9 +36,13 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
     Raises ``TypeError``/``ValueError`` if ``obj`` is not JSON-serialisable (``path`` untouched)
     and ``OSError`` if the disk write fails (``path`` untouched as well).
     """
-    path = Path(path)
     # Serialise first: a bad object must not leave even a temporary file behind.
-    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    write_bytes_atomic(path, json.dumps(obj, separators=(",", ":")).encode("utf-8"), durable)
+
+
+def write_bytes_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` the way :func:`write_json_atomic` does (same guarantees, mode 0600)."""
+    path = Path(path)
     directory = path.parent
     fd, tmp_name = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
     try:

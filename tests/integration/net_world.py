@@ -12,7 +12,9 @@ Everything made is removed by :meth:`World.close`, which tests call from a final
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -162,3 +164,19 @@ def leftovers(prefixes: tuple[str, ...]) -> list[str]:
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
     found += [t.split()[-1] for t in tables.splitlines() if t.split()[-1].startswith(prefixes)]
     return found
+
+
+def free_subnet() -> str:
+    """A /20 in 10.64.0.0/10 that no route of this host overlaps (tests run beside other sandboxd)."""
+    routes = subprocess.run(
+        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True, check=True
+    ).stdout
+    used = [ipaddress.ip_network(r.split()[0], strict=False) for r in routes.splitlines()
+            if r.split() and r.split()[0][0].isdigit()]  # fmt: skip
+    for _ in range(100):
+        candidate = ipaddress.ip_network(
+            f"10.{random.randrange(64, 128)}.{random.randrange(0, 16) * 16}.0/20"
+        )
+        if not any(candidate.overlaps(u) for u in used if u.prefixlen > 0):
+            return str(candidate)
+    raise RuntimeError("no free /20 for the sandbox subnet")

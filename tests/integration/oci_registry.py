@@ -247,11 +247,12 @@ async def push(base_url: str, repo: str, tag: str, image: Image, headers: dict[s
 # --- a token server --------------------------------------------------------------------------------------------
 
 
-async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on 127.0.0.1 at a free port: the runner (``cleanup()`` it when done) and the port."""
+async def serve_on_loopback(app: web.Application, port: int = 0) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on 127.0.0.1 at ``port`` (0: a free one): the runner (``cleanup()`` it when done) and
+    the port."""
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, runner.addresses[0][1]
 
 
@@ -389,7 +390,7 @@ class Proxy:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner, self.port = await serve_on_loopback(app)
+        self._runner, self.port = await serve_on_loopback(app, self.port)
         return self
 
     async def stop(self) -> None:

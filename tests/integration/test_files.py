@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Any
 
 import pytest
@@ -102,3 +103,38 @@ def test_disk_limit_is_enforced_inside(sandboxd_factory: Any) -> None:
     # Freeing space makes writes work again.
     assert server.run(s["id"], ["rm", "/sandbox/home/fill"])["exit_code"] == 0
     assert server.request("PUT", files(s["id"], "/sandbox/home/more"), body=b"x" * 1024).status == 204
+
+
+def test_file_transfers_past_the_cap_are_503_until_one_ends(
+    sandboxd: Sandboxd, sandbox: dict[str, Any]
+) -> None:
+    from sandboxd_harness import UnixHTTPConnection
+
+    from sbx.agent.client import MAX_FILE_TRANSFERS
+
+    ref = sandbox["id"]
+    assert sandboxd.run(ref, ["sh", "-c", "head -c 32M /dev/zero > /tmp/big"])["exit_code"] == 0
+    held = []
+    try:
+        for _ in range(MAX_FILE_TRANSFERS):  # each read started and left unread: it holds its transfer
+            conn = UnixHTTPConnection(sandboxd.socket_path, timeout=30)
+            conn.request("GET", files(ref, "/tmp/big"))
+            resp = conn.getresponse()
+            assert resp.status == 200
+            held.append(conn)
+        resp = sandboxd.request("GET", files(ref, "/tmp/empty-or-not"))
+        assert resp.status == 503, resp.body
+        code, message = resp.error
+        assert code == "unavailable" and f"{MAX_FILE_TRANSFERS} file transfers are under way" in message
+        assert sandboxd.request("GET", f"/v1/sandboxes/{ref}/dirs?path=/tmp").status == 503
+        assert sandboxd.request("PUT", files(ref, "/tmp/new"), body=b"x").status == 503
+        assert sandboxd.request("GET", files(ref, "/tmp/new")).status == 503  # nothing was written
+    finally:
+        for conn in held:
+            conn.close()
+    deadline = time.monotonic() + 10
+    while (resp := sandboxd.request("GET", files(ref, "/tmp/new"))).status == 503:  # the transfers end
+        assert time.monotonic() < deadline, resp.body
+        time.sleep(0.05)
+    assert resp.status == 404
+    assert sandboxd.run(ref, ["rm", "/tmp/big"])["exit_code"] == 0

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -21,7 +24,9 @@ from typing import Any
 
 import pytest
 from oci_registry import Entry, Image, Proxy, Registry, build_image, layer, push, temporary_registry
-from sandboxd_harness import IMAGES_DIR, Response, Sandboxd
+from sandboxd_harness import IMAGES_DIR, Response, Sandboxd, free_port
+
+from sbx.net.ranges import read_host_addresses
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,14 +117,26 @@ def registry() -> Iterator[Registry]:
         yield reg
 
 
-def images_config(extra: str = "") -> str:
-    return f'[images]\nallowed = ["127.0.0.1:*/{REPO_PREFIX}*/**"]\n{extra}'
+def images_config(private_registries: list[str], extra: str = "") -> str:
+    """The node's [images]: the test's repositories allowed, and its loopback registries listed as private
+    registries (as an operator lists an internal one)."""
+    return (
+        f'[images]\nallowed = ["127.0.0.1:*/{REPO_PREFIX}*/**"]\n'
+        f"allow_private_registries = {json.dumps(private_registries)}\n{extra}"
+    )
 
 
 @pytest.fixture(scope="module")
-def server(registry: Registry) -> Iterator[Sandboxd]:
+def proxy_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(registry: Registry, proxy_port: int) -> Iterator[Sandboxd]:
     workdir = Path(tempfile.mkdtemp(prefix="sbxd-", dir="/var/tmp"))
-    srv = Sandboxd(workdir, images_config()).start()
+    # The registry, the proxy in front of it, and port 1 where nothing listens (a registry that is down).
+    private = [registry.host, f"127.0.0.1:{proxy_port}", "127.0.0.1:1"]
+    srv = Sandboxd(workdir, images_config(private)).start()
     yield srv
     for image in listed(srv):
         if REPO_PREFIX in image["image"]:
@@ -132,8 +149,8 @@ def server(registry: Registry) -> Iterator[Sandboxd]:
 
 
 @pytest.fixture
-async def proxy(registry: Registry) -> AsyncIterator[Proxy]:
-    p = await Proxy(registry.url).start()
+async def proxy(registry: Registry, proxy_port: int) -> AsyncIterator[Proxy]:
+    p = await Proxy(registry.url, port=proxy_port).start()
     yield p
     await p.stop()
 
@@ -402,6 +419,106 @@ def test_create_from_an_image_that_cannot_be_pulled_changes_nothing(
         i["state"] != "installed" or i["image"] == "default" or REPO_PREFIX in i["image"]
         for i in listed(server)
     )
+
+
+# --- request forgery through the image reference (issue 11, item 3) -------------------------------------------
+
+
+class LoopbackService:
+    """A service on loopback that no sandbox user should reach: answers every connection with ``answer``
+    (not HTTP by default) and counts them. With ``redirect_to``, answers HTTP 302 to that URL instead."""
+
+    def __init__(self, answer: bytes = b"HOST-SECRET\r\n", redirect_to: str | None = None) -> None:
+        if redirect_to is not None:
+            answer = f"HTTP/1.1 302 Found\r\nLocation: {redirect_to}\r\nContent-Length: 0\r\n\r\n".encode()
+        self.answer = answer
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(4096)
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def secret_service() -> Iterator[LoopbackService]:
+    service = LoopbackService()
+    yield service
+    service.close()
+
+
+@pytest.mark.parametrize(
+    ("image", "needle"),
+    [
+        pytest.param("127.0.0.1:{port}/probe:1", "list 127.0.0.1:{port} in [images] allow_private_registries", id="loopback"),
+        pytest.param("localhost:{port}/probe:1", "is at 127.0.0.1", id="name-resolving-to-loopback"),
+        pytest.param("[::ffff:127.0.0.1]:{port}/probe:1", "loopback, private", id="mapped-loopback"),
+        pytest.param("{own}:{port}/probe:1", "loopback, private or this host's own address", id="own-address"),
+        pytest.param("169.254.169.254/latest/meta-data:1", "link-local, metadata", id="metadata"),
+        pytest.param("169.254.169.254:80/latest/meta-data:1", "link-local, metadata", id="metadata-http"),
+        pytest.param("10.20.30.40:5000/internal:1", "loopback, private", id="private"),
+        pytest.param("0.0.0.0:{port}/probe:1", "link-local, metadata or reserved", id="unspecified"),
+    ],
+)  # fmt: skip
+def test_an_image_reference_never_reaches_a_host_service(
+    sandboxd_factory: Any, secret_service: LoopbackService, image: str, needle: str
+) -> None:
+    own = [a for a in read_host_addresses() if a.version == 4 and not a.is_loopback]
+    # [images] as shipped: every reference allowed, no private registry listed.
+    node = sandboxd_factory()
+    image = image.format(port=secret_service.port, own=own[0] if own else "127.0.0.1")
+    for path, body in (("/v1/sandboxes", {"image": image}), ("/v1/images", {"image": image})):
+        resp = node.request("POST", path, body)
+        if resp.status == 202:  # the install runs in the background: its failure is listed
+            failed = wait_for(node, image, "failed")
+            assert needle.format(port=secret_service.port) in failed["error"], failed
+            assert "HOST-SECRET" not in json.dumps(failed)
+            continue
+        assert (resp.status, resp.error[0]) == (403, "refused"), resp.body
+        assert needle.format(port=secret_service.port) in resp.error[1], resp.error
+        assert b"HOST-SECRET" not in resp.body
+    assert secret_service.connections == 0
+    assert node.request("GET", "/v1/sandboxes").json()["sandboxes"] == []
+
+
+def test_a_listed_registry_cannot_redirect_to_a_host_service(
+    sandboxd_factory: Any, secret_service: LoopbackService
+) -> None:
+    redirector = LoopbackService(redirect_to=f"http://127.0.0.1:{secret_service.port}/v2/probe/manifests/1")
+    try:
+        node = sandboxd_factory(f'[images]\nallow_private_registries = ["127.0.0.1:{redirector.port}"]\n')
+        resp = node.request("POST", "/v1/sandboxes", {"image": f"127.0.0.1:{redirector.port}/probe:1"})
+        assert (resp.status, resp.error[0]) == (403, "refused"), resp.body
+        assert f"127.0.0.1:{secret_service.port}" in resp.error[1] and b"HOST-SECRET" not in resp.body
+        assert redirector.connections >= 1 and secret_service.connections == 0
+    finally:
+        redirector.close()
+
+
+def test_a_listed_service_that_is_no_registry_is_not_echoed(
+    sandboxd_factory: Any, secret_service: LoopbackService
+) -> None:
+    node = sandboxd_factory(f'[images]\nallow_private_registries = ["127.0.0.1:{secret_service.port}"]\n')
+    resp = node.request("POST", "/v1/sandboxes", {"image": f"127.0.0.1:{secret_service.port}/probe:1"})
+    assert resp.status in (400, 503) and b"HOST-SECRET" not in resp.body, resp.body
+    assert secret_service.connections >= 1  # listed: reached, and still nothing of its answer comes back
 
 
 # --- sandbox-cli images ----------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import base64
 import contextlib
 import ipaddress
 import json
-import random
 import shutil
 import signal
 import socket
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from net_world import ZONE, World, leftovers
+from net_world import ZONE, World, free_subnet, leftovers
 from sandboxd_harness import Sandboxd, missing_requirements
 
 from sbx.net.ranges import read_host_addresses
@@ -32,22 +31,6 @@ pytestmark = pytest.mark.skipif(missing_requirements() is not None, reason=str(m
 
 PROBE = Path(__file__).with_name("net_probe.py").read_text()
 A, AAAA, TXT = 1, 28, 16
-
-
-def _free_subnet() -> str:
-    """A /20 in 10.64.0.0/10 that no route of this host overlaps (tests run beside other sandboxd)."""
-    routes = subprocess.run(
-        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True, check=True
-    ).stdout
-    used = [ipaddress.ip_network(r.split()[0], strict=False) for r in routes.splitlines()
-            if r.split() and r.split()[0][0].isdigit()]  # fmt: skip
-    for _ in range(100):
-        candidate = ipaddress.ip_network(
-            f"10.{random.randrange(64, 128)}.{random.randrange(0, 16) * 16}.0/20"
-        )
-        if not any(candidate.overlaps(u) for u in used if u.prefixlen > 0):
-            return str(candidate)
-    raise RuntimeError("no free /20 for the sandbox subnet")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +52,7 @@ def started_node(world: World, request: pytest.FixtureRequest) -> Iterator[Sandb
         'ceiling = "open"\n'
         'default = {mode = "none"}\n'
         'may_allow = ["*"]\n'
-        f'subnet = "{_free_subnet()}"\n'
+        f'subnet = "{free_subnet()}"\n'
         f'upstream_dns = ["127.0.0.1:{world.dns_port}"]\n'
     )
     server = Sandboxd(workdir, config)

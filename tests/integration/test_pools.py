@@ -46,8 +46,8 @@ def metrics_port() -> int:
 @pytest.fixture(scope="module")
 def server(registry: Registry, pooled_image: str, metrics_port: int) -> Iterator[Sandboxd]:
     workdir = Path(tempfile.mkdtemp(prefix="sbxd-", dir="/var/tmp"))
-    config = (
-        f'[images]\nallowed = ["127.0.0.1:*/{PREFIX}/**"]\n\n'
+    config = (  # the test registry is on loopback: listed, as an operator lists an internal one
+        f'[images]\nallowed = ["127.0.0.1:*/{PREFIX}/**"]\nallow_private_registries = ["{registry.host}"]\n\n'
         f'[[pools]]\nimage = "{pooled_image}"\nsize = {POOL_SIZE}\n'
     )
     srv = Sandboxd(workdir, config, args=["--metrics-listen", f"127.0.0.1:{metrics_port}"]).start()

@@ -1,6 +1,7 @@
 """Pulling images from a real registry (Debian's ``docker-registry``) on loopback, with images built and
 pushed by the tests themselves: layers, manifest lists, token and basic auth, corruption, interruption,
-joined pulls and shared layers."""
+joined pulls and shared layers. The registries, proxies and token servers are on loopback, so every pull lists
+them in ``allow_private_registries`` (as an operator lists an internal registry)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,12 @@ async def test_multi_layer_image(start_registry: Callable[..., Registry], store:
     await push(reg.url, "team/app", "v1", image)
     events: list[tuple[str, int, int]] = []
 
-    installed = await pull_image(store, f"{reg.host}/team/app:v1", progress=lambda *e: events.append(e))
+    installed = await pull_image(
+        store,
+        f"{reg.host}/team/app:v1",
+        allow_private_registries=[reg.host],
+        progress=lambda *e: events.append(e),
+    )
 
     assert installed.reference == f"{reg.host}/team/app:v1"
     assert installed.digest == image.digest
@@ -143,7 +149,7 @@ async def test_multi_layer_image(start_registry: Callable[..., Registry], store:
     assert events[-1] == ("building", total, total)
 
     # Same digest: nothing fetched or rebuilt.
-    again = await pull_image(store, f"{reg.host}/team/app:v1")
+    again = await pull_image(store, f"{reg.host}/team/app:v1", allow_private_registries=[reg.host])
     assert again == installed
 
 
@@ -163,7 +169,7 @@ async def test_manifest_list_picks_this_hosts_platform(start_registry: Callable[
                          (native, plat)], docker=True)  # fmt: skip
     await push(reg.url, "multi", "latest", index, children=[foreign, attestation, native])
 
-    installed = await pull_image(store, f"{reg.host}/multi")
+    installed = await pull_image(store, f"{reg.host}/multi", allow_private_registries=[reg.host])
 
     assert installed.reference == f"{reg.host}/multi:latest"
     assert (installed.rootfs / "which").read_bytes() == b"native"
@@ -177,7 +183,7 @@ async def test_manifest_list_picks_this_hosts_platform(start_registry: Callable[
     await push(reg.url, "foreign", "1", only_foreign, children=[foreign])
     with pytest.raises(InvalidRequest, match=f"no image for this host's platform linux/{host.architecture}.*"
                        f"offers: linux/{other_arch()}"):  # fmt: skip
-        await pull_image(store, f"{reg.host}/foreign:1")
+        await pull_image(store, f"{reg.host}/foreign:1", allow_private_registries=[reg.host])
     assert store.get(f"{reg.host}/foreign:1") is None
 
 
@@ -192,21 +198,37 @@ async def test_token_auth(start_registry: Callable[..., Registry], store: ImageS
         private_token = tokens.token("private/app", ["pull", "push"], "setup")
         await push(reg.url, "private/app", "1", private, {"Authorization": f"Bearer {private_token}"})
 
-        installed = await pull_image(store, f"{reg.host}/public/app:1")
+        installed = await pull_image(
+            store, f"{reg.host}/public/app:1", allow_private_registries=[reg.host, f"127.0.0.1:{tokens.port}"]
+        )
         assert (installed.rootfs / "hello").read_bytes() == b"public"
         assert ("repository:public/app:pull", None) in tokens.requests, "anonymous pull token"
 
         with pytest.raises(Refused, match="needs a login.*pass a credentials file"):
-            await pull_image(store, f"{reg.host}/private/app:1")
+            await pull_image(
+                store,
+                f"{reg.host}/private/app:1",
+                allow_private_registries=[reg.host, f"127.0.0.1:{tokens.port}"],
+            )
         creds = tmp_path / "config.json"
         creds.write_text(
             json.dumps({"auths": {f"http://{reg.host}/v2/": {"username": "alice", "password": "bad"}}})
         )
         with pytest.raises(Refused, match=f"rejected the login.*check the login for {reg.host} in {creds}"):
-            await pull_image(store, f"{reg.host}/private/app:1", credentials_file=creds)
+            await pull_image(
+                store,
+                f"{reg.host}/private/app:1",
+                allow_private_registries=[reg.host, f"127.0.0.1:{tokens.port}"],
+                credentials_file=creds,
+            )
         auth = base64.b64encode(b"alice:s3cret").decode()
         creds.write_text(json.dumps({"auths": {reg.host: {"auth": auth}}}))
-        installed = await pull_image(store, f"{reg.host}/private/app:1", credentials_file=creds)
+        installed = await pull_image(
+            store,
+            f"{reg.host}/private/app:1",
+            allow_private_registries=[reg.host, f"127.0.0.1:{tokens.port}"],
+            credentials_file=creds,
+        )
         assert (installed.rootfs / "hello").read_bytes() == b"private"
         assert ("repository:private/app:pull", "alice") in tokens.requests
         assert store.get(f"{reg.host}/private/app:1") is not None
@@ -228,13 +250,17 @@ async def test_basic_auth(start_registry: Callable[..., Registry], store: ImageS
     )
 
     with pytest.raises(Refused, match=f"registry {reg.host} needs a login"):
-        await pull_image(store, f"{reg.host}/app:1")
+        await pull_image(store, f"{reg.host}/app:1", allow_private_registries=[reg.host])
     creds = tmp_path / "config.json"
     creds.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(b"bob:wrong").decode()}}}))
     with pytest.raises(Refused, match="rejected the login"):
-        await pull_image(store, f"{reg.host}/app:1", credentials_file=creds)
+        await pull_image(
+            store, f"{reg.host}/app:1", allow_private_registries=[reg.host], credentials_file=creds
+        )
     creds.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(b"bob:hunter2").decode()}}}))
-    installed = await pull_image(store, f"{reg.host}/app:1", credentials_file=creds)
+    installed = await pull_image(
+        store, f"{reg.host}/app:1", allow_private_registries=[reg.host], credentials_file=creds
+    )
     assert (installed.rootfs / "f").read_bytes() == b"basic"
 
 
@@ -254,7 +280,7 @@ async def test_corrupted_blob_installs_nothing(
     with pytest.raises(
         InvalidRequest, match=f"blob {image.layer_digests[1]} has content with digest sha256:"
     ):
-        await pull_image(store, f"{reg.host}/corrupt:1")
+        await pull_image(store, f"{reg.host}/corrupt:1", allow_private_registries=[reg.host])
 
     assert store.get(f"{reg.host}/corrupt:1") is None
     assert store.list() == []
@@ -276,13 +302,13 @@ async def test_interrupted_pull_then_retry(start_registry: Callable[..., Registr
     # One attempt only: the cut connection fails the pull; nothing is installed or half-written.
     proxy.cuts[big_digest] = 1
     with pytest.raises(Unavailable, match=f"blob {big_digest}.*failed after 1 attempt"):
-        await pull_image(store, ref, attempts=1)
+        await pull_image(store, ref, attempts=1, allow_private_registries=[proxy.host])
     assert store.get(ref) is None
     assert big_digest.split(":")[1] not in blob_files(store)
     assert not [n for n in blob_files(store) if n.startswith(".tmp")]
 
     # Pulling again succeeds.
-    installed = await pull_image(store, ref, attempts=1)
+    installed = await pull_image(store, ref, attempts=1, allow_private_registries=[proxy.host])
     assert (installed.rootfs / "big").stat().st_size == 4 << 20
 
     # With retries, one pull survives a cut and resumes where it stopped instead of starting over.
@@ -290,7 +316,7 @@ async def test_interrupted_pull_then_retry(start_registry: Callable[..., Registr
     assert collect_unused_blobs(store, blob_store(store.images_dir)) > 0
     proxy.cuts[big_digest] = 1
     proxy.ranges.clear()
-    installed = await pull_image(store, ref)
+    installed = await pull_image(store, ref, allow_private_registries=[proxy.host])
     assert installed.digest == image.digest
     assert len(proxy.ranges) == 1 and proxy.ranges[0].startswith("bytes=") and proxy.ranges[0] != "bytes=0-"
 
@@ -305,7 +331,7 @@ async def test_concurrent_pulls_are_joined(start_registry: Callable[..., Registr
     seen: list[list[tuple[str, int, int]]] = [[], [], []]
 
     results = await asyncio.gather(*(
-        pull_image(store, ref, progress=lambda *e, i=i: seen[i].append(e))
+        pull_image(store, ref, progress=lambda *e, i=i: seen[i].append(e), allow_private_registries=[proxy.host])
         for i, ref in enumerate([f"{proxy.host}/joined:1"] * 3)
     ))  # fmt: skip
 
@@ -329,7 +355,8 @@ async def test_shared_layer_stored_once(start_registry: Callable[..., Registry],
     shared_digest = one.layer_digests[0]
 
     a, b = await asyncio.gather(
-        pull_image(store, f"{proxy.host}/one:1"), pull_image(store, f"{proxy.host}/two:1")
+        pull_image(store, f"{proxy.host}/one:1", allow_private_registries=[proxy.host]),
+        pull_image(store, f"{proxy.host}/two:1", allow_private_registries=[proxy.host]),
     )
 
     assert proxy.blob_gets[shared_digest] == 1, "the shared layer is fetched once"
@@ -340,7 +367,7 @@ async def test_shared_layer_stored_once(start_registry: Callable[..., Registry],
     # A third image sharing it later does not fetch it again.
     three = build_image([shared, layer([Entry("three", b"3")])])
     await push(reg.url, "three", "1", three)
-    await pull_image(store, f"{proxy.host}/three:1")
+    await pull_image(store, f"{proxy.host}/three:1", allow_private_registries=[proxy.host])
     assert proxy.blob_gets[shared_digest] == 1
 
     # Layers go once no installed image records them.
@@ -360,19 +387,19 @@ async def test_moved_tag_replaces_and_missing_image_is_not_found(
     reg = start_registry()
     v1 = build_image([layer([Entry("v", b"1")])])
     await push(reg.url, "moving", "latest", v1)
-    first = await pull_image(store, f"{reg.host}/moving")
+    first = await pull_image(store, f"{reg.host}/moving", allow_private_registries=[reg.host])
     v2 = build_image([layer([Entry("v", b"2")])])
     await push(reg.url, "moving", "latest", v2)
-    second = await pull_image(store, f"{reg.host}/moving")
+    second = await pull_image(store, f"{reg.host}/moving", allow_private_registries=[reg.host])
     assert (first.digest, second.digest) == (v1.digest, v2.digest)
-    async with RegistryClient() as client:
+    async with RegistryClient(allow_private_registries=[reg.host]) as client:
         assert await client.manifest_digest(parse_reference(f"{reg.host}/moving")) == v2.digest
     assert (second.rootfs / "v").read_bytes() == b"2"
-    pinned = await pull_image(store, f"{reg.host}/moving@{v1.digest}")
+    pinned = await pull_image(store, f"{reg.host}/moving@{v1.digest}", allow_private_registries=[reg.host])
     assert (pinned.rootfs / "v").read_bytes() == b"1"
     assert pinned.reference == f"{reg.host}/moving@{v1.digest}"
 
     with pytest.raises(NotFound, match="not found"):
-        await pull_image(store, f"{reg.host}/moving:nope")
+        await pull_image(store, f"{reg.host}/moving:nope", allow_private_registries=[reg.host])
     with pytest.raises(NotFound, match="not found"):
-        await pull_image(store, f"{reg.host}/nothing/here:1")
+        await pull_image(store, f"{reg.host}/nothing/here:1", allow_private_registries=[reg.host])

@@ -9,13 +9,25 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from sbx.agent import protocol as p
-from sbx.agent.client import AgentClient, AgentRequestError, AgentTcpStream, CommandNotFound
+from sbx.agent.client import (
+    MAX_FILE_TRANSFERS,
+    MAX_HANDLES,
+    AgentClient,
+    AgentFileError,
+    AgentProtocolError,
+    AgentRequestError,
+    AgentTcpStream,
+    AgentUnavailable,
+    CommandNotFound,
+    FileReader,
+)
 
 ENV = {"PATH": "/bin"}
 QUIET_SECS = 0.1  # how long the fake agent listens for frames that should not come
@@ -251,3 +263,119 @@ async def test_tunnel_open_times_out_and_tells_the_agent(pair: tuple[AgentClient
     stream, fid2 = await _open(client, fake)
     assert fid2 != fid
     await stream.close()
+
+
+# ---- a hostile agent, and the file transfer cap ----------------------------------------------------------
+
+HUGE = 900 * 1024  # bytes per data frame below: three of them are past any window plus a payload
+
+
+async def _open_read(client: AgentClient, fake: FakeAgent, path: str = "/f") -> tuple[FileReader, int]:
+    opening = asyncio.create_task(client.open_read(path, 1000, 1000))
+    [(msg, fid)] = await fake.recv()
+    assert isinstance(msg, p.ReadFile)
+    fake.send(p.ReadOpen(3 * HUGE), fid)
+    return await opening, fid
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param(lambda: [(p.Output(5, 0, n * HUGE, b"x" * HUGE), 0) for n in range(3)], id="output"),
+        pytest.param(lambda: [(p.Exited(h, 0), 0) for h in range(MAX_HANDLES + 1)], id="handles"),
+    ],
+)
+async def test_an_agent_ignoring_its_limits_loses_its_channel(
+    pair: tuple[AgentClient, FakeAgent], frames: Callable[[], list[tuple[p.Message, int]]]
+) -> None:
+    client, fake = pair
+    for msg, fid in frames():
+        fake.send(msg, fid)
+    await asyncio.wait_for(client.closed.wait(), 5)
+    with pytest.raises(AgentProtocolError):
+        await client.list_processes()
+
+
+async def test_an_agent_sending_file_data_past_the_read_window_loses_its_channel(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    reader, fid = await _open_read(client, fake)
+    for _ in range(3):  # nobody reads: the host acknowledges nothing
+        fake.send(p.Data(b"x" * HUGE), fid)
+    await asyncio.wait_for(client.closed.wait(), 5)
+    with pytest.raises(AgentProtocolError):
+        async for _ in reader:
+            pass
+
+
+async def test_an_agent_sending_tunnel_data_past_the_window_loses_its_channel(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    stream, fid = await _open(client, fake)
+    for _ in range(12):  # nobody reads: TCP_WINDOW plus a payload is 1.25 MiB, this 1.3 MiB
+        fake.send(p.TcpData(b"x" * (HUGE // 8)), fid)
+    await asyncio.wait_for(client.closed.wait(), 5)
+    with pytest.raises(AgentProtocolError):
+        await read_rest(stream)
+
+
+async def test_an_agent_within_its_windows_keeps_its_channel(pair: tuple[AgentClient, FakeAgent]) -> None:
+    client, fake = pair
+    reader, fid = await _open_read(client, fake)
+    for _ in range(3):  # read as it comes: acknowledged, so never past the window
+        fake.send(p.Data(b"x" * HUGE), fid)
+        assert len(await reader.__anext__()) == HUGE
+        await fake.recv_all()
+    fake.send(p.End(), fid)
+    assert [chunk async for chunk in reader] == []
+    assert not client.closed.is_set()
+
+
+async def test_file_transfers_past_the_cap_are_refused_until_one_ends(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    readers = [(await _open_read(client, fake, f"/f{n}"))[0] for n in range(MAX_FILE_TRANSFERS)]
+    for call in (
+        client.open_read("/more", 1000, 1000),
+        client.list_dir("/", 1000, 1000),
+        client.write_file("/w", _chunks(b"x"), 1000, 1000),
+    ):
+        with pytest.raises(AgentFileError) as info:
+            await call
+        assert info.value.errno == errno.EMFILE and "64 file transfers are under way" in info.value.message
+    assert await fake.recv_all() == []  # refused here: nothing reached the agent
+    await readers[0].aclose()
+    await fake.recv_all()  # its CANCEL
+    reader, _ = await _open_read(client, fake, "/now")  # a slot came back
+    await reader.aclose()
+
+
+async def _chunks(*chunks: bytes) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+# ---- the socket in a directory the guest can write --------------------------------------------------------
+
+
+async def test_connect_never_follows_a_symlink_at_the_socket(tmp_path: Path) -> None:
+    host_socket = tmp_path / "host.sock"  # some other host service
+    connections: list[bool] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(True)
+        writer.close()
+
+    server = await asyncio.start_unix_server(accept, str(host_socket))
+    try:
+        (tmp_path / "agent.sock").symlink_to(host_socket)
+        with pytest.raises(AgentUnavailable, match="not a socket"):
+            await AgentClient.connect(tmp_path / "agent.sock", timeout_secs=0.2)
+        assert connections == []
+        await asyncio.sleep(0.05)
+        assert connections == []
+    finally:
+        server.close()

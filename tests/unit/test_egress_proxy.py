@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -146,12 +146,32 @@ async def test_set_policy_cuts_what_it_no_longer_permits(setup: Setup) -> None:
     writer.close()
 
 
-async def test_the_connection_limit(setup: Setup) -> None:
-    setup.attachment.connections = proxy_module.MAX_CONNECTIONS_PER_SANDBOX
+@pytest.mark.parametrize("cap", ["per_sandbox", "total"])
+async def test_a_connection_past_a_cap_is_reset_and_the_slot_comes_back(setup: Setup, cap: str) -> None:
+    slots = setup.proxy.slots
+    setattr(slots, cap, 1)
+    held_reader, held_writer = await setup.connect()
+    held_writer.write(HELLO_ALLOWED)
+    assert await asyncio.wait_for(held_reader.readexactly(len(HELLO_ALLOWED)), 5) == HELLO_ALLOWED
+    assert slots.held("sbx_test") == 1 and slots.in_use == 1
     reader, writer = await setup.connect()
     writer.write(HELLO_ALLOWED)
     assert await reset_or_closed(reader)
     writer.close()
+    held_writer.close()
+    await until(lambda: slots.in_use == 0)
+    reader, writer = await setup.connect()  # the relay that ended gave its slot back
+    writer.write(HELLO_ALLOWED)
+    assert await asyncio.wait_for(reader.readexactly(len(HELLO_ALLOWED)), 5) == HELLO_ALLOWED
+    writer.close()
+
+
+async def until(condition: Callable[[], bool], timeout_secs: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_secs
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -181,3 +201,13 @@ async def test_an_address_neither_given_nor_the_upstreams_is_refused(setup: Setu
     assert await reset_or_closed(reader)
     writer.close()
     assert isinstance(setup.proxy.upstream, Zone) and setup.proxy.upstream.asked == ["elsewhere.test"]
+
+
+def test_keep_alive_notices_a_vanished_peer_within_two_minutes() -> None:
+    with socket.socket() as sock:
+        proxy_module.keep_alive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+    assert idle + interval * probes <= 120

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -217,17 +218,17 @@ def test_resolver_finds_a_port_free_for_udp_and_tcp(monkeypatch: pytest.MonkeyPa
 
     from sbx.net import dns
 
-    real = asyncio.start_server
+    real = dns.listen_tcp
     refused: list[int] = []
 
-    async def taken_once(*args: object, **kwargs: object) -> asyncio.Server:
+    def taken_once(port: int, backlog: int = 1024) -> socket.socket:
         if not refused:  # the TCP twin of the first UDP port is someone else's
-            refused.append(int(str(args[2])))
+            refused.append(port)
             raise OSError(errno.EADDRINUSE, "Address already in use")
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(port, backlog)
 
     async def go() -> int:
-        monkeypatch.setattr(dns.asyncio, "start_server", taken_once)
+        monkeypatch.setattr(dns, "listen_tcp", taken_once)
         resolver = Resolver(FakeUpstream(), lambda source: None)
         await resolver.start()
         port = resolver.port

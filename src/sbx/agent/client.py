@@ -17,6 +17,11 @@ handle with the byte counts the host had recorded; the agent resends from there.
 
 TCP connections to guest loopback (protocol version 2) are :class:`AgentTcpStream` objects from
 :meth:`AgentClient.open_tcp`; unlike processes they end with the channel.
+
+The agent runs inside the sandbox, so the client trusts nothing it sends: data past a window the agent
+announced (process output, file reads, TCP tunnels) or more process handles than an agent retains is a
+protocol error that closes the channel, so a hostile guest can make the host hold at most a window per
+stream. At most :data:`MAX_FILE_TRANSFERS` file transfers run at once on a channel.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import asyncio
 import contextlib
 import errno as errno_mod
 import logging
+import os
+import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +73,12 @@ log = logging.getLogger(__name__)
 
 DirEntry = p.DirEntry
 _READ_BUFFER = 256 * 1024
+#: File transfers (READ, WRITE, LIST_DIR) one channel carries at once; more are refused with EMFILE. Each
+#: READ may hold a read window (1 MiB) of data on the host until its caller takes it.
+MAX_FILE_TRANSFERS = 64
+#: Process handles one channel tracks; an agent naming more (the agent retains at most 4096) is broken or
+#: hostile, and its channel is closed.
+MAX_HANDLES = 8192
 
 
 class ProcessSink(Protocol):
@@ -119,6 +132,7 @@ class _Proc:
         self.events: asyncio.Queue[tuple[int, int, bytes] | None] = asyncio.Queue()
         self.worker: asyncio.Task[None] | None = None
         self.expected = [0, 0]  # next output offset per stream
+        self.acked = [0, 0]  # output offset acknowledged to the agent per stream
         self.stdin_sent = 0
         self.stdin_acked = 0
         self.stdin_changed = asyncio.Event()
@@ -134,6 +148,10 @@ class _Request:
     def __init__(self, streamed: bool) -> None:
         self.future: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[p.Message | BaseException] | None = asyncio.Queue() if streamed else None
+        #: For a READ: DATA bytes received and acknowledged, and the window between them (0: none).
+        self.received = 0
+        self.acked = 0
+        self.window = 0
 
 
 class AgentClient:
@@ -146,6 +164,7 @@ class AgentClient:
         self._requests: dict[int, _Request] = {}
         self._procs: dict[int, _Proc] = {}
         self._tunnels: dict[int, AgentTcpStream] = {}  # by the id of their TCP_OPEN
+        self._transfers: set[int] = set()  # frame ids of the file transfers under way
         self._next_id = 1
         # Every handle the agent holds is in _procs once list_processes() ran on this connection;
         # only then may spawn pipeline stdin frames (see spawn).
@@ -176,7 +195,7 @@ class AgentClient:
         last: Exception | None = None
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(socket_path), limit=_READ_BUFFER)
+                reader, writer = await _connect_unix_nofollow(socket_path)
                 break
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 last = e
@@ -368,6 +387,7 @@ class AgentClient:
         else:
             # Set before asking: output follows the agent's OK at once, maybe in the same read.
             st.expected = [stdout_offset, stderr_offset]
+            st.acked = [stdout_offset, stderr_offset]
             st.subscribed = True
             try:
                 await self._call(p.Resume(handle, stdout_offset, stderr_offset))
@@ -436,14 +456,20 @@ class AgentClient:
     # ---- files ---------------------------------------------------------------------------
 
     async def open_read(self, path: str, uid: int, gid: int) -> FileReader:
-        """Open a regular file as uid/gid; raises AgentFileError (ENOENT, EACCES, EISDIR, ...)."""
-        fid, req = self._register(streamed=True)
-        await self._send(p.ReadFile(uid, gid, path), fid)
-        first = await self._next(fid, req)
-        if isinstance(first, p.Error):
-            raise AgentFileError(first.errno, f"{path}: {first.message}")
-        if not isinstance(first, p.ReadOpen):
-            raise AgentProtocolError(f"unexpected reply {type(first).__name__} to READ")
+        """Open a regular file as uid/gid; raises AgentFileError (ENOENT, EACCES, EISDIR, ...; EMFILE when
+        MAX_FILE_TRANSFERS are under way). The transfer counts until the reader is done or closed."""
+        fid, req = self._register_transfer(path)
+        req.window = self.read_window
+        try:
+            await self._send(p.ReadFile(uid, gid, path), fid)
+            first = await self._next(fid, req)
+            if isinstance(first, p.Error):
+                raise AgentFileError(first.errno, f"{path}: {first.message}")
+            if not isinstance(first, p.ReadOpen):
+                raise AgentProtocolError(f"unexpected reply {type(first).__name__} to READ")
+        except BaseException:
+            self._end_transfer(fid)
+            raise
         return FileReader(self, fid, req, path, first.size)
 
     async def read_file(self, path: str, uid: int, gid: int) -> AsyncIterator[bytes]:
@@ -458,8 +484,17 @@ class AgentClient:
     async def write_file(
         self, path: str, chunks: AsyncIterable[bytes], uid: int, gid: int, mode: int = 0o644
     ) -> None:
-        """Replace ``path`` atomically with the chunks, creating parents, as uid/gid (mode: permission bits)."""
-        fid, req = self._register(streamed=False)
+        """Replace ``path`` atomically with the chunks, creating parents, as uid/gid (mode: permission bits).
+        AgentFileError EMFILE when MAX_FILE_TRANSFERS are under way."""
+        fid, req = self._register_transfer(path, streamed=False)
+        try:
+            await self._write_file(fid, req, path, chunks, uid, gid, mode)
+        finally:
+            self._end_transfer(fid)
+
+    async def _write_file(
+        self, fid: int, req: _Request, path: str, chunks: AsyncIterable[bytes], uid: int, gid: int, mode: int
+    ) -> None:
         await self._send(p.WriteFile(mode, uid, gid, path), fid)
         try:
             async for chunk in chunks:
@@ -484,8 +519,15 @@ class AgentClient:
         self._expect_ok(await self._call(p.Remove(uid, gid, path), file_path=path), path)
 
     async def list_dir(self, path: str, uid: int, gid: int) -> list[p.DirEntry]:
-        """A directory's entries (not . and ..), links followed for the type."""
-        fid, req = self._register(streamed=True)
+        """A directory's entries (not . and ..), links followed for the type. AgentFileError EMFILE when
+        MAX_FILE_TRANSFERS are under way."""
+        fid, req = self._register_transfer(path)
+        try:
+            return await self._list_dir(fid, req, path, uid, gid)
+        finally:
+            self._end_transfer(fid)
+
+    async def _list_dir(self, fid: int, req: _Request, path: str, uid: int, gid: int) -> list[p.DirEntry]:
         await self._send(p.ListDir(uid, gid, path), fid)
         entries: list[p.DirEntry] = []
         while True:
@@ -569,6 +611,24 @@ class AgentClient:
         req = self._requests[fid] = _Request(streamed)
         return fid, req
 
+    def _register_transfer(self, path: str, streamed: bool = True) -> tuple[int, _Request]:
+        """Register a streamed file request, counted until :meth:`_end_transfer`; EMFILE past the cap."""
+        self._check_open()
+        if len(self._transfers) >= MAX_FILE_TRANSFERS:
+            raise AgentFileError(
+                errno_mod.EMFILE,
+                f"{path}: {MAX_FILE_TRANSFERS} file transfers are under way in this sandbox; retry when one "
+                "has finished",
+            )
+        fid, req = self._register(streamed)
+        self._transfers.add(fid)
+        return fid, req
+
+    def _end_transfer(self, fid: int) -> None:
+        """The transfer ``fid`` is over (idempotent)."""
+        self._transfers.discard(fid)
+        self._requests.pop(fid, None)
+
     async def _send(self, msg: p.Message, frame_id: int = 0) -> None:
         await self._send_bytes(p.encode(msg, frame_id))
 
@@ -647,6 +707,7 @@ class AgentClient:
                 await sink.on_exit(value)
                 return
             await sink.on_output(p.STREAM_NAMES[stream], data)
+            st.acked[stream] = value + len(data)
             if not self.closed.is_set():
                 with contextlib.suppress(AgentError):
                     await self._send(p.Ack(handle, stream, value + len(data)))
@@ -674,9 +735,7 @@ class AgentClient:
         if isinstance(msg, p.Output):
             self._on_output(msg)
         elif isinstance(msg, p.Exited):
-            self._procs.setdefault(msg.handle, _Proc(subscribed=True)).events.put_nowait(
-                (_EXIT, msg.exit_code, b"")
-            )
+            self._proc_for(msg.handle).events.put_nowait((_EXIT, msg.exit_code, b""))
         elif isinstance(msg, (p.TcpData, p.TcpSendAck, p.TcpEof, p.TcpClosed)):
             tunnel = self._tunnels.get(frame.id)
             if tunnel is not None:  # else closed here already: frames in flight are dropped
@@ -691,6 +750,12 @@ class AgentClient:
             if req is None:
                 return  # a late chunk of a cancelled READ or LIST_DIR
             if req.queue is not None:
+                if isinstance(msg, p.Data) and req.window:
+                    req.received += len(msg.data)
+                    if req.received - req.acked > req.window + self.max_payload:
+                        raise AgentProtocolError(
+                            f"the agent sent more file data than the read window {req.window}"
+                        )
                 req.queue.put_nowait(msg)
             elif not req.future.done():
                 req.future.set_result(msg)
@@ -698,7 +763,7 @@ class AgentClient:
     def _on_output(self, msg: p.Output) -> None:
         if msg.stream > 1:
             raise AgentProtocolError(f"output on unknown stream {msg.stream}")
-        st = self._procs.setdefault(msg.handle, _Proc(subscribed=True))
+        st = self._proc_for(msg.handle)
         expected = st.expected[msg.stream]
         data, offset = msg.data, msg.offset
         if offset > expected:
@@ -708,7 +773,20 @@ class AgentClient:
             offset = expected
         if data:
             st.expected[msg.stream] = offset + len(data)
+            if st.expected[msg.stream] - st.acked[msg.stream] > self.output_window + self.max_payload:
+                raise AgentProtocolError(
+                    f"the agent sent more output of handle {msg.handle} than the window {self.output_window}"
+                )
             st.events.put_nowait((msg.stream, offset, data))
+
+    def _proc_for(self, handle: int) -> _Proc:
+        """The state of ``handle``, made when the agent names it first (output after a reconnect)."""
+        st = self._procs.get(handle)
+        if st is None:
+            if len(self._procs) >= MAX_HANDLES:
+                raise AgentProtocolError(f"the agent named more than {MAX_HANDLES} process handles")
+            st = self._procs[handle] = _Proc(subscribed=True)
+        return st
 
     def _lost(self, error: AgentError) -> None:
         if self._closed_error is not None:
@@ -729,6 +807,20 @@ class AgentClient:
         tunnels, self._tunnels = self._tunnels, {}
         for tunnel in tunnels.values():  # the agent closes them too: tunnels are not resumable
             tunnel._end(error)
+
+
+async def _connect_unix_nofollow(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the unix socket file at ``path`` itself, never to one a symlink there points to: the
+    socket lives in a directory the guest can write (docs/backends.md), where root in the guest could plant
+    a link to a host socket. The file is opened with O_PATH | O_NOFOLLOW, checked to be a socket, and
+    connected to through /proc/self/fd. ConnectionRefusedError when what is there is no socket."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionRefusedError(f"{path} is not a socket (it was replaced inside the sandbox)")
+        return await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=_READ_BUFFER)
+    finally:
+        os.close(fd)
 
 
 class FileReader:
@@ -754,13 +846,18 @@ class FileReader:
         # Ack what the caller took since the last call, a quarter window at a time.
         if self._consumed - self._acked >= max(1, c.read_window // 4):
             await c._send(p.ReadAck(self._consumed), self._fid)
-            self._acked = self._consumed
-        msg = await c._next(self._fid, self._req)
+            self._acked = self._req.acked = self._consumed
+        try:
+            msg = await c._next(self._fid, self._req)
+        except BaseException:
+            self._done = True
+            c._end_transfer(self._fid)
+            raise
         if isinstance(msg, p.Data):
             self._consumed += len(msg.data)
             return msg.data
         self._done = True
-        c._requests.pop(self._fid, None)
+        c._end_transfer(self._fid)
         if isinstance(msg, p.End):
             raise StopAsyncIteration
         if isinstance(msg, p.Error):
@@ -773,7 +870,7 @@ class FileReader:
             return
         self._done = True
         c = self._client
-        c._requests.pop(self._fid, None)
+        c._end_transfer(self._fid)
         if not c.closed.is_set():
             with contextlib.suppress(AgentError):
                 await c._send(p.Cancel(), self._fid)
@@ -802,7 +899,8 @@ class AgentTcpStream:
         self._inbox: asyncio.Queue[bytes | AgentError | None] = asyncio.Queue()  # None: end of data
         self._read_end: AgentError | None = None
         self._read_eof = False
-        self._consumed = 0  # guest bytes handed to the caller
+        self._received = 0  # guest bytes received from the agent
+        self._consumed = 0  # ... handed to the caller
         self._acked = 0  # ... and acknowledged to the agent
         self._sent = 0  # host bytes sent to the agent
         self._send_acked = 0  # ... and written into the guest socket
@@ -892,6 +990,9 @@ class AgentTcpStream:
 
     def _on_frame(self, msg: p.Message) -> None:
         if isinstance(msg, p.TcpData):
+            self._received += len(msg.data)
+            if self._received - self._acked > self._window + self._client.max_payload:
+                raise AgentProtocolError(f"the agent sent more tunnel data than the window {self._window}")
             self._inbox.put_nowait(msg.data)
         elif isinstance(msg, p.TcpSendAck):
             if msg.offset > self._send_acked:

@@ -4,7 +4,8 @@ Per sandbox, under ``<state>/gvisor/<id>/``::
 
     bundle/config.json   the OCI spec runsc boots from
     layer/               writable layer and overlay root (see layers.py)
-    ctl/                 mode 0700, bind-mounted at /.sbx/ctl; the agent creates agent.sock here
+    ctl/                 mode 0700, bind-mounted at /.sbx/ctl; the agent creates agent.sock here. Root in
+                         the guest can write it: the host never follows a name in it (ctl_dir.py)
     console.log          the agent's and runsc's own diagnostics
 
 The agent binary is bind-mounted read-only at /.sbx/agent; runsc runs with ``--host-uds=create`` so the agent
@@ -30,6 +31,7 @@ from typing import Any
 
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendError, BackendUsage, BootSpec
+from sbx.backends.ctl_dir import touch_regular
 from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
@@ -68,7 +70,10 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
                 key: ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"]
                 for key in ("bounding", "effective", "permitted")
             },
-            "noNewPrivileges": False,
+            # Processes run as the sandbox user and stay it: setuid binaries of the image (su, mount, passwd,
+            # ...) cannot make them root, so root in the guest (which may write /.sbx/ctl) is not reachable.
+            # The agent itself starts as root and drops to the user by setuid(2), which this does not stop.
+            "noNewPrivileges": True,
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": spec.hostname,
@@ -271,7 +276,7 @@ class GVisorBackend:
                 self.net.configure_spec(spec.sandbox_id, config)
             (bundle / "config.json").write_text(json.dumps(config), encoding="utf-8")
             if memory_image is not None:
-                (ctl_dir / WAKE_FILE_NAME).touch()  # the restored agent listens again at once
+                touch_regular(ctl_dir, WAKE_FILE_NAME)  # the restored agent listens again at once
             await self._start(spec.sandbox_id, bundle, directory / "console.log", memory_image)
         except BaseException:
             await self.destroy(spec.sandbox_id)
@@ -376,12 +381,12 @@ class GVisorBackend:
             directory = self._dir(sandbox_id)
             if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
-            (directory / "ctl" / WAKE_FILE_NAME).touch()
+            touch_regular(directory / "ctl", WAKE_FILE_NAME)
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
 
     async def wake(self, sandbox_id: str) -> None:
         """End a quiesce of a sandbox that still runs (a checkpoint failed or was not needed)."""
-        (self._dir(sandbox_id) / "ctl" / WAKE_FILE_NAME).touch()
+        touch_regular(self._dir(sandbox_id) / "ctl", WAKE_FILE_NAME)
 
     async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
         """Copy the sandbox's writable layer (an ext4 image) to ``dest``, consistent: the file system is

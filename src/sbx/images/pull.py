@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sbx.api.errors import Internal, SandboxError, Unavailable
 from sbx.images.blobs import BlobStore, BlobWriter, SingleFlight
-from sbx.images.reference import parse_reference
+from sbx.images.reference import Reference, parse_reference
 from sbx.images.registry import DEFAULT_ATTEMPTS, Credentials, Descriptor, RegistryClient, ResolvedImage
 from sbx.images.store import ImageStore, InstalledImage
 from sbx.images.unpack import apply_layer
@@ -93,6 +93,7 @@ async def pull_image(
     *,
     credentials_file: Path | str | None = None,
     insecure_registries: Iterable[str] = (),
+    allow_private_registries: Iterable[str] = (),
     progress: ProgressCallback | None = None,
     attempts: int = DEFAULT_ATTEMPTS,
     replace: bool = True,
@@ -103,12 +104,15 @@ async def pull_image(
     ``docker.io/library/python:3.12``) with the registry's manifest digest as its digest (the index's when
     the reference names a multi-platform index) and the image config. ``credentials_file`` is a Docker
     ``config.json``-style file (see :class:`~sbx.images.registry.Credentials`); ``insecure_registries``
-    lists ``host[:port]`` allowed over plain HTTP besides loopback; ``attempts`` is how many times each
-    request is tried. An image installed under the reference with another digest (the tag moved) is
+    lists ``host[:port]`` allowed over plain HTTP besides loopback; ``allow_private_registries`` the
+    ``host[:port]`` that may be on loopback or private addresses (:mod:`sbx.images.addresses`; the registry,
+    its token server and any host it redirects to must be); ``attempts`` is how many times each request is
+    tried. An image installed under the reference with another digest (the tag moved) is
     replaced when ``replace`` is true (stop its sandboxes first), else Conflict is raised.
 
-    Raises InvalidRequest (bad reference, unusable image), Refused (access denied), NotFound (no such
-    image), Unavailable (registry unreachable, out of disk space) or Conflict.
+    Raises InvalidRequest (bad reference, unusable image), Refused (access denied, or an address the puller
+    may not connect to), NotFound (no such image), Unavailable (registry unreachable, out of disk space) or
+    Conflict.
     """
     ref = parse_reference(reference)
     key = (str(Path(store.images_dir).absolute()), str(ref))
@@ -119,9 +123,13 @@ async def pull_image(
 
     async def run() -> InstalledImage:
         try:
-            return await _pull(
-                store, reference, credentials_file, insecure_registries, attempts, replace, listeners
-            )
+            client = RegistryClient(
+                credentials=Credentials.from_file(credentials_file) if credentials_file is not None else None,
+                insecure_registries=insecure_registries, allow_private_registries=allow_private_registries,
+                attempts=attempts,
+            )  # fmt: skip
+            async with client:
+                return await _pull(store, parse_reference(reference), client, replace, listeners)
         finally:
             if _listeners.get(key) is listeners:
                 del _listeners[key]
@@ -134,36 +142,26 @@ async def pull_image(
 
 
 async def _pull(
-    store: ImageStore,
-    reference: str,
-    credentials_file: Path | str | None,
-    insecure_registries: Iterable[str],
-    attempts: int,
-    replace: bool,
-    listeners: _Listeners,
+    store: ImageStore, ref: Reference, client: RegistryClient, replace: bool, listeners: _Listeners
 ) -> InstalledImage:
-    ref = parse_reference(reference)
-    credentials = Credentials.from_file(credentials_file) if credentials_file is not None else None
-    async with RegistryClient(credentials=credentials, insecure_registries=insecure_registries,
-                              attempts=attempts) as client:  # fmt: skip
-        resolved = await client.resolve(ref)
-        installed = await asyncio.to_thread(store.get, str(ref))
-        if installed is not None and installed.digest == resolved.digest:
-            log.info("image %s is up to date (%s)", ref, resolved.digest)
-            listeners.emit("pulling", resolved.total_layer_bytes, resolved.total_layer_bytes)
-            return installed
-        blobs = blob_store(store.images_dir)
-        digests = [layer.digest for layer in resolved.layers]
-        with blobs.pinned(digests):
-            paths = await _fetch_layers(client, blobs, resolved, listeners)
-            try:
-                return await _install(store, resolved, paths, replace, listeners)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise Unavailable(
-                        f"no disk space left in {store.images_dir} to install {ref}; remove images or free space"
-                    ) from exc
-                raise Internal(f"installing image {ref} failed: {exc}") from exc
+    resolved = await client.resolve(ref)
+    installed = await asyncio.to_thread(store.get, str(ref))
+    if installed is not None and installed.digest == resolved.digest:
+        log.info("image %s is up to date (%s)", ref, resolved.digest)
+        listeners.emit("pulling", resolved.total_layer_bytes, resolved.total_layer_bytes)
+        return installed
+    blobs = blob_store(store.images_dir)
+    digests = [layer.digest for layer in resolved.layers]
+    with blobs.pinned(digests):
+        paths = await _fetch_layers(client, blobs, resolved, listeners)
+        try:
+            return await _install(store, resolved, paths, replace, listeners)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise Unavailable(
+                    f"no disk space left in {store.images_dir} to install {ref}; remove images or free space"
+                ) from exc
+            raise Internal(f"installing image {ref} failed: {exc}") from exc
 
 
 async def _fetch_layers(

@@ -4,6 +4,11 @@
   ``127.0.0.0/8``, ``::1``) or named in ``insecure_registries`` (``host[:port]`` as in references) is tried
   over HTTPS without verification and, when that fails to connect, over plain HTTP, as Docker treats
   insecure registries. Nothing else is ever spoken to over plain HTTP, token servers included.
+- **Addresses**: every connection (registry, token server, redirects) is checked when it is made, on the
+  address connected to (:mod:`sbx.images.addresses`): link-local and metadata addresses never, loopback and
+  private ones only for hosts listed in ``allow_private_registries``; a refusal is Refused, never retried.
+- **Error messages** never quote what a server sent beyond an escaped status line
+  (:mod:`sbx.images.remote_text`).
 - **Authentication**: anonymous first; on ``401`` the ``WWW-Authenticate`` challenge decides. ``Bearer``
   (Docker Hub, GHCR, ``auth: token`` registries): a pull token for the repository is fetched from the
   challenge's realm, with the registry's credentials as basic auth when the credentials file has some, and
@@ -42,8 +47,10 @@ import aiohttp
 from yarl import URL
 
 from sbx.api.errors import InvalidRequest, NotFound, Refused, SandboxError, Unavailable
+from sbx.images.addresses import RegistryAddresses, RegistryAddressRefused
 from sbx.images.blobs import BlobWriter, DigestMismatch, digest_hex
 from sbx.images.reference import DEFAULT_REGISTRY, Reference
+from sbx.images.remote_text import failure_reason, shown_host, shown_media_type, shown_platform, status_line
 from sbx.images.store import ImageConfig
 from sbx.net.loopback import host_header_name, is_loopback
 
@@ -168,8 +175,8 @@ class Descriptor:
         try:
             digest, size = str(obj["digest"]), int(obj["size"])
             digest_hex(digest)
-        except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
-            raise InvalidRequest(f"{where}: invalid descriptor {json.dumps(obj)[:200]} ({exc})") from None
+        except (KeyError, TypeError, ValueError, InvalidRequest):
+            raise InvalidRequest(f"{where}: a descriptor without a valid sha256 digest and size") from None
         if size < 0:
             raise InvalidRequest(f"{where}: descriptor {digest} has a negative size")
         raw_annotations = obj.get("annotations")
@@ -196,7 +203,11 @@ def select_platform(entries: Sequence[Descriptor], host: Platform, where: str) -
         if rank is not None and (best is None or (rank, index) < best[:2]):
             best = (rank, index, entry)
     if best is None:
-        offered = sorted({str(e.platform) for e in entries if e.platform and e.platform.os != "unknown"})
+        offered = sorted({
+            shown for e in entries
+            if e.platform and e.platform.os != "unknown"
+            and (shown := shown_platform(e.platform.os, e.platform.architecture, e.platform.variant))
+        })  # fmt: skip
         raise InvalidRequest(
             f"{where} has no image for this host's platform {host}; it offers: {', '.join(offered) or 'none'}"
         )
@@ -376,8 +387,10 @@ class RegistryClient:
     """Pulls manifests, configs and blobs; one instance may serve many pulls (it caches tokens).
 
     ``credentials`` are the logins to use; ``insecure_registries`` the ``host[:port]`` names allowed over
-    plain HTTP besides loopback ones; ``attempts`` how many times a request is tried in all (at least 1);
-    ``platform`` the platform to select from indexes (this host's by default). Close it (``async with``).
+    plain HTTP besides loopback ones; ``allow_private_registries`` the ``host[:port]`` names that may be on
+    loopback, private or this host's own addresses (:mod:`sbx.images.addresses`); ``attempts`` how many times
+    a request is tried in all (at least 1); ``platform`` the platform to select from indexes (this host's by
+    default). Close it (``async with``).
     """
 
     def __init__(
@@ -385,6 +398,7 @@ class RegistryClient:
         *,
         credentials: Credentials | None = None,
         insecure_registries: Iterable[str] = (),
+        allow_private_registries: Iterable[str] = (),
         attempts: int = DEFAULT_ATTEMPTS,
         platform: Platform | None = None,
         connect_timeout_secs: float = CONNECT_TIMEOUT_SECS,
@@ -392,6 +406,7 @@ class RegistryClient:
     ) -> None:
         self.credentials = credentials
         self.insecure_registries = frozenset(r.strip().lower() for r in insecure_registries)
+        self.addresses = RegistryAddresses(allow_private_registries)
         self.attempts = max(1, attempts)
         self.platform = platform or host_platform()
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_secs,
@@ -416,9 +431,15 @@ class RegistryClient:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # auto_decompress off: a blob must reach the digest check byte for byte as stored.
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout, auto_decompress=False, headers={"User-Agent": "sbx-sandboxd"}
+            # Every connection goes through the address guard: names through its resolver, every address
+            # (literals and redirects too) through its socket factory.
+            connector = aiohttp.TCPConnector(
+                resolver=self.addresses.resolver(), socket_factory=self.addresses.socket_factory
             )
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False,
+                headers={"User-Agent": "sbx-sandboxd"},
+            )  # fmt: skip
         return self._session
 
     def is_insecure(self, registry: str) -> bool:
@@ -447,7 +468,7 @@ class RegistryClient:
         config_desc = Descriptor.from_json(obj.get("config"), where)
         if config_desc.media_type and config_desc.media_type not in CONFIG_TYPES:
             raise InvalidRequest(
-                f"{where} is not a container image (its config is {config_desc.media_type}); it may be a Helm "
+                f"{where} is not a container image (its config is {shown_media_type(config_desc.media_type)}); it may be a Helm "
                 "chart or other OCI artifact"
             )
         layers = tuple(Descriptor.from_json(layer, where) for layer in obj.get("layers") or [])
@@ -455,7 +476,7 @@ class RegistryClient:
             if layer.media_type and layer.media_type not in LAYER_TYPES:
                 hint = " (a Windows image)" if "foreign" in layer.media_type else ""
                 raise InvalidRequest(
-                    f"{where}: layer {layer.digest} has unsupported media type {layer.media_type}{hint}"
+                    f"{where}: layer {layer.digest} has unsupported media type {shown_media_type(layer.media_type)}{hint}"
                 )
         raw_config = await self._fetch_small_blob(ref, config_desc, MAX_CONFIG_BYTES)
         config, config_platform = parse_image_config(raw_config, where)
@@ -466,7 +487,11 @@ class RegistryClient:
             and config_platform
             and platform_rank(config_platform, self.platform) is None
         ):
-            raise InvalidRequest(f"{where} is built for {config_platform}; this host runs {self.platform}")
+            built_for = (
+                shown_platform(config_platform.os, config_platform.architecture, config_platform.variant)
+                or "another platform"
+            )
+            raise InvalidRequest(f"{where} is built for {built_for}; this host runs {self.platform}")
         annotations = {k: str(v) for k, v in (obj.get("annotations") or {}).items()}
         return ResolvedImage(
             reference=ref,
@@ -539,7 +564,7 @@ class RegistryClient:
             return "index"
         if media_type in MANIFEST_TYPES or (not media_type and "layers" in obj):
             return "manifest"
-        raise InvalidRequest(f"unsupported manifest media type {media_type!r}")
+        raise InvalidRequest(f"unsupported manifest media type ({shown_media_type(media_type)})")
 
     @staticmethod
     def _parse_manifest(body: bytes, media_type: str, where: str) -> dict[str, Any]:
@@ -577,9 +602,8 @@ class RegistryClient:
             if manifest_ref.startswith("sha256:") and digest != manifest_ref:
                 raise DigestMismatch(f"{what}: the registry sent a manifest with digest {digest}")
             if header_digest.startswith("sha256:") and header_digest != digest:
-                raise DigestMismatch(
-                    f"{what}: the registry says its digest is {header_digest} but it is {digest}"
-                )
+                said = header_digest if re.fullmatch(r"sha256:[0-9a-f]{64}", header_digest) else "another"
+                raise DigestMismatch(f"{what}: the registry says its digest is {said} but it is {digest}")
             try:
                 declared = json.loads(body).get("mediaType")
             except (ValueError, AttributeError):
@@ -688,7 +712,8 @@ class RegistryClient:
                 self._auth[key] = await self._fetch_token(ref, params, login)
             else:
                 raise Refused(
-                    f"registry {ref.registry} refused access to {ref.repository} (challenge {challenge!r})"
+                    f"registry {ref.registry} refused access to {ref.repository} with an authentication "
+                    "challenge this client does not support (Basic and Bearer are)"
                 )
 
     async def _fetch_token(
@@ -698,14 +723,14 @@ class RegistryClient:
         realm_host = f"{realm.host}:{realm.explicit_port}" if realm.explicit_port else str(realm.host or "")
         if realm.scheme != "https" and not (realm.scheme == "http" and self.is_insecure(realm_host)):
             raise Refused(
-                f"registry {ref.registry} sends clients to token server {realm} over plain HTTP; list "
-                f"{realm_host} in insecure_registries to allow it"
+                f"registry {ref.registry} sends clients to token server {shown_host(realm_host)} over plain "
+                f"HTTP; list {shown_host(realm_host)} in insecure_registries to allow it"
             )
         query = {"scope": f"repository:{ref.repository}:pull"}
         if params.get("service"):
             query["service"] = params["service"]
         headers = {"Authorization": _basic(*login)} if login else {}
-        what = f"token for {ref.name} from {realm}"
+        what = f"token for {ref.name} from {shown_host(realm_host)}"
 
         async def get() -> tuple[str, float]:
             async with self._get_session().get(realm.update_query(query), headers=headers,
@@ -719,8 +744,8 @@ class RegistryClient:
                     obj = json.loads(await self._read_limited(resp, 1 << 20, what))
                     token = str(obj.get("token") or obj.get("access_token") or "")
                     expires_in = float(obj.get("expires_in") or 60)
-                except (ValueError, AttributeError, TypeError) as exc:
-                    raise InvalidRequest(f"{what}: invalid answer ({exc})") from None
+                except (ValueError, AttributeError, TypeError):
+                    raise InvalidRequest(f"{what}: the answer is not a token in JSON") from None
             if not token:
                 raise InvalidRequest(f"{what}: the answer holds no token")
             # Renew a little early: a token expiring mid-download costs a failed request.
@@ -737,30 +762,24 @@ class RegistryClient:
             fix = f"check the login for {ref.registry} in {self.credentials.source}"
         return f"registry {ref.registry} {reason} to pull {ref.repository}: {fix}"
 
-    async def _status_error(self, resp: aiohttp.ClientResponse, what: str) -> Exception:
-        """The error for an unexpected status; _Retryable for those worth retrying."""
-        detail = ""
-        try:
-            obj = json.loads(await resp.content.read(64 << 10))
-            errors = obj.get("errors") or []
-            detail = "; ".join(
-                f"{e.get('code', '')}: {e.get('message', '')}" for e in errors if isinstance(e, dict)
-            )
-        except (TimeoutError, ValueError, AttributeError, aiohttp.ClientError):
-            pass
-        suffix = f" ({detail[:300]})" if detail else ""
-        host = resp.url.host
+    @staticmethod
+    async def _status_error(resp: aiohttp.ClientResponse, what: str) -> Exception:
+        """The error for an unexpected status; _Retryable for those worth retrying. Only the status line
+        is shown of the answer (see sbx.images.remote_text)."""
+        status = status_line(resp)
+        host = shown_host(str(resp.url.host or ""))
         if resp.status == 429 or resp.status >= 500:
-            return _Retryable(f"{what}: {host} answered {resp.status}{suffix}")
+            return _Retryable(f"{what}: {host} answered {status}")
         if resp.status in (401, 403):
-            return Refused(f"{what}: registry {host} refused access ({resp.status}){suffix}")
+            return Refused(f"{what}: registry {host} refused access ({status})")
         if resp.status == 404:
-            return NotFound(f"{what} not found on {host}{suffix}")
-        return InvalidRequest(f"{what}: {host} answered {resp.status}{suffix}")
+            return NotFound(f"{what} not found on {host} ({status})")
+        return InvalidRequest(f"{what}: {host} answered {status}")
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run ``call`` up to ``attempts`` times while it fails in a way worth retrying."""
-        last: BaseException | None = None
+        """Run ``call`` up to ``attempts`` times while it fails in a way worth retrying. A connection the
+        address guard refused is Refused at once."""
+        reason = "no attempt"
         for attempt in range(self.attempts):
             if attempt:
                 await asyncio.sleep(_BACKOFF_SECS[min(attempt - 1, len(_BACKOFF_SECS) - 1)])
@@ -769,13 +788,22 @@ class RegistryClient:
             except SandboxError:
                 raise
             except (TimeoutError, _Retryable, aiohttp.ClientError, ConnectionError) as exc:
-                last = exc
-                log.info(
-                    "%s: attempt %d of %d failed: %s",
-                    what,
-                    attempt + 1,
-                    self.attempts,
-                    exc or type(exc).__name__,
-                )
-        reason = str(last) or type(last).__name__
+                refusal = _address_refusal(exc)
+                if refusal is not None:
+                    raise Refused(f"{what}: {refusal}") from None
+                reason = str(exc) if isinstance(exc, _Retryable) else failure_reason(exc)
+                log.info("%s: attempt %d of %d failed: %s", what, attempt + 1, self.attempts, reason)
         raise Unavailable(f"{what}: failed after {self.attempts} attempt(s): {reason}; try again later")
+
+
+def _address_refusal(exc: BaseException) -> RegistryAddressRefused | None:
+    """The address guard's refusal behind ``exc`` (aiohttp wraps it in a connector error), if any."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        if isinstance(seen, RegistryAddressRefused):
+            return seen
+        inner = getattr(seen, "os_error", None)
+        seen = inner if isinstance(inner, BaseException) else (seen.__cause__ or seen.__context__)
+    return None

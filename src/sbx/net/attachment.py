@@ -71,8 +71,6 @@ class Attachment:
     address: ipaddress.IPv4Address
     policy: NetworkPolicy
     relays: set[Relay] = field(default_factory=set)
-    #: Connections the proxy holds for this sandbox, being admitted or relayed.
-    connections: int = 0
     #: name -> {address: when it was last given}, filled by the resolver.
     answered: dict[str, dict[ipaddress.IPv4Address, float]] = field(default_factory=dict)
 

@@ -14,6 +14,7 @@ exists while at least one sandbox is attached, and is removed with the last one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import ipaddress
 import logging
@@ -25,6 +26,7 @@ from sbx.backends.base import BackendError
 from sbx.net import nft
 from sbx.net.attachment import Attachment
 from sbx.net.dns import Resolver, Server, Upstream, system_servers
+from sbx.net.limits import EgressLimits, raise_descriptor_limit
 from sbx.net.proxy import EgressProxy
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,10 @@ class Egress:
         self.prefix = f"sx{self.tag}"
         servers = self.config.upstream_dns or system_servers()
         self.upstream = Upstream(servers)
-        self.resolver = Resolver(self.upstream, self._by_address.get)
-        self.proxy = EgressProxy(self.upstream, self._by_address.get, self.config.subnet)
+        raise_descriptor_limit()  # first: the caps are sized from the limit
+        self.limits = EgressLimits.for_descriptors()
+        self.resolver = Resolver(self.upstream, self._by_address.get, self.limits)
+        self.proxy = EgressProxy(self.upstream, self._by_address.get, self.config.subnet, limits=self.limits)
 
     @property
     def slots(self) -> int:
@@ -113,8 +117,9 @@ class Egress:
         await self.proxy.start()
         log.info(
             "egress listening",
-            extra={"proxy_port": self.proxy.port, "resolver_port": self.resolver.port, "table": self.table},
-        )
+            extra={"proxy_port": self.proxy.port, "resolver_port": self.resolver.port, "table": self.table,
+                   "limits": dataclasses.asdict(self.limits)},
+        )  # fmt: skip
 
     async def settle(self) -> None:
         """With no sandbox attached, remove the table a killed predecessor may have left behind."""

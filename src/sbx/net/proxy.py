@@ -20,32 +20,39 @@ those the new policy no longer permits, at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-import resource
 import socket
 import struct
 from collections.abc import Callable
 from typing import Final
 
-from sbx.net.attachment import Attachment, Relay, still_permitted
+from sbx.logratelimit import RateLimitFilter
+from sbx.net.accept import accept_forever, listen_tcp
+from sbx.net.attachment import Attachment, Relay, reset, still_permitted
 from sbx.net.dns import LookupFailed, Upstream
+from sbx.net.limits import EgressLimits
 from sbx.net.ranges import Address, HostAddresses, Kind, Network, classify
 from sbx.net.rules import address_permitted, name_permitted
 from sbx.net.sniff import MAX_SNIFF_BYTES, Sniffed, Verdict, sniff
 from sbx.net.splice import SpliceRelay
 
 log = logging.getLogger(__name__)
+log.addFilter(RateLimitFilter())  # refusals and failures repeat once per connection
 
 #: Under ``allowlist``, how long a client may take to send the bytes naming its host, seconds.
 NAME_WAIT_SECS: Final = 10.0
 #: Under ``open``, how long a silent client is waited for before connecting it without a name, seconds.
 OPEN_FIRST_BYTES_WAIT_SECS: Final = 0.5
-#: How long connecting to the destination may take, seconds.
+#: How long connecting to the destination, or handing it the client's first bytes, may take, seconds.
 CONNECT_TIMEOUT_SECS: Final = 10.0
-#: Connections one sandbox may have through the proxy at once (each holds six host file descriptors while
-#: relaying); more are reset, so that one sandbox cannot exhaust sandboxd's descriptors.
-MAX_CONNECTIONS_PER_SANDBOX: Final = 512
+#: TCP keepalive on both sockets of a relay: first probe after this many idle seconds, then every
+#: KEEPALIVE_INTERVAL_SECS, the peer declared gone after KEEPALIVE_PROBES unanswered ones, so that a relay
+#: whose peer vanished gives its slot back within about two minutes.
+KEEPALIVE_IDLE_SECS: Final = 60
+KEEPALIVE_INTERVAL_SECS: Final = 10
+KEEPALIVE_PROBES: Final = 6
 _SO_ORIGINAL_DST: Final = 80
 
 
@@ -56,15 +63,13 @@ def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, in
     return ipaddress.IPv4Address(packed), port
 
 
-def raise_descriptor_limit() -> None:
-    """Raise this process's soft limit on open files to the hard one: relays hold descriptors (systemd
-    starts services with a soft limit of 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            log.warning("could not raise the open file limit", extra={"soft": soft, "hard": hard})
+def keep_alive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive with the KEEPALIVE_* timings (a peer that vanished is noticed)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_SECS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_SECS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 
 
 class Refusal(Exception):
@@ -75,7 +80,8 @@ class EgressProxy:
     """Listens on TCP ``port`` of every host address (0: a free one; :attr:`port` holds it).
 
     ``attachment_of(address)`` finds the sandbox a source address belongs to; ``sandbox_subnet`` and this
-    host's own addresses are forbidden destinations (ranges.py).
+    host's own addresses are forbidden destinations (ranges.py). ``limits`` caps the connections held, per
+    sandbox and in all (docs/network.md, "Limits"); one past a cap is reset at once.
     """
 
     def __init__(
@@ -84,11 +90,14 @@ class EgressProxy:
         attachment_of: Callable[[str], Attachment | None],
         sandbox_subnet: Network,
         host_addresses: HostAddresses | None = None,
+        limits: EgressLimits | None = None,
     ) -> None:
         self.upstream = upstream
         self.attachment_of = attachment_of
         self.sandbox_subnet = sandbox_subnet
         self.host_addresses = host_addresses or HostAddresses()
+        #: Connections held (being admitted or relayed), per sandbox.
+        self.slots = (limits or EgressLimits()).proxy_slots()
         self.port = 0
         #: See NAME_WAIT_SECS (an attribute so that tests need not wait that long).
         self.name_wait_secs = NAME_WAIT_SECS
@@ -97,15 +106,9 @@ class EgressProxy:
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self, port: int = 0) -> None:
-        raise_descriptor_limit()
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", port))
-        listener.listen(1024)
-        listener.setblocking(False)
-        self._listener = listener
-        self.port = listener.getsockname()[1]
-        self._accepting = asyncio.create_task(self._accept_loop(listener))
+        self._listener = listen_tcp(port)
+        self.port = self._listener.getsockname()[1]
+        self._accepting = asyncio.create_task(accept_forever(self._listener, self._accepted, "egress proxy"))
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -123,29 +126,25 @@ class EgressProxy:
     def kind_of(self, address: Address) -> Kind:
         return classify(address, (self.sandbox_subnet,), self.host_addresses.get())
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and the like: keep serving
-                log.warning("egress proxy accept failed", extra={"error": str(exc)})
-                await asyncio.sleep(0.1)
-                continue
-            conn.setblocking(False)
-            task = asyncio.create_task(self._serve(conn, str(peer[0])))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
-
-    async def _serve(self, conn: socket.socket, peer: str) -> None:
-        relay = Relay(None, "forbidden", conn, task=asyncio.current_task())
+    def _accepted(self, conn: socket.socket, peer: str) -> None:
+        """Serve a new connection, or reset it at once when it is no sandbox's or past a cap."""
         attachment = self.attachment_of(peer)
-        if attachment is None or attachment.connections >= MAX_CONNECTIONS_PER_SANDBOX:
+        if attachment is None or not self.slots.acquire(attachment.sandbox_id):
             if attachment is not None:
-                log.warning("egress connection limit reached", extra={"sandbox": attachment.sandbox_id})
-            relay.cut()
+                log.warning(
+                    "egress connection limit reached; connection reset",
+                    extra={"sandbox": attachment.sandbox_id, "connections": self.slots.held(attachment.sandbox_id),
+                           "all_connections": self.slots.in_use},
+                )  # fmt: skip
+            reset(conn)
             return
-        attachment.connections += 1
+        task = asyncio.create_task(self._serve(conn, attachment))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, conn: socket.socket, attachment: Attachment) -> None:
+        """Admit and relay one connection; gives its slot back when done."""
+        relay = Relay(None, "forbidden", conn, task=asyncio.current_task())
         port = 0
         try:
             dialled, port = self.dialled(conn)
@@ -163,7 +162,7 @@ class EgressProxy:
         except Exception:  # a bug must cost one connection, never the listener
             log.exception("egress proxy failure", extra={"sandbox": attachment.sandbox_id, "port": port})
         finally:
-            attachment.connections -= 1
+            self.slots.release(attachment.sandbox_id)
             attachment.relays.discard(relay)
             relay.cut()  # a reset when still open (refusals, failures); after a clean end it only closes
 
@@ -259,6 +258,8 @@ class EgressProxy:
         attachment.relays.add(relay)
         loop = asyncio.get_running_loop()
         assert relay.upstream is not None
+        for sock in (relay.client, relay.upstream):
+            keep_alive(sock)  # before a wait for late first bytes too: both sides may stay silent
         if late_check is not None:
             # Nothing goes out before the first bytes are checked; the server may speak first meanwhile.
             first = await self._late_first_bytes(attachment, relay, late_check)
@@ -266,7 +267,7 @@ class EgressProxy:
                 return
             buffered = first
         if buffered:
-            await loop.sock_sendall(relay.upstream, buffered)
+            await asyncio.wait_for(loop.sock_sendall(relay.upstream, buffered), CONNECT_TIMEOUT_SECS)
         splice = SpliceRelay(relay.client, relay.upstream)
         relay.on_cut = splice.stop
         await splice.wait()

@@ -136,12 +136,15 @@ class ImagesConfig:
     ``allowed`` holds reference patterns (see :func:`image_pattern_matches`); ``("**",)``, the default,
     allows every reference and ``()`` only the default image. ``credentials_file`` is a Docker
     ``config.json``-style file of registry logins (None: anonymous). ``insecure_registries`` are
-    ``host[:port]`` reached over plain HTTP besides loopback ones.
+    ``host[:port]`` reached over plain HTTP besides loopback ones. ``allow_private_registries`` are the
+    ``host[:port]`` that pulls may reach on loopback, private or this host's own addresses (none by default;
+    link-local and metadata addresses are never reached; docs/images.md).
     """
 
     allowed: tuple[str, ...] = ("**",)
     credentials_file: Path | None = None
     insecure_registries: tuple[str, ...] = ()
+    allow_private_registries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,8 @@ def _images(sec: Mapping[str, Any]) -> ImagesConfig:
     if raw_file and not raw_file.startswith("/"):
         raise ConfigError(f"images.credentials_file = {raw_file!r} is relative; give an absolute path")
     insecure = _str_list(sec, "images.insecure_registries", _registry_entry)
-    return ImagesConfig(allowed, Path(raw_file) if raw_file else None, insecure)
+    private = _str_list(sec, "images.allow_private_registries", _registry_entry)
+    return ImagesConfig(allowed, Path(raw_file) if raw_file else None, insecure, private)
 
 
 def _registry_entry(value: str, key: str) -> str:

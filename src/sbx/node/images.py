@@ -170,6 +170,7 @@ class ImageService:
             reference,
             credentials_file=images.credentials_file,
             insecure_registries=images.insecure_registries,
+            allow_private_registries=images.allow_private_registries,
             progress=progress,
             replace=True,
         )
@@ -181,7 +182,9 @@ class ImageService:
         images = self.config.images
         credentials = Credentials.from_file(images.credentials_file) if images.credentials_file else None
         async with RegistryClient(
-            credentials=credentials, insecure_registries=images.insecure_registries
+            credentials=credentials,
+            insecure_registries=images.insecure_registries,
+            allow_private_registries=images.allow_private_registries,
         ) as c:
             return await c.manifest_digest(ref) != installed.digest
 

@@ -124,8 +124,11 @@ class SandboxManager:
             # Before anything can fail: a sandbox that is lost or was stopping releases its volumes later.
             self.volumes.take_back(record.id, record.volumes, live=record.live)
             if record.state is SandboxState.TERMINATED:
-                # Finish a teardown a stop or kill interrupted (destroy is idempotent and cheap when done).
+                # Finish a teardown a stop or kill interrupted (destroy is idempotent and cheap when done);
+                # the process records stay listable, their output goes (as at terminate).
                 self._spawn_destroy(record.id)
+                sandbox.processes.load()
+                await sandbox.processes.kill_all()
                 continue
             if not sandbox.load_image_config():
                 self._image_config_from_store(sandbox)

@@ -3,6 +3,11 @@
 ``pid`` is the server's handle (1, 2, ... per sandbox), never the guest kernel's. Each process has a metadata
 file ``<pid>.json`` and an output log ``<pid>.out`` under the sandbox's ``processes/`` directory, so output can
 be replayed from the start and survives a sandboxd restart.
+
+The logs of one sandbox share one :class:`~sbx.node.output_log.OutputBudget` (docs/node-api.md, "Processes"):
+when it is used up, the output of exited processes is dropped first, oldest first, then new output is. When
+the sandbox terminates, every log is cut down to its summary (exit code and byte counts): the records stay
+listable while the node remembers the sandbox, the output goes.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.api.processes import OutputChunk, OutputExit, Process, RunResult
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.audit import AuditLog, process_started_fields
-from sbx.node.output_log import OutputLog
+from sbx.node.output_log import OutputBudget, OutputLog
 from sbx.node.records import iso_utc, utc_now
 from sbx.statefile import read_json, write_json_new
 
@@ -119,6 +124,10 @@ class ProcessTable:
         self._procs: dict[int, _Process] = {}
         self._next_pid = 1
         self._exited = 0
+        #: The output all this sandbox's logs may keep on the host.
+        self.output_budget = OutputBudget(reclaim=self._reclaim_output)
+        #: Exited processes whose logs still hold output (what a reclaim may drop).
+        self._reclaimable: set[int] = set()
         directory.mkdir(parents=True, exist_ok=True)
 
     # -- loading and resuming ---------------------------------------------------------------------------
@@ -136,7 +145,7 @@ class ProcessTable:
             if not isinstance(data, dict):
                 continue
             record = ProcessRecord(**data)
-            log = OutputLog(self.directory / f"{record.pid}.out")
+            log = OutputLog(self.directory / f"{record.pid}.out", self.output_budget)
             if log.exit_code is not None and log.exited_at is not None:
                 record.exit_code = log.exit_code
                 record.finished_at = iso_utc(log.exited_at)
@@ -144,6 +153,8 @@ class ProcessTable:
             self._next_pid = max(self._next_pid, record.pid + 1)
             if record.exit_code is not None:
                 self._exited += 1
+                if log.charged:
+                    self._reclaimable.add(record.pid)
 
     async def attach_agent(self, agent: AgentClient) -> None:
         """Connect the processes the agent still knows to their records; those it lost end with -1."""
@@ -205,7 +216,7 @@ class ProcessTable:
         self._next_pid += 1
         record = ProcessRecord(pid=pid, argv=list(argv), started_at=utc_now(), tty=tty is not None)
         meta_path = self.directory / f"{pid}.json"
-        proc = _Process(record, OutputLog(self.directory / f"{pid}.out"), meta_path)
+        proc = _Process(record, OutputLog(self.directory / f"{pid}.out", self.output_budget), meta_path)
         if capture:
             proc.capture = {"stdout": bytearray(), "stderr": bytearray()}
         self._procs[pid] = proc
@@ -234,7 +245,8 @@ class ProcessTable:
         if self._procs.pop(proc.record.pid, None) is not None and proc.record.exit_code is not None:
             self._exited -= 1
         proc.meta_path.unlink(missing_ok=True)
-        proc.log.path.unlink(missing_ok=True)
+        proc.log.remove()
+        self._reclaimable.discard(proc.record.pid)
 
     async def _finish(self, proc: _Process, exit_code: int) -> None:
         if proc.record.exit_code is not None:
@@ -243,6 +255,8 @@ class ProcessTable:
         proc.record.exit_code = exit_code
         proc.record.finished_at = iso_utc(exited_at)
         await proc.log.finish(exit_code, exited_at)
+        if proc.log.charged:
+            self._reclaimable.add(proc.record.pid)
         proc.exited.set()
         self._exited += 1
         duration_ms = int((time.monotonic() - proc.started_monotonic) * 1000)
@@ -353,10 +367,25 @@ class ProcessTable:
         yield OutputExit(proc.record.exit_code, True if proc.log.truncated else UNSET)
 
     async def kill_all(self) -> None:
-        """Mark every running process as ended (the sandbox is going away)."""
+        """Mark every running process as ended and drop all output kept on the host (the sandbox is going
+        away; the records and their exit codes stay)."""
         for proc in list(self._procs.values()):
             if proc.record.exit_code is None:
                 await self._finish(proc, TIMED_OUT_EXIT_CODE)
+        for proc in self._procs.values():
+            proc.log.drop_output()
+        self._reclaimable.clear()
+
+    def _reclaim_output(self, needed: int) -> int:
+        """Make room for ``needed`` bytes of output by dropping that of exited processes, oldest first;
+        returns the bytes freed (less than ``needed`` when there is not enough)."""
+        freed = 0
+        for pid in sorted(self._reclaimable):  # oldest first
+            if freed >= needed:
+                break
+            self._reclaimable.discard(pid)
+            freed += self._procs[pid].log.drop_output()
+        return freed
 
     def _require_running(self, pid: int) -> _Process:
         proc = self.get(pid)

@@ -10,6 +10,9 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+from sbx.logratelimit import RateLimitFilter
+
+_ASYNCIO_LIMIT = RateLimitFilter()
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
@@ -37,3 +40,5 @@ def setup_logging(level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # asyncio logs a failed accept (out of descriptors, ...) with a traceback at every try.
+    logging.getLogger("asyncio").addFilter(_ASYNCIO_LIMIT)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from sbx.agent.client import AgentClient, AgentFileError
-from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError
+from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
 from sbx.api.files import DirEntry, DirListing
 from sbx.api.validation import validate_guest_path
 from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
@@ -43,6 +43,8 @@ def file_error(exc: AgentFileError, path: str) -> SandboxError:
         return Conflict(f"{path} exists and is not a directory")
     if code == errno.ENAMETOOLONG:
         return InvalidRequest(f"path too long: {path}")
+    if code == errno.EMFILE:  # the host's cap on transfers at once per sandbox (sbx.agent.client)
+        return Unavailable(exc.message)
     return InvalidRequest(f"{path}: {exc}")
 
 
