@@ -196,3 +196,35 @@ def test_slow_reader_never_makes_the_server_buffer(sandboxd: Sandboxd, sandbox: 
     assert state == "exited"
     assert peak - baseline < 64 * 1024, (baseline, peak)
     client.close()
+
+
+def test_attaches_per_sandbox_are_capped(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
+    """A client attaching without end gets 503 at the cap (64), changing nothing; a detach frees a slot."""
+    from sbx.node.streams import MAX_ATTACHES
+
+    pid = start(sandboxd, sandbox["id"], ["sh", "-c", "echo ready; read x; echo got-$x"])
+    path = f"/v1/sandboxes/{sandbox['id']}/processes/{pid}/attach"
+    upgrade = {"Connection": "Upgrade", "Upgrade": "sbx-stream/1"}
+    attached = [Attached(sandboxd, sandbox["id"], pid) for _ in range(MAX_ATTACHES)]
+    try:
+        assert all(a.head.startswith("HTTP/1.1 101") for a in attached)
+        resp = sandboxd.request("GET", path, headers=upgrade)
+        assert resp.status == 503 and resp.error == (
+            "unavailable",
+            f"{MAX_ATTACHES} attaches are open in this sandbox; close one and retry",
+        )
+        attached.pop().close()
+        deadline = time.monotonic() + 10
+        while not (again := Attached(sandboxd, sandbox["id"], pid)).head.startswith("HTTP/1.1 101"):
+            again.close()
+            assert time.monotonic() < deadline, "the closed attach never gave its slot back"
+            time.sleep(0.2)
+        attached.append(again)
+        # The process was never disturbed: every attach still gets its output and exit.
+        attached[0].send(b"i", b"ping\n")
+        out, _, code = attached[0].until_exit()
+        assert out == b"ready\ngot-ping\n" and code == 0
+        assert attached[-1].until_exit()[2] == 0
+    finally:
+        for a in attached:
+            a.close()

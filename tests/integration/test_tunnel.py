@@ -30,7 +30,10 @@ def serve(c):
             h.update(d)
         c.sendall(h.hexdigest().encode()); c.close(); return
     while b"\r\n\r\n" not in head:
-        head += c.recv(4096)
+        more = c.recv(4096)
+        if not more:
+            c.close(); return
+        head += more
     c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
     left = size
     while left:
@@ -212,3 +215,46 @@ def test_cli_forward(sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: d
     finally:
         forward.terminate()
         forward.wait(timeout=10)
+
+
+def test_tunnels_per_sandbox_are_capped(sandboxd: Sandboxd) -> None:
+    """A client opening tunnels without end gets 503 at the cap (128), changing nothing; one closed frees one."""
+    from sbx.node.streams import MAX_TUNNELS
+
+    # A sandbox of its own: the module's holds other tests' tunnels until their guest side closes.
+    created = sandboxd.request("POST", "/v1/sandboxes", {})
+    assert created.status == 201, created.body
+    sandbox = created.json()
+    small_guest = start_guest_server(sandboxd, sandbox["id"], 8001, 4 * MiB)
+    upgrade = {"Connection": "Upgrade", "Upgrade": "sbx-tunnel/1"}
+    base = f"/v1/sandboxes/{sandbox['id']}/tunnel?port={small_guest['port']}"
+    opened = []
+    try:
+        for _ in range(MAX_TUNNELS):
+            sock, head = open_tunnel(sandboxd, sandbox["id"], small_guest["port"])
+            opened.append(sock)
+            assert head.startswith(b"HTTP/1.1 101"), head
+        resp = sandboxd.request("GET", base, headers=upgrade)
+        assert resp.status == 503 and resp.error == (
+            "unavailable",
+            f"{MAX_TUNNELS} tunnels are open in this sandbox; close one and retry",
+        )
+        # Every open tunnel still works, and the node answers other calls.
+        opened[-1].sendall(b"SUM\nabc")
+        opened[-1].shutdown(socket.SHUT_WR)
+        assert opened[-1].recv(100) == hashlib.sha256(b"abc").hexdigest().encode()
+        assert sandboxd.request("GET", "/v1/node").status == 200
+        opened.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the slot is freed when the server sees the close
+            sock, head = open_tunnel(sandboxd, sandbox["id"], small_guest["port"])
+            opened.append(sock)
+            if head.startswith(b"HTTP/1.1 101") or time.monotonic() > deadline:
+                break
+            opened.pop().close()
+            time.sleep(0.2)
+        assert head.startswith(b"HTTP/1.1 101"), head
+    finally:
+        for sock in opened:
+            sock.close()
+        sandboxd.request("DELETE", f"/v1/sandboxes/{sandbox['id']}")

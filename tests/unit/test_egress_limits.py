@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sbx.net.limits import DNS_TCP_DESCRIPTORS, EGRESS_SHARE, PROXY_DESCRIPTORS, EgressLimits, Slots
+from sbx.net.limits import DNS_TCP_DESCRIPTORS, EGRESS_SHARE, PROXY_DESCRIPTORS, EgressLimits
+from sbx.slots import Slots
 
 
 def test_slots_refuse_past_the_per_sandbox_cap_and_give_back() -> None:

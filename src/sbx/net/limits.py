@@ -2,7 +2,7 @@
 
 Every connection to the proxy or the resolver and every DNS query waiting on the upstream holds host file
 descriptors and event-loop time of sandboxd, the process that also answers the API. Each kind of resource
-has a :class:`Slots`: a cap per sandbox, so that one sandbox cannot take what others need, and a cap for all
+has a :class:`~sbx.slots.Slots`: a cap per sandbox, so that one sandbox cannot take what others need, and a cap for all
 sandboxes together, so that many cannot exhaust sandboxd's descriptors between them.
 :meth:`EgressLimits.for_descriptors` sizes the totals from sandboxd's open-file limit.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
+
+from sbx.slots import Slots, open_file_limit
 
 log = logging.getLogger(__name__)
 
@@ -25,41 +26,6 @@ DNS_TCP_DESCRIPTORS: Final = 2
 #: Share of the open-file limit the egress resources may hold together; the rest stays for the API,
 #: agents, logs and images.
 EGRESS_SHARE: Final = 0.6
-
-
-@dataclass
-class Slots:
-    """How much of one resource each sandbox holds: :meth:`acquire` refuses beyond ``per_sandbox`` for one
-    sandbox or ``total`` for all of them together; every acquired slot is given back with :meth:`release`."""
-
-    per_sandbox: int
-    total: int
-    _held: Counter[str] = field(default_factory=Counter)
-    _in_use: int = 0
-
-    def acquire(self, sandbox_id: str) -> bool:
-        """Take a slot for ``sandbox_id``; False (nothing taken) when either cap is reached."""
-        if self._held[sandbox_id] >= self.per_sandbox or self._in_use >= self.total:
-            return False
-        self._held[sandbox_id] += 1
-        self._in_use += 1
-        return True
-
-    def release(self, sandbox_id: str) -> None:
-        """Give back a slot :meth:`acquire` gave ``sandbox_id``."""
-        self._held[sandbox_id] -= 1
-        if self._held[sandbox_id] <= 0:
-            del self._held[sandbox_id]
-        self._in_use -= 1
-
-    def held(self, sandbox_id: str) -> int:
-        """Slots ``sandbox_id`` holds now."""
-        return self._held[sandbox_id]
-
-    @property
-    def in_use(self) -> int:
-        """Slots held by all sandboxes together."""
-        return self._in_use
 
 
 @dataclass(frozen=True)
@@ -84,9 +50,7 @@ class EgressLimits:
         ``open_files`` (default: this process's soft RLIMIT_NOFILE, read now) descriptors. Per-sandbox caps
         are never above the totals."""
         if open_files is None:
-            open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if open_files == resource.RLIM_INFINITY:
-            open_files = 1 << 20
+            open_files = open_file_limit()
         default = cls()
         budget = int(open_files * EGRESS_SHARE)
         # A fifth for the resolver (its connections and the queries waiting on the upstream), the rest for

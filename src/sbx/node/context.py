@@ -14,6 +14,7 @@ from sbx.node.images import ImageService
 from sbx.node.manager import SandboxManager
 from sbx.node.pools import Pools
 from sbx.node.sampler import MetricsSampler
+from sbx.node.streams import StreamLimits
 
 
 @dataclass
@@ -32,6 +33,8 @@ class NodeContext:
     pools: Pools | None = None
     #: Per-sandbox metrics; None on a node that keeps none.
     sampler: MetricsSampler | None = None
+    #: Attach and tunnel slots, per sandbox and for the node.
+    streams: StreamLimits = field(default_factory=StreamLimits.for_descriptors)
 
     @property
     def images(self) -> ImageService:

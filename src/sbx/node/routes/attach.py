@@ -1,13 +1,12 @@
 """Attach: a process's output replayed from the start and followed, its stdin, signals and resizes, as frames.
 
 Each attach follows the output log on its own (bounded reads at the client's pace, so a slow reader only
-slows itself), and any number may be attached at once. Closing the connection detaches; the process goes on.
+slows itself), up to streams.MAX_ATTACHES (64) per sandbox at once. Closing the connection detaches; the process goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from aiohttp import web
 
@@ -18,6 +17,7 @@ from sbx.node.context import NodeContext
 from sbx.node.processes import SIGNALS
 from sbx.node.routes.processes import parse_pid
 from sbx.node.sandbox import Sandbox
+from sbx.node.streams import holding
 from sbx.web.upgrade import RawStream, check_upgrade, finished_response, upgrade
 
 _STREAM_TYPES = {"stdout": frames.STDOUT, "stderr": frames.STDERR}
@@ -29,24 +29,27 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         pid = parse_pid(request)
         sandbox.processes.get(pid)  # 404 before switching protocols
         check_upgrade(request, frames.PROTOCOL)
-        stream = await upgrade(request, frames.PROTOCOL)
-        sending = asyncio.create_task(_send_output(sandbox, pid, stream))
-        receiving = asyncio.create_task(_receive_input(sandbox, pid, stream))
-        try:
-            # Done when the output is all sent (the process exited), or the client went away.
-            await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
-            if receiving.done() and not sending.done():
-                # The client closed its side: a half-closed client may still read, a gone one may not.
-                with contextlib.suppress(ConnectionError):
-                    await sending
-        finally:
-            for task in (sending, receiving):
-                task.cancel()
-            await asyncio.gather(sending, receiving, return_exceptions=True)
-            await stream.close()
+        with holding(ctx.streams.attaches, sandbox.record.id, "attaches"):
+            await _attached(sandbox, pid, await upgrade(request, frames.PROTOCOL))
         return finished_response()
 
     return [web.get("/v1/sandboxes/{ref}/processes/{pid}/attach", attach)]
+
+
+async def _attached(sandbox: Sandbox, pid: int, stream: RawStream) -> None:
+    """Relay until the output is all sent (the process exited) or the client closes its side."""
+    sending = asyncio.create_task(_send_output(sandbox, pid, stream))
+    receiving = asyncio.create_task(_receive_input(sandbox, pid, stream))
+    try:
+        # The client's EOF detaches: a socket closed by a client that has gone cannot be told from a
+        # half-closed one until a write fails, and a process that prints nothing would keep a gone client's
+        # attach (and its slot) until it exits. Input ends with an `e` frame, never with a half-close.
+        await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sending, receiving):
+            task.cancel()
+        await asyncio.gather(sending, receiving, return_exceptions=True)
+        await stream.close()
 
 
 async def _send_output(sandbox: Sandbox, pid: int, stream: RawStream) -> None:

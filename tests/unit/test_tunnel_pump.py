@@ -1,0 +1,79 @@
+"""The tunnel's copy loop: a half-closed client's tunnel ends when the guest stays silent, and not before."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from sbx.node.routes.tunnel import _pump
+from sbx.web.upgrade import RawStream
+
+
+class SilentGuest:
+    """A guest connection that sends ``chunks`` (one every ``every`` seconds), then nothing, never closing."""
+
+    def __init__(self, chunks: int = 0, every: float = 0.0) -> None:
+        self.chunks, self.every = chunks, every
+        self.received = b""
+        self.eof = False
+
+    async def read(self) -> bytes:
+        if self.chunks:
+            self.chunks -= 1
+            await asyncio.sleep(self.every)
+            return b"tick"
+        await asyncio.Event().wait()  # silent for ever
+        return b""
+
+    async def write(self, data: bytes) -> None:
+        self.received += data
+
+    async def write_eof(self) -> None:
+        self.eof = True
+
+
+async def _client_pair() -> tuple[RawStream, socket.socket]:
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    return RawStream(reader, writer), theirs
+
+
+async def test_a_half_closed_tunnel_ends_after_the_guest_is_silent() -> None:
+    stream, peer = await _client_pair()
+    guest = SilentGuest()
+    peer.sendall(b"request")
+    peer.shutdown(socket.SHUT_WR)
+    started = time.monotonic()
+    await asyncio.wait_for(_pump(guest, stream, lambda: None, half_closed_idle_secs=0.3), 5)  # type: ignore[arg-type]
+    assert 0.25 <= time.monotonic() - started < 3
+    assert guest.received == b"request" and guest.eof  # the half-close was passed through first
+    peer.close()
+
+
+async def test_a_guest_still_answering_keeps_a_half_closed_tunnel() -> None:
+    stream, peer = await _client_pair()
+    guest = SilentGuest(chunks=6, every=0.1)  # 0.6 s of answers, each within the 0.3 s allowance
+    peer.shutdown(socket.SHUT_WR)
+    await asyncio.wait_for(_pump(guest, stream, lambda: None, half_closed_idle_secs=0.3), 5)  # type: ignore[arg-type]
+    peer.setblocking(False)
+    got = b""
+    while True:
+        try:
+            chunk = peer.recv(1024)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    assert got == b"tick" * 6
+    peer.close()
+
+
+async def test_an_open_client_keeps_a_silent_tunnel() -> None:
+    stream, peer = await _client_pair()
+    task = asyncio.create_task(_pump(SilentGuest(), stream, lambda: None, half_closed_idle_secs=0.1))  # type: ignore[arg-type]
+    await asyncio.sleep(0.4)
+    assert not task.done()  # no EOF from the client: silence on both sides is an idle tunnel, kept
+    peer.close()  # a client that goes away ends it
+    await asyncio.wait_for(task, 5)
