@@ -164,6 +164,9 @@ def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig],
         pytest.param("[server]\nallowed_hosts = [1]", "server.allowed_hosts[0]: expected a string", id="list-item-type"),
         pytest.param("[paths]\nimages_dir = \"images\"", "paths.images_dir = 'images' is relative", id="relative-path"),
         pytest.param("[paths]\nagent_path = 5", "paths.agent_path: expected a path string", id="path-type"),
+        pytest.param("[backend]\nkind = \"qemu\"", "backend.kind = 'qemu': expected one of gvisor", id="backend-unknown"),
+        pytest.param("[backend]\nkind = \"\"", "backend.kind: expected a non-empty string", id="backend-empty"),
+        pytest.param("[backend]\nplatform = \"kvm\"", "backend.platform", id="backend-unknown-key"),
         # Ranges.
         pytest.param("[limits]\nmax_cpus = 0", "limits.max_cpus = 0: expected a positive integer", id="limit-zero"),
         pytest.param("[limits]\nmax_memory_mb = -1", "limits.max_memory_mb = -1", id="limit-negative"),
@@ -315,3 +318,20 @@ def test_documented_full_file_is_exactly_the_defaults() -> None:
 )
 def test_image_patterns(pattern: str, reference: str, matches: bool) -> None:
     assert image_pattern_matches(pattern, reference) is matches
+
+
+def test_the_backend_kind_chooses_the_backend(tmp_path: Path) -> None:
+    """``[backend] kind`` picks a registered factory; gvisor is the default and the only one sandboxd ships."""
+    from fake_backend import FakeBackend
+
+    from sbx.backends.gvisor import GVisorBackend
+    from sbx.node import backend_kinds
+
+    assert isinstance(backend_kinds.make_backend(load(tmp_path, ""), tmp_path), GVisorBackend)
+    backend_kinds.register("fake", lambda config, state: FakeBackend(state, config.paths.agent_path))
+    try:
+        config = load(tmp_path, '[backend]\nkind = "fake"')
+        assert config.backend.kind == "fake"
+        assert isinstance(backend_kinds.make_backend(config, tmp_path), FakeBackend)
+    finally:
+        del backend_kinds.KINDS["fake"]

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from fake_backend import FakeBackend
 
 from sbx.api.codec import to_builtins
 from sbx.api.network_policy import NetworkPolicy
@@ -240,7 +241,7 @@ async def test_the_manager_tells_the_sampler_what_it_forgets(tmp_path: Path) -> 
         (state / "sandboxes" / record.id).mkdir(parents=True)
         write_json_atomic(state / "sandboxes" / record.id / "sandbox.json", record.to_disk(), durable=False)
     manager = SandboxManager(
-        NodeConfig(), state, backend=None, images=ImageStore(tmp_path / "images"),  # type: ignore[arg-type]
+        NodeConfig(), state, backend=FakeBackend(state, tmp_path / "agent"), images=ImageStore(tmp_path / "images"),
         audit=AuditLog(tmp_path / "audit"), reservations=Reservations(Capacity(cpus=4, memory_mb=4096, disk_mb=10000)),
     )  # fmt: skip
     sampler = MetricsSampler(list, FakeCounters({}))

@@ -9,15 +9,20 @@ import os
 from pathlib import Path
 
 import pytest
+from fake_backend import NOBODY, DirVolumes
 
 from sbx.api.codec import to_builtins
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError
 from sbx.api.network_policy import NetworkPolicy
 from sbx.api.sandboxes import VolumeMount
 from sbx.api.validation import validate_volume_name
+from sbx.backends.base import GuestUser
 from sbx.node import volumes as vol
 from sbx.node.records import SandboxRecord, SandboxState
 from sbx.node.volumes import VolumeStore, check_mount_points, holder_conflict
+
+#: Volumes as directories; these tests never attach one.
+DISKS = DirVolumes(GuestUser(NOBODY, NOBODY, "nobody", "/nonexistent"))
 
 RO, RW = True, False
 
@@ -116,7 +121,7 @@ def _store(tmp_path: Path, *names: str) -> VolumeStore:
         (base / name).mkdir(parents=True)
         record = {"name": name, "size_mb": 16, "created_at": "2026-01-01T00:00:00.000Z"}
         (base / name / vol.RECORD_NAME).write_text(json.dumps(record))
-    store = VolumeStore(base)
+    store = VolumeStore(base, DISKS)
     asyncio.run(store.start())
     return store
 
@@ -129,7 +134,7 @@ def test_start_loads_records_and_removes_unfinished(tmp_path: Path) -> None:
     store = _store(tmp_path, "a", "b")
     (tmp_path / "volumes" / "half").mkdir()  # a create killed before its record was written
     (tmp_path / "volumes" / "half" / "disk.img").write_bytes(b"")
-    again = VolumeStore(tmp_path / "volumes")
+    again = VolumeStore(tmp_path / "volumes", DISKS)
     asyncio.run(again.start())
     assert [v.name for v in again.listing()] == ["a", "b"]
     assert not (tmp_path / "volumes" / "half").exists()
@@ -225,7 +230,7 @@ def test_delete_waits_for_a_stopping_sandbox(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert not (tmp_path / "volumes" / "data").exists()
-    again = VolumeStore(tmp_path / "volumes")
+    again = VolumeStore(tmp_path / "volumes", DISKS)
     asyncio.run(again.start())
     assert again.listing() == []
 

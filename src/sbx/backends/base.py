@@ -2,7 +2,10 @@
 
 A backend boots a sandbox from a read-only image root plus a private writable layer, with an agent inside
 listening on a channel the host can connect to (see docs/agent-protocol.md). Everything that runs inside the
-sandbox goes through that agent; the backend only boots, finds and destroys sandboxes.
+sandbox goes through that agent; the backend only boots, finds and destroys sandboxes, hands out agent
+connections (:meth:`Backend.connect_agent`), stores volumes (:class:`VolumeDisks`) and says who processes run
+as (:class:`GuestUser`). sandboxd picks one by ``[backend] kind`` (sbx.node.backend_kinds); nothing outside
+``backends/`` knows which.
 """
 
 from __future__ import annotations
@@ -11,14 +14,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from sbx.agent.client import AgentClient
 from sbx.api.network_policy import NetworkPolicy
 
 
 @dataclass(frozen=True)
+class GuestUser:
+    """Who processes and file transfers run as inside the backend's sandboxes: ``uid`` and ``gid``, the user
+    ``name`` (USER, LOGNAME) and ``home``, an absolute guest path, the default working directory and HOME."""
+
+    uid: int
+    gid: int
+    name: str
+    home: str
+
+
+@dataclass(frozen=True)
 class VolumeBind:
-    """A volume to show inside a sandbox: the host directory it is mounted on (``source``), the absolute
-    guest ``path`` (checked by the mount rules), and whether the sandbox may only read it (enforced by the
-    backend for every guest user, root included: writes fail with EROFS)."""
+    """A volume to show inside a sandbox: what :meth:`VolumeDisks.attach` gave for it (``source``), the
+    absolute guest ``path`` (checked by the mount rules), and whether the sandbox may only read it (enforced
+    by the backend for every guest user, root included: writes fail with EROFS)."""
 
     source: Path
     path: str
@@ -70,6 +85,35 @@ class BackendError(Exception):
     """A backend operation failed; the message says what happened and is safe to show."""
 
 
+class VolumeDisks(Protocol):
+    """How a backend stores volumes and readies them for its sandboxes. Which volumes exist, who holds them
+    and the mount rules are the node's (sbx.node.volumes); this is the storage under them.
+
+    A volume lives in a directory of its own that the node makes and removes; the backend keeps its files
+    in it. A volume holds at most its size (a write past it fails ENOSPC in the guest) and its root is owned
+    by the backend's guest user.
+    """
+
+    async def create(self, directory: Path, size_mb: int) -> None:
+        """Make an empty volume of ``size_mb`` MiB in the empty ``directory``, durable on return. On failure
+        the directory may hold leftovers; the node removes it."""
+
+    def is_attached(self, directory: Path) -> bool:
+        """Whether the volume is ready for binds (after :meth:`attach`, until :meth:`detach`)."""
+
+    async def attach(self, directory: Path) -> Path:
+        """Ready the volume for sandboxes and return the ``source`` of its binds. Idempotent: an attached
+        volume is returned as it is. Never attaches one volume twice at once (that corrupts it)."""
+
+    async def flush(self, directory: Path) -> None:
+        """Write what sandboxes wrote to the volume's storage (a sandbox using it has stopped). Errors are
+        logged, not raised."""
+
+    async def detach(self, directory: Path) -> None:
+        """Flush and release the volume; idempotent. A user still letting go delays the release of its
+        storage, never the return, and a later :meth:`attach` waits for it."""
+
+
 class Backend(Protocol):
     """Boots, finds and destroys sandboxes. Implementations must be idempotent where stated."""
 
@@ -77,6 +121,10 @@ class Backend(Protocol):
     name: str
     #: The network modes this backend can enforce; a stricter server never pretends to offer more.
     network_modes: frozenset[str]
+    #: Who processes and file transfers run as in its sandboxes.
+    guest: GuestUser
+    #: Where its volumes are stored.
+    volumes: VolumeDisks
 
     def check(self) -> None:
         """Raise BackendError naming what to install or fix when the host cannot run sandboxes."""
@@ -88,13 +136,14 @@ class Backend(Protocol):
         """Stop background work; running sandboxes are left alone."""
 
     async def boot(self, spec: BootSpec) -> None:
-        """Boot the sandbox; on return its agent is listening on ``agent_socket(spec.sandbox_id)``.
+        """Boot the sandbox; on return its agent is listening (:meth:`connect_agent` reaches it).
 
         On failure nothing of it is left behind (mounts, files, runtime state).
         """
 
-    def agent_socket(self, sandbox_id: str) -> Path:
-        """Host path of the unix socket the sandbox's agent listens on."""
+    async def connect_agent(self, sandbox_id: str, timeout_secs: float) -> AgentClient:
+        """A new connection to the sandbox's agent, waiting up to ``timeout_secs`` for it to listen (after a
+        boot or a restore). Any number may be made, across sandboxd restarts too."""
 
     async def is_running(self, sandbox_id: str) -> bool:
         """Whether the sandbox still runs (used when sandboxd restarts to take sandboxes back)."""
@@ -119,6 +168,10 @@ class CheckpointBackend(Backend, Protocol):
 
     #: The guest path the agent's QUIESCE waits for (see docs/agent-protocol.md).
     wake_path: str
+
+    def has_checkpoint(self, image_dir: Path) -> bool:
+        """Whether ``image_dir`` holds a whole checkpoint :meth:`restore` can start from (the node asks after
+        a crash which steps of a suspend or snapshot were done)."""
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the sandbox into ``image_dir``; the sandbox then stops, its disk stays. On failure

@@ -29,13 +29,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sbx.agent.client import AgentClient
 from sbx.api.network_policy import NetworkPolicy
-from sbx.backends.base import BackendError, BackendUsage, BootSpec
+from sbx.api.validation import DEFAULT_CWD
+from sbx.backends.base import BackendError, BackendUsage, BootSpec, GuestUser, VolumeDisks
 from sbx.backends.ctl_dir import touch_regular
 from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, run_tool
+from sbx.backends.loop_volumes import LoopVolumes
+from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
 
 #: The in-sandbox paths of the agent and its control directory.
@@ -44,6 +48,10 @@ GUEST_CTL_DIR = "/.sbx/ctl"
 AGENT_SOCKET_NAME = "agent.sock"
 #: File in the control directory that ends the agent's QUIESCE (see docs/agent-protocol.md).
 WAKE_FILE_NAME = "wake"
+#: The file ``runsc checkpoint`` writes last into its image directory: a checkpoint is whole once it is there.
+CHECKPOINT_FILE = "checkpoint.img"
+#: The sandbox user every image has (sbx.images.store makes its home), as the spec's ``/sandbox/home`` says.
+GUEST = GuestUser(uid=SANDBOX_UID, gid=SANDBOX_GID, name="sandbox", home=DEFAULT_CWD)
 
 #: Host threads and processes a sandbox may have (ptrace runs a stub per guest address space); stops a fork
 #: bomb from exhausting the host's pid space.
@@ -131,6 +139,7 @@ class GVisorBackend:
 
     name = "gvisor"
     network_modes: frozenset[str] = frozenset({"none"})
+    guest = GUEST
 
     def __init__(
         self,
@@ -150,6 +159,8 @@ class GVisorBackend:
         self.platform = platform
         self.runsc = runsc
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
+        #: Volumes are ext4 images loop-mounted on the host and bound into sandboxes (runsc's gofer serves them).
+        self.volumes: VolumeDisks = LoopVolumes(GUEST)
         #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
         self._locks: dict[str, asyncio.Lock] = {}
         #: Sandboxes being destroyed: a checkpoint or restore racing with the teardown gives up.
@@ -202,7 +213,11 @@ class GVisorBackend:
         return self.base / sandbox_id
 
     def agent_socket(self, sandbox_id: str) -> Path:
+        """Host path of the socket the sandbox's agent listens on (runsc's --host-uds=create makes it)."""
         return self._dir(sandbox_id) / "ctl" / AGENT_SOCKET_NAME
+
+    async def connect_agent(self, sandbox_id: str, timeout_secs: float) -> AgentClient:
+        return await AgentClient.connect(self.agent_socket(sandbox_id), timeout_secs)
 
     def _runsc_argv(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.runsc_root), *args]
@@ -324,6 +339,9 @@ class GVisorBackend:
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def has_checkpoint(self, image_dir: Path) -> bool:
+        return (image_dir / CHECKPOINT_FILE).is_file()
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the sandbox's memory and processes into ``image_dir`` (created); the sandbox then stops, its

@@ -24,12 +24,9 @@ import shutil
 from pathlib import Path
 
 from sbx.backends.base import BackendError
+from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 
 log = logging.getLogger(__name__)
-
-#: uid and gid of the sandbox user inside every sandbox; its home is /sandbox/home.
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
 
 
 async def run_tool(*argv: str) -> str:

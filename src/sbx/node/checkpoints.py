@@ -45,8 +45,6 @@ PROGRESS_INTERVAL_SECS = 0.1
 SUSPEND_IMAGE = "suspend-image"
 #: Where a memory snapshot's checkpoint is made, inside the sandbox's state directory, until it is stored.
 CAPTURE_IMAGE = "capture-image"
-#: The file runsc writes last into a checkpoint directory.
-CHECKPOINT_FILE = "checkpoint.img"
 #: How long a quiesced agent may take to close its connection, in seconds.
 QUIESCE_TIMEOUT_SECS = 10.0
 
@@ -168,7 +166,7 @@ class Checkpoints:
         between a checkpoint and what follows it, finish that (a suspend becomes suspended; a capture
         restores the sandbox from its checkpoint). False when there is no checkpoint to go on from."""
         record = sandbox.record
-        if (sandbox.directory / SUSPEND_IMAGE / CHECKPOINT_FILE).is_file():
+        if self.backend.has_checkpoint(sandbox.directory / SUSPEND_IMAGE):
             record.state = SandboxState.SUSPENDED
             sandbox.save()
             sandbox.processes.load()
@@ -177,7 +175,7 @@ class Checkpoints:
             log.info("an interrupted suspend was finished", extra={"sandbox": record.id})
             return True
         image = sandbox.directory / CAPTURE_IMAGE
-        if (image / CHECKPOINT_FILE).is_file():
+        if self.backend.has_checkpoint(image):
             sandbox.processes.load()
             await self.backend.restore(record.id, image)
             await self.host.reattach_agent(sandbox)

@@ -36,9 +36,11 @@ from sbx.api.network_policy import (
 from sbx.api.node import Defaults, Limits, Resources
 from sbx.net.dns import parse_server
 from sbx.net.egress import MIN_SUBNET_PREFIX, EgressConfig
+from sbx.node.backend_kinds import DEFAULT_KIND, KINDS
 
 __all__ = [
     "AuditConfig",
+    "BackendConfig",
     "Capacity",
     "CapacityConfig",
     "ConfigError",
@@ -160,6 +162,13 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
+class BackendConfig:
+    """``[backend]``: ``kind``, the backend that isolates sandboxes (``gvisor``; sbx.node.backend_kinds)."""
+
+    kind: str = DEFAULT_KIND
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """The whole node configuration; ``source`` is the file it came from (None: built-in defaults)."""
 
@@ -174,10 +183,21 @@ class NodeConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     pools: tuple[PoolConfig, ...] = ()
+    backend: BackendConfig = field(default_factory=BackendConfig)
     source: Path | None = None
 
 
-_SECTIONS: Final = ("limits", "defaults", "network", "capacity", "server", "paths", "audit", "images")
+_SECTIONS: Final = (
+    "limits",
+    "defaults",
+    "network",
+    "capacity",
+    "server",
+    "paths",
+    "audit",
+    "images",
+    "backend",
+)
 #: Top-level arrays of tables (``[[pools]]``), checked apart from the sections.
 _ARRAYS: Final = ("pools",)
 
@@ -293,9 +313,15 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     images = _images(sections["images"])
     pools = _pools(raw.get("pools", []), images, defaults.image)
 
+    bke = sections["backend"]
+    _no_unknown(bke, _fields(BackendConfig), "backend.")
+    kind = _nonempty_str(bke, "backend.kind", DEFAULT_KIND)
+    if kind not in KINDS:
+        raise ConfigError(f"backend.kind = {kind!r}: expected one of {', '.join(sorted(KINDS))}")
+
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
-        paths=paths, audit=audit, images=images, pools=pools, source=source,
+        paths=paths, audit=audit, images=images, pools=pools, backend=BackendConfig(kind), source=source,
     )  # fmt: skip
 
 

@@ -87,7 +87,7 @@ class SandboxManager:
         reservations.add_holder("sandboxes", self._held)
         self.node_id = node_id
         #: Volumes (see volumes.py): held by live sandboxes from create to terminate.
-        self.volumes = VolumeStore(state_dir / "volumes")
+        self.volumes = VolumeStore(state_dir / "volumes", backend.volumes)
         #: Suspend, snapshots, forks and schedules (checkpoints.py); None when the backend cannot checkpoint.
         self.checkpoints: Checkpoints | None = (
             Checkpoints(self, backend, SnapshotStore(state_dir / "snapshots"))
@@ -119,7 +119,7 @@ class SandboxManager:
             if not isinstance(data, dict):
                 continue
             record = SandboxRecord.from_disk(data)
-            sandbox = Sandbox(record, path.parent, self.audit)
+            sandbox = Sandbox(record, path.parent, self.audit, self.backend.guest)
             self._sandboxes[record.id] = sandbox
             # Before anything can fail: a sandbox that is lost or was stopping releases its volumes later.
             self.volumes.take_back(record.id, record.volumes, live=record.live)
@@ -364,7 +364,7 @@ class SandboxManager:
             directory = self.root / record.id
             directory.mkdir(mode=0o700)
             undo.callback(shutil.rmtree, directory, True)
-            sandbox = Sandbox(record, directory, self.audit)
+            sandbox = Sandbox(record, directory, self.audit, self.backend.guest)
             sandbox.set_image_config(image.config, image.rootfs)
             # Registered before the first await, so a concurrent create sees the name and the capacity taken.
             self._sandboxes[record.id] = sandbox
@@ -426,7 +426,7 @@ class SandboxManager:
         record.state = SandboxState.RUNNING
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
-        sandbox = Sandbox(record, directory, self.audit)
+        sandbox = Sandbox(record, directory, self.audit, self.backend.guest)
         sandbox.set_image_config(pooled.image.config, pooled.image.rootfs)
         sandbox.processes.agent = pooled.agent  # a fresh table, and the agent has run nothing yet
         self._sandboxes[record.id] = sandbox
@@ -545,7 +545,7 @@ class SandboxManager:
 
     async def connect_agent(self, sandbox_id: str) -> AgentClient:
         """A new connection to the sandbox's agent (waiting up to AGENT_CONNECT_TIMEOUT_SECS for it)."""
-        return await AgentClient.connect(self.backend.agent_socket(sandbox_id), AGENT_CONNECT_TIMEOUT_SECS)
+        return await self.backend.connect_agent(sandbox_id, AGENT_CONNECT_TIMEOUT_SECS)
 
     async def reattach_agent(self, sandbox: Sandbox) -> None:
         """Connect to the sandbox's agent again and take its processes back: after a restart, a lost channel

@@ -26,7 +26,7 @@ from msgspec import UNSET
 from sbx.agent.client import AgentClient, AgentError, CommandNotFound, SpawnFailed
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.api.processes import OutputChunk, OutputExit, Process, RunResult
-from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
+from sbx.backends.base import GuestUser
 from sbx.node.audit import AuditLog, process_started_fields
 from sbx.node.output_log import OutputBudget, OutputLog
 from sbx.node.records import iso_utc, utc_now
@@ -41,15 +41,16 @@ TIMED_OUT_EXIT_CODE = -1
 
 SIGNALS = {"INT": signals.SIGINT, "TERM": signals.SIGTERM, "KILL": signals.SIGKILL, "HUP": signals.SIGHUP}
 
-#: Environment every process starts with, below the sandbox's and the request's own.
-BASE_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/sandbox/home",
-    "USER": "sandbox",
-    "LOGNAME": "sandbox",
-    "LANG": "C.UTF-8",
-}
-HOME = "/sandbox/home"
+
+def base_env(guest: GuestUser) -> dict[str, str]:
+    """Environment every process starts with, below the image's, the sandbox's and the request's own."""
+    return {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": guest.home,
+        "USER": guest.name,
+        "LOGNAME": guest.name,
+        "LANG": "C.UTF-8",
+    }
 
 
 @dataclass
@@ -105,16 +106,19 @@ class _Sink:
 
 
 class ProcessTable:
-    """The processes of one sandbox. ``on_change`` is called when one starts or exits (for idle tracking)."""
+    """The processes of one sandbox, run as ``guest``. ``on_change`` is called when one starts or exits (for
+    idle tracking)."""
 
     def __init__(
         self,
         sandbox_id: str,
         directory: Path,
         audit: AuditLog,
+        guest: GuestUser,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.sandbox_id = sandbox_id
+        self.guest = guest
         self.directory = directory
         self.audit = audit
         self.on_change = on_change
@@ -224,7 +228,8 @@ class ProcessTable:
         write_json_new(meta_path, asdict(record))
         try:
             await agent.spawn(
-                pid, argv, env, cwd or HOME, SANDBOX_UID, SANDBOX_GID, tty=tty, sink=_Sink(self, proc),
+                pid, argv, env, cwd or self.guest.home, self.guest.uid, self.guest.gid, tty=tty,
+                sink=_Sink(self, proc),
                 stdin=stdin, close_stdin=close_stdin,
             )  # fmt: skip
         except CommandNotFound as exc:
@@ -235,7 +240,7 @@ class ProcessTable:
             raise InvalidRequest(f"cannot start {argv[0]}: {exc}") from None
         self.audit.record(
             "process.started", self.sandbox_id,
-            **process_started_fields(pid, argv, cwd or HOME, request_env_names),
+            **process_started_fields(pid, argv, cwd or self.guest.home, request_env_names),
         )  # fmt: skip
         self.on_change()
         self._forget_old()

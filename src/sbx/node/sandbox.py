@@ -10,6 +10,7 @@ import stat
 import time
 from pathlib import Path
 
+from sbx.backends.base import GuestUser
 from sbx.images.store import ImageConfig
 from sbx.node.audit import AuditLog
 from sbx.node.processes import ProcessTable
@@ -22,11 +23,12 @@ log = logging.getLogger(__name__)
 class Sandbox:
     """A sandbox known to this node: its record, its processes and its agent connection."""
 
-    def __init__(self, record: SandboxRecord, directory: Path, audit: AuditLog) -> None:
+    def __init__(self, record: SandboxRecord, directory: Path, audit: AuditLog, guest: GuestUser) -> None:
+        """``guest``: who its processes and file transfers run as (the backend's)."""
         self.record = record
         self.directory = directory
         self.last_activity = time.monotonic()
-        self.processes = ProcessTable(record.id, directory / "processes", audit, on_change=self.touch)
+        self.processes = ProcessTable(record.id, directory / "processes", audit, guest, on_change=self.touch)
         self.lock = asyncio.Lock()
         #: Environment from the image, below the sandbox's own env (see routes/processes.py).
         self.image_env: dict[str, str] = {}

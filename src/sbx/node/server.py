@@ -15,9 +15,9 @@ from aiohttp import web
 
 from sbx.api.network_policy import MODE_ORDER, mode_rank
 from sbx.backends.base import BackendError
-from sbx.backends.gvisor import GVisorBackend
 from sbx.images.store import ImageStore
 from sbx.node.audit import AuditLog
+from sbx.node.backend_kinds import make_backend
 from sbx.node.config import NodeConfig, resolve_capacity
 from sbx.node.context import NodeContext
 from sbx.node.manager import SandboxManager
@@ -109,12 +109,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
 def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     """sandboxd's application: every component built here, started and stopped in order by ``cleanup_ctx``
     (backend, manager, image leftovers, pools, metrics sampler, the loopback metrics server)."""
-    backend = GVisorBackend(
-        options.state_dir,
-        config.paths.agent_path,
-        pooled_disk_mb=config.defaults.disk_mb,
-        egress=config.egress,
-    )
+    backend = make_backend(config, options.state_dir)
     backend.check()
     config = within_backend(config, backend.network_modes)
     images = ImageStore(config.paths.images_dir)

@@ -1,15 +1,11 @@
 """Volumes: named ext4 file systems of a fixed size that outlive sandboxes and sandboxd restarts.
 
-State on disk, under ``<state>/volumes/<name>/``::
+State on disk, under ``<state>/volumes/<name>/``: ``volume.json``, the record {name, size_mb, created_at},
+written last on create (atomically, fsynced), beside the backend's storage of the volume (its
+:class:`~sbx.backends.base.VolumeDisks`; gVisor's is an ext4 image loop-mounted on the host, loop_volumes.py).
 
-    volume.json   the record {name, size_mb, created_at}, written last on create (atomically, fsynced)
-    disk.img      sparse file of exactly size_mb MiB holding an ext4 file system (with a journal)
-    mnt/          its loop mount point on the host while any sandbox uses the volume
-
-A volume is loop-mounted on the host when the first sandbox takes it and unmounted (after a syncfs) when the
-last one has stopped; the backend bind-mounts ``mnt/`` into each sandbox, read-only where asked. Because the
-size is that of the file system, a write past ``size_mb`` fails with ENOSPC inside the sandbox and never fills
-the host disk beyond it.
+A volume is attached by the backend's storage when the first sandbox takes it and detached (flushed) when the
+last one has stopped; the backend shows it in each sandbox, read-only where asked.
 
 Two kinds of bookkeeping, both in memory and rebuilt from the sandbox records on restart:
 
@@ -20,14 +16,13 @@ Two kinds of bookkeeping, both in memory and rebuilt from the sandbox records on
   whose teardown has not finished. The host mount goes only when the last user goes, so it is never
   unmounted under a sandbox that is still stopping, and never mounted twice.
 
-A volume whose sandboxes keep running across a sandboxd restart stays mounted; a restart takes the holders back
-from the sandbox records and unmounts volumes nobody uses any more.
+A volume whose sandboxes keep running across a sandboxd restart stays attached; a restart takes the holders back
+from the sandbox records and detaches volumes nobody uses any more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import shutil
@@ -40,20 +35,15 @@ from typing import Any
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.api.sandboxes import VolumeMount
 from sbx.api.volumes import Volume
-from sbx.backends.base import BackendError, VolumeBind
-from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID, is_mounted, make_ext4_image, mount_loop, run_tool
+from sbx.backends.base import BackendError, VolumeBind, VolumeDisks
 from sbx.node.records import utc_now
 from sbx.statefile import fsync_dir, read_json, remove_stale_tmp_files, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "volume.json"
-#: How long an unmount waits for a stopping sandbox's file server to let go, in seconds, before detaching.
-UNMOUNT_WAIT_SECS = 5.0
 #: How long a volume DELETE waits for the teardowns of terminated sandboxes that used it, in seconds.
 DELETE_WAIT_SECS = 30.0
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -128,47 +118,21 @@ def check_mount_points(image_root: Path, mounts: Sequence[VolumeMount]) -> None:
                 )
 
 
-def _syncfs(path: Path) -> None:
-    """Flush the file system holding ``path`` to its disk (syncfs(2)); errors are logged, not raised."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        log.warning("volume flush: cannot open mount", extra={"path": str(path), "error": str(exc)})
-        return
-    try:
-        if _libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            log.warning("volume flush failed", extra={"path": str(path), "error": os.strerror(err)})
-    finally:
-        os.close(fd)
-
-
-def _loop_devices_of(image_file: Path) -> list[str]:
-    """Loop devices whose backing file is ``image_file`` (one may outlive a lazy unmount while busy)."""
-    target = os.path.realpath(image_file)
-    found = []
-    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-        try:
-            if backing.read_text(encoding="utf-8").strip() == target:
-                found.append(backing.parent.parent.name)
-        except OSError:
-            continue
-    return found
-
-
 class VolumeStore:
-    """Every volume of the node, their host mounts and who holds them. Runs on the server's event loop."""
+    """Every volume of the node, their attachments and who holds them, over the backend's ``disks``. Runs
+    on the server's event loop."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, disks: VolumeDisks) -> None:
         self.directory = directory
+        self.disks = disks
         self._records: dict[str, VolumeRecord] = {}
         #: name -> {sandbox id: read_only} of live sandboxes (mount rule 1).
         self._holders: dict[str, dict[str, bool]] = {}
-        #: name -> sandbox ids whose backend may still use the host mount (holders and those stopping).
+        #: name -> sandbox ids whose backend may still use the volume (holders and those stopping).
         self._users: dict[str, set[str]] = {}
         #: names being created or deleted: not listed, not mountable.
         self._busy: set[str] = set()
-        #: One lock per volume around mount and unmount.
+        #: One lock per volume around attach and detach.
         self._locks: dict[str, asyncio.Lock] = {}
         #: Set whenever a user goes, so a waiting DELETE looks again.
         self._released = asyncio.Event()
@@ -178,17 +142,13 @@ class VolumeStore:
     def _dir(self, name: str) -> Path:
         return self.directory / name
 
-    def mount_point(self, name: str) -> Path:
-        """The host directory the volume is mounted on while used (the backend's bind source)."""
-        return self._dir(name) / "mnt"
-
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
     # -- start ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the records; remove what an interrupted create or delete left (never a mounted volume)."""
+        """Load the records; remove what an interrupted create or delete left (detached first)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for entry in sorted(self.directory.iterdir()):
             if not entry.is_dir():
@@ -206,27 +166,27 @@ class VolumeStore:
                 continue
             # No record: a create that never finished or a delete that did not. Its contents were never
             # promised to anyone (create answers after the record is written).
-            if (entry / "mnt").exists() and is_mounted(entry / "mnt"):
-                await self._unmount(entry.name, entry / "mnt")
+            if self.disks.is_attached(entry):
+                await self.disks.detach(entry)
             shutil.rmtree(entry, ignore_errors=True)
             log.info("unfinished volume removed", extra={"volume": entry.name})
 
     async def settle(self) -> None:
-        """After a restart has taken back its sandboxes: unmount volumes that no sandbox uses any more, and
-        mount those that live sandboxes hold but the host lost (after a reboot a suspended sandbox resumes
-        with its volumes bound from the host's mount, never from an empty directory)."""
+        """After a restart has taken back its sandboxes: detach volumes that no sandbox uses any more, and
+        attach those that live sandboxes hold but the host lost (after a reboot a suspended sandbox resumes
+        with its volumes bound from the attached volume, never from an empty directory)."""
         for name in sorted(self._records):
-            mnt = self.mount_point(name)
+            directory = self._dir(name)
             async with self._lock(name):
-                mounted = is_mounted(mnt)
-                if not self._users.get(name) and mounted:
-                    await self._unmount(name, mnt)
-                elif self._holders.get(name) and not mounted:
+                attached = self.disks.is_attached(directory)
+                if not self._users.get(name) and attached:
+                    await self.disks.detach(directory)
+                elif self._holders.get(name) and not attached:
                     try:
-                        await self._mount(name, mnt)
-                    except BackendError as exc:  # the holder's resume then fails; create retries the mount
+                        await self.disks.attach(directory)
+                    except BackendError as exc:  # the holder's resume then fails; create retries the attach
                         log.error(
-                            "volume could not be mounted again", extra={"volume": name, "error": str(exc)}
+                            "volume could not be attached again", extra={"volume": name, "error": str(exc)}
                         )
 
     # -- the API ----------------------------------------------------------------------------------------
@@ -255,13 +215,13 @@ class VolumeStore:
                 )
             directory.mkdir(mode=0o700)
             try:
-                await self._format(directory, size_mb)
+                await self.disks.create(directory, size_mb)
                 record = VolumeRecord(name=name, size_mb=size_mb, created_at=utc_now())
                 write_json_atomic(directory / RECORD_NAME, record.to_disk())
                 fsync_dir(self.directory)
             except BaseException:
-                if is_mounted(directory / "mnt"):
-                    await self._unmount(name, directory / "mnt")
+                if self.disks.is_attached(directory):
+                    await self.disks.detach(directory)
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
         except (BackendError, OSError) as exc:
@@ -271,28 +231,6 @@ class VolumeStore:
         self._records[name] = record
         log.info("volume created", extra={"volume": name, "size_mb": size_mb})
         return self.wire(record)
-
-    async def _format(self, directory: Path, size_mb: int) -> None:
-        """The ext4 image with an empty root the sandbox user owns (lost+found removed: a new volume is
-        empty; e2fsck makes it again when it needs one)."""
-        image = directory / "disk.img"
-        mnt = directory / "mnt"
-        mnt.mkdir()
-        # A journal: a volume's contents must come back whole after a host crash.
-        await make_ext4_image(image, size_mb, journal=True)
-        await mount_loop(image, mnt)
-        try:
-            shutil.rmtree(mnt / "lost+found", ignore_errors=True)
-            os.chown(mnt, SANDBOX_UID, SANDBOX_GID)
-            os.chmod(mnt, 0o755)
-        finally:
-            await run_tool("umount", str(mnt))  # nothing else has seen it: never busy
-        # The record written next is durable; the file system it names must be too.
-        fd = os.open(image, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     async def delete(self, name: str) -> None:
         """Delete the volume with its contents; 404 when there is none, 409 while a live sandbox holds it.
@@ -321,8 +259,7 @@ class VolumeStore:
                     pass
             async with self._lock(name):
                 directory = self._dir(name)
-                if is_mounted(directory / "mnt"):
-                    await self._unmount(name, directory / "mnt")
+                await self.disks.detach(directory)
                 # The record goes first: a crash mid-delete leaves a directory start() removes, never a
                 # listed volume with half its contents.
                 (directory / RECORD_NAME).unlink(missing_ok=True)
@@ -383,29 +320,13 @@ class VolumeStore:
             self._users.setdefault(mount.name, set()).add(sandbox_id)
 
     async def mount(self, sandbox_id: str, mounts: Sequence[VolumeMount]) -> tuple[VolumeBind, ...]:
-        """Make sure every volume of a holder is mounted on the host; the backend's binds, in order."""
+        """Make sure every volume of a holder is attached; the backend's binds, in order."""
         binds = []
         for mount in mounts:
-            mnt = self.mount_point(mount.name)
             async with self._lock(mount.name):
-                if not is_mounted(mnt):
-                    await self._mount(mount.name, mnt)
-            binds.append(VolumeBind(source=mnt, path=mount.path, read_only=mount.read_only))
+                source = await self.disks.attach(self._dir(mount.name))
+            binds.append(VolumeBind(source=source, path=mount.path, read_only=mount.read_only))
         return tuple(binds)
-
-    async def _mount(self, name: str, mnt: Path) -> None:
-        image = self._dir(name) / "disk.img"
-        # Never two loop mounts of one ext4 image: that corrupts it. One left by a lazy unmount while a
-        # stopped sandbox's file server still held it goes away when that server exits.
-        for _ in range(int(UNMOUNT_WAIT_SECS / 0.1)):
-            if not _loop_devices_of(image):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise BackendError(f"volume {name!r} is still attached from an earlier mount; retry in a moment")
-        mnt.mkdir(exist_ok=True)
-        await mount_loop(image, mnt)
-        log.info("volume mounted", extra={"volume": name})
 
     def drop_holder(self, sandbox_id: str) -> None:
         """The sandbox is terminated: it no longer holds its volumes (it stays a user until ``release``)."""
@@ -413,46 +334,27 @@ class VolumeStore:
             holders.pop(sandbox_id, None)
 
     async def release(self, sandbox_id: str) -> None:
-        """The sandbox's backend is gone (torn down, or never booted): flush its volumes, and unmount those
+        """The sandbox's backend is gone (torn down, or never booted): flush its volumes, and detach those
         no one else uses. Idempotent."""
         names = [name for name, users in self._users.items() if sandbox_id in users]
         self.drop_holder(sandbox_id)
         for name in names:
-            mnt = self.mount_point(name)
+            directory = self._dir(name)
             async with self._lock(name):
                 users = self._users.get(name, set())
                 users.discard(sandbox_id)
-                if not is_mounted(mnt):
+                if not self.disks.is_attached(directory):
                     continue
                 if users:
-                    await asyncio.to_thread(_syncfs, mnt)  # mount rule 4: flushed when a sandbox stops
+                    await self.disks.flush(directory)  # mount rule 4: flushed when a sandbox stops
                     continue
                 try:
-                    await self._unmount(name, mnt)
-                except BackendError as exc:  # left mounted: settle() at the next start tries again
-                    log.error("volume unmount failed", extra={"volume": name, "error": str(exc)})
+                    await self.disks.detach(directory)
+                except BackendError as exc:  # left attached: settle() at the next start tries again
+                    log.error("volume detach failed", extra={"volume": name, "error": str(exc)})
         if names:
             self._released.set()
 
     def holders_of(self, sandbox_id: str) -> list[str]:
         """Names of the volumes ``sandbox_id`` holds."""
         return sorted(name for name, holders in self._holders.items() if sandbox_id in holders)
-
-    async def _unmount(self, name: str, mnt: Path) -> None:
-        """Flush and unmount; a file server still exiting gets ``UNMOUNT_WAIT_SECS``, then it is detached
-        (the loop device goes when it lets go, and ``_mount`` waits for that)."""
-        await asyncio.to_thread(_syncfs, mnt)
-        deadline = asyncio.get_running_loop().time() + UNMOUNT_WAIT_SECS
-        while True:
-            try:
-                await run_tool("umount", str(mnt))
-                break
-            except BackendError as exc:
-                if not is_mounted(mnt):
-                    break
-                if asyncio.get_running_loop().time() >= deadline:
-                    log.warning("volume busy; detaching it", extra={"volume": name, "error": str(exc)})
-                    await run_tool("umount", "-l", str(mnt))
-                    break
-                await asyncio.sleep(0.1)
-        log.info("volume unmounted", extra={"volume": name})

@@ -11,21 +11,18 @@ from sbx.agent.client import AgentClient, AgentFileError
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
 from sbx.api.files import DirEntry, DirListing
 from sbx.api.validation import validate_guest_path
-from sbx.backends.layers import SANDBOX_GID, SANDBOX_UID
 from sbx.node.context import NodeContext
 from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
 
-def file_error(exc: AgentFileError, path: str) -> SandboxError:
-    """The API error for a failed file operation in the guest."""
+def file_error(exc: AgentFileError, path: str, uid: int) -> SandboxError:
+    """The API error for a failed file operation in the guest, made as user ``uid``."""
     code = exc.errno
     if code == errno.ENOENT:
         return NotFound(f"no such file or directory: {path}")
     if code in (errno.EACCES, errno.EPERM):
-        return Refused(
-            f"permission denied: {path} (files are accessed as the sandbox user, uid {SANDBOX_UID})"
-        )
+        return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {uid})")
     if code == errno.EROFS:
         return Conflict("read-only file system")
     if code == errno.ENOSPC:
@@ -51,6 +48,8 @@ def file_error(exc: AgentFileError, path: str) -> SandboxError:
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
     audit = ctx.audit
 
+    uid, gid = ctx.backend.guest.uid, ctx.backend.guest.gid
+
     def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
         """The running sandbox, the checked guest path, and the agent that will act on it."""
         sandbox = ctx.manager.resolve_running(request.match_info["ref"])
@@ -60,9 +59,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def read(request: web.Request) -> web.StreamResponse:
         sandbox, path, agent = target(request)
         try:
-            reader = await agent.open_read(path, SANDBOX_UID, SANDBOX_GID)
+            reader = await agent.open_read(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path) from None
+            raise file_error(exc, path, uid) from None
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         response.content_length = reader.size
         total = 0
@@ -83,9 +82,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
             raise InvalidRequest("cannot write to /: name a file")
         counted = _Counted(stream_body(request, FILE_BODY_CAP))
         try:
-            await agent.write_file(path, counted, SANDBOX_UID, SANDBOX_GID)
+            await agent.write_file(path, counted, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path) from None
+            raise file_error(exc, path, uid) from None
         audit.record("file.written", sandbox.record.id, path=path, bytes=counted.total)
         return web.Response(status=204)
 
@@ -94,19 +93,19 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         if path == "/":
             raise InvalidRequest("cannot remove /")
         try:
-            size = (await agent.stat(path, SANDBOX_UID, SANDBOX_GID)).size
-            await agent.remove(path, SANDBOX_UID, SANDBOX_GID)
+            size = (await agent.stat(path, uid, gid)).size
+            await agent.remove(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path) from None
+            raise file_error(exc, path, uid) from None
         audit.record("file.removed", sandbox.record.id, path=path, bytes=size)
         return web.Response(status=204)
 
     async def list_dir(request: web.Request) -> web.Response:
         _, path, agent = target(request)
         try:
-            entries = await agent.list_dir(path, SANDBOX_UID, SANDBOX_GID)
+            entries = await agent.list_dir(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path) from None
+            raise file_error(exc, path, uid) from None
         return json_response(
             DirListing([DirEntry(e.name, e.type, e.size) for e in sorted(entries, key=lambda e: e.name)])
         )

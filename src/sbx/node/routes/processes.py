@@ -8,9 +8,8 @@ from sbx.api.codec import encode
 from sbx.api.errors import InvalidRequest
 from sbx.api.processes import ProcessList
 from sbx.api.requests import parse_process, parse_run, parse_signal
-from sbx.api.validation import DEFAULT_CWD
 from sbx.node.context import NodeContext
-from sbx.node.processes import BASE_ENV
+from sbx.node.processes import base_env
 from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 
@@ -18,14 +17,14 @@ from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_bo
 def process_env(sandbox: Sandbox, request_env: dict[str, str]) -> dict[str, str]:
     """The environment a process starts with: base, then the image's (its Env), then the sandbox's, then
     the request's."""
-    return {**BASE_ENV, **sandbox.image_env, **sandbox.record.env, **request_env}
+    return {**base_env(sandbox.processes.guest), **sandbox.image_env, **sandbox.record.env, **request_env}
 
 
 def process_cwd(sandbox: Sandbox, cwd: str | None) -> str:
     """The request's cwd when it gives one, else the image's WorkingDir, else the sandbox user's home."""
     if cwd is not None:
         return cwd
-    return sandbox.working_dir if sandbox.working_dir is not None else DEFAULT_CWD
+    return sandbox.working_dir if sandbox.working_dir is not None else sandbox.processes.guest.home
 
 
 def parse_pid(request: web.Request) -> int:
