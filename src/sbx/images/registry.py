@@ -49,6 +49,17 @@ from yarl import URL
 from sbx.api.errors import InvalidRequest, NotFound, Refused, SandboxError, Unavailable
 from sbx.images.addresses import RegistryAddresses, RegistryAddressRefused
 from sbx.images.blobs import BlobWriter, DigestMismatch, digest_hex
+from sbx.images.media_types import (
+    CONFIG_TYPES,
+    INDEX_TYPES,
+    LAYER_TYPES,
+    MANIFEST_TYPES,
+    MEDIA_DOCKER_LIST,
+    MEDIA_DOCKER_MANIFEST,
+    MEDIA_DOCKER_SCHEMA1,
+    MEDIA_OCI_INDEX,
+    MEDIA_OCI_MANIFEST,
+)
 from sbx.images.reference import DEFAULT_REGISTRY, Reference
 from sbx.images.remote_text import failure_reason, shown_host, shown_media_type, shown_platform, status_line
 from sbx.images.store import ImageConfig
@@ -56,28 +67,6 @@ from sbx.net.loopback import host_header_name, is_loopback
 
 log = logging.getLogger(__name__)
 
-MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-MEDIA_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-MEDIA_DOCKER_SCHEMA1 = ("application/vnd.docker.distribution.manifest.v1+json",
-                        "application/vnd.docker.distribution.manifest.v1+prettyjws")  # fmt: skip
-INDEX_TYPES = frozenset({MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST})
-MANIFEST_TYPES = frozenset({MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST})
-#: Layer media types the unpacker handles (compression is detected from the content anyway).
-LAYER_TYPES = frozenset({
-    "application/vnd.docker.image.rootfs.diff.tar.gzip",
-    "application/vnd.docker.image.rootfs.diff.tar",
-    "application/vnd.oci.image.layer.v1.tar",
-    "application/vnd.oci.image.layer.v1.tar+gzip",
-    "application/vnd.oci.image.layer.v1.tar+zstd",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd",
-})  # fmt: skip
-CONFIG_TYPES = frozenset(
-    {"application/vnd.docker.container.image.v1+json", "application/vnd.oci.image.config.v1+json"}
-)
 
 #: Largest manifest or image config accepted, in bytes (real ones are a few KiB).
 MAX_MANIFEST_BYTES = 4 << 20

@@ -14,33 +14,29 @@ from typing import Final
 
 import aiohttp
 
+from sbx.images.media_types import (
+    CONFIG_TYPES,
+    INDEX_TYPES,
+    LAYER_TYPES,
+    MANIFEST_TYPES,
+    MEDIA_DOCKER_SCHEMA1,
+)
+
 #: Longest reason phrase shown after a status code.
 MAX_REASON_CHARS: Final = 40
 
-#: Media types a message may name: those of OCI and Docker images, and the foreign (Windows) layers.
-KNOWN_MEDIA_TYPES: Final = frozenset({
-    "application/vnd.oci.image.index.v1+json",
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.oci.image.config.v1+json",
-    "application/vnd.oci.image.layer.v1.tar",
-    "application/vnd.oci.image.layer.v1.tar+gzip",
-    "application/vnd.oci.image.layer.v1.tar+zstd",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
-    "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd",
-    "application/vnd.oci.empty.v1+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.docker.distribution.manifest.v2+json",
-    "application/vnd.docker.distribution.manifest.v1+json",
-    "application/vnd.docker.distribution.manifest.v1+prettyjws",
-    "application/vnd.docker.container.image.v1+json",
-    "application/vnd.docker.image.rootfs.diff.tar.gzip",
-    "application/vnd.docker.image.rootfs.diff.tar",
-    "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
-    "application/vnd.cncf.helm.config.v1+json",
-    "application/vnd.cncf.helm.chart.content.v1.tar+gzip",
-    "application/vnd.in-toto+json",
-})  # fmt: skip
+#: Media types a message may name: those the puller handles, and others of OCI and Docker images, the
+#: foreign (Windows) layers and common artifacts.
+KNOWN_MEDIA_TYPES: Final = (
+    INDEX_TYPES | MANIFEST_TYPES | CONFIG_TYPES | LAYER_TYPES | frozenset(MEDIA_DOCKER_SCHEMA1)
+    | frozenset({
+        "application/vnd.oci.empty.v1+json",
+        "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+        "application/vnd.cncf.helm.config.v1+json",
+        "application/vnd.cncf.helm.chart.content.v1.tar+gzip",
+        "application/vnd.in-toto+json",
+    })
+)  # fmt: skip
 _GOOS: Final = frozenset({
     "aix", "android", "darwin", "dragonfly", "freebsd", "illumos", "ios", "js", "linux", "netbsd", "openbsd",
     "plan9", "solaris", "wasip1", "windows", "unknown",
