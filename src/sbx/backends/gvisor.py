@@ -1,4 +1,5 @@
-"""The gVisor backend: each sandbox is a `runsc` sandbox (ptrace platform) with the agent as its init.
+"""The gVisor backend: each sandbox is a `runsc` sandbox (systrap platform where it works) with the agent as
+its init.
 
 Per sandbox, under ``<state>/gvisor/<id>/``::
 
@@ -15,6 +16,9 @@ sandbox running outside sandboxd's process tree, so killing sandboxd never stops
 Isolation: pid, mount, ipc, uts and network namespaces; CPU quota, memory and pid limits through the cgroup
 ``/sandboxd/<id>``; network mode ``none`` (loopback only, gVisor's own stack), modes ``allowlist`` and ``open``
 in a network namespace of their own behind the egress proxy (gvisor_net.py, docs/network.md).
+
+Which runsc release is installed and which platform works here decide the flags (runsc.py): read once by
+:meth:`GVisorBackend.check`, reported by ``GET /v1/node`` (:meth:`GVisorBackend.runtime_report`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -34,7 +39,10 @@ from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, run_tool
+from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc
 from sbx.net.egress import Egress, EgressConfig, instance_tag
+
+log = logging.getLogger(__name__)
 
 #: The in-sandbox paths of the agent and its control directory.
 GUEST_AGENT_PATH = "/.sbx/agent"
@@ -54,14 +62,23 @@ STOP_WAIT_SECS = 5.0
 _GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> dict[str, Any]:
-    """The OCI runtime spec for one sandbox: the agent as init, limits in the cgroup."""
+def tmpfs_size_option(spec: BootSpec) -> str:
+    """The size of /tmp and of /dev/shm, half of ``memory_mb`` each (Linux's tmpfs default is half the RAM):
+    they live in the sandbox's memory, so filling one answers ENOSPC instead of getting the whole sandbox
+    killed at its memory limit, and ``df`` shows what they can hold."""
+    return f"size={max(1, spec.memory_mb // 2)}m"
+
+
+def oci_spec(
+    spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path, agent_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The OCI runtime spec for one sandbox: the agent as init (with ``agent_args``), limits in the cgroup."""
     return {
         "ociVersion": "1.0.0",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [GUEST_AGENT_PATH, "--listen", f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}"],
+            "args": [GUEST_AGENT_PATH, *agent_args, "--listen", f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}"],
             "env": [f"PATH={_GUEST_PATH}"],
             "cwd": "/",
             "capabilities": {
@@ -75,8 +92,20 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
-            # runsc mounts /sys, /dev/pts and a tmpfs /tmp by itself; naming them again costs ~15 ms a boot.
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev"]},
+            # runsc mounts /sys and /dev/pts by itself; naming them again costs ~15 ms a boot. Its own /tmp
+            # would be a tmpfs without a size (a full one gets the sandbox killed at its memory limit).
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "nodev", tmpfs_size_option(spec)],
+            },
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=1777", tmpfs_size_option(spec)],
+            },
             {
                 "destination": GUEST_AGENT_PATH,
                 "type": "bind",
@@ -131,19 +160,25 @@ class GVisorBackend:
         self,
         state_dir: Path,
         agent_path: Path,
-        platform: str = "ptrace",
+        platform: str = "auto",
         runsc: str = "runsc",
         pooled_disk_mb: int = 0,
         egress: EgressConfig | None = None,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
-        none only."""
+        none only. ``platform``: ``auto`` (systrap where a probe boots on it, else ptrace) or a platform
+        name (runsc.py)."""
         self.base = state_dir / "gvisor"
         self.runsc_root = self.base / "runsc"
         self.agent_path = agent_path
+        #: What was asked for; :attr:`platform` is what :meth:`check` chose, and ``platform_reason`` why.
+        self.requested_platform = platform
         self.platform = platform
+        self.platform_reason = ""
         self.runsc = runsc
+        #: The installed runsc, read by :meth:`check`.
+        self.runsc_info: RunscInfo | None = None
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
         #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
         self._locks: dict[str, asyncio.Lock] = {}
@@ -171,11 +206,8 @@ class GVisorBackend:
             await self.net.close()
 
     def check(self) -> None:
-        """Raise BackendError naming what is missing on this host."""
-        if shutil.which(self.runsc) is None:
-            raise BackendError(
-                f"{self.runsc} not found: install gVisor (Debian package runsc) or run scripts/install.sh"
-            )
+        """Raise BackendError naming what is missing on this host; read runsc and choose the platform."""
+        info = inspect_runsc(self.runsc)
         # Layers, volumes and snapshots: mkfs, checks and resizes of ext4 images, unmounts and freezes.
         for tool in ("mkfs.ext4", "e2fsck", "resize2fs", "umount", "fsfreeze"):
             if shutil.which(tool) is None:
@@ -192,6 +224,29 @@ class GVisorBackend:
         if self.net is not None and not self.net.usable():
             self.network_modes = frozenset({"none"})  # why is logged; the ceiling is lowered to match
         self.runsc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.platform, self.platform_reason = choose_platform(
+            info, self.requested_platform, self.agent_path, self.base
+        )
+        self.runsc_info = info
+        if self.net is not None:
+            self.net.procfs_mask = info.netns_needs_procfs_mask
+        log.info("gVisor runtime", extra=self.runtime_report())
+
+    def runtime_report(self) -> dict[str, Any]:
+        """The runsc and platform sandboxes run on, and what they cannot do (``GET /v1/node`` ``runtime``)."""
+        info = self.runsc_info
+        return {
+            "runsc_version": info.version if info is not None else "",
+            "runsc_path": info.path if info is not None else "",
+            "platform": self.platform,
+            "platform_reason": self.platform_reason,
+            "limitations": info.limitations(self.platform) if info is not None else [],
+        }
+
+    def _runsc(self) -> RunscInfo:
+        if self.runsc_info is None:
+            raise BackendError("the gVisor backend was used before check() read runsc")
+        return self.runsc_info
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.base / sandbox_id
@@ -265,7 +320,7 @@ class GVisorBackend:
             ctl_dir.mkdir(mode=0o700)
             bundle.mkdir()
             await make_layer(layer)
-            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir)
+            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
             if self.net is not None and spec.network.mode != "none":
                 await self.net.create(spec.sandbox_id, spec.network)
                 self.net.configure_spec(spec.sandbox_id, config)
@@ -287,7 +342,8 @@ class GVisorBackend:
         with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
                 *self._sandbox_process_argv(
-                    sandbox_id, f"--platform={self.platform}", "--host-uds=create", "--cpu-num-from-quota",
+                    sandbox_id, *self._runsc().start_flags(self.platform), "--host-uds=create",
+                    "--cpu-num-from-quota",
                     *command, "--detach", "--bundle", str(bundle), sandbox_id,
                 ),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,

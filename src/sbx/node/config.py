@@ -39,6 +39,7 @@ __all__ = [
     "CapacityConfig",
     "ConfigError",
     "DefaultsConfig",
+    "GVisorConfig",
     "ImagesConfig",
     "LimitsConfig",
     "NetworkConfig",
@@ -173,6 +174,18 @@ class PoolConfig:
     size: int
 
 
+#: Values of ``[gvisor] platform``: ``auto`` probes systrap at start and falls back to ptrace.
+GVISOR_PLATFORMS: Final = ("auto", "systrap", "ptrace")
+
+
+@dataclass(frozen=True)
+class GVisorConfig:
+    """``[gvisor]``: ``platform`` sandboxes run on, ``auto`` (systrap where it works here, else ptrace; see
+    docs/backends.md) or a platform name used as told."""
+
+    platform: str = "auto"
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """The whole node configuration; ``source`` is the file it came from (None: built-in defaults)."""
@@ -188,10 +201,21 @@ class NodeConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     pools: tuple[PoolConfig, ...] = ()
+    gvisor: GVisorConfig = field(default_factory=GVisorConfig)
     source: Path | None = None
 
 
-_SECTIONS: Final = ("limits", "defaults", "network", "capacity", "server", "paths", "audit", "images")
+_SECTIONS: Final = (
+    "limits",
+    "defaults",
+    "network",
+    "capacity",
+    "server",
+    "paths",
+    "audit",
+    "images",
+    "gvisor",
+)
 #: Top-level arrays of tables (``[[pools]]``), checked apart from the sections.
 _ARRAYS: Final = ("pools",)
 
@@ -303,9 +327,16 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     images = _images(sections["images"])
     pools = _pools(raw.get("pools", []), images, defaults.image)
 
+    gvi = sections["gvisor"]
+    _no_unknown(gvi, _fields(GVisorConfig), "gvisor.")
+    platform = _nonempty_str(gvi, "gvisor.platform", GVisorConfig.platform)
+    if platform not in GVISOR_PLATFORMS:
+        raise ConfigError(f"gvisor.platform = {platform!r}: expected one of {', '.join(GVISOR_PLATFORMS)}")
+
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
-        paths=paths, audit=audit, images=images, pools=pools, source=source,
+        paths=paths, audit=audit, images=images, pools=pools, gvisor=GVisorConfig(platform=platform),
+        source=source,
     )  # fmt: skip
 
 

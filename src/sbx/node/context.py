@@ -32,6 +32,8 @@ class NodeContext:
     pools: Pools | None = None
     #: Per-sandbox metrics; None on a node that keeps none.
     sampler: MetricsSampler | None = None
+    #: The backend's runtime (runsc release, platform, limitations); reported by GET /v1/node.
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     @property
     def images(self) -> ImageService:
@@ -84,4 +86,5 @@ class NodeContext:
             "images": sorted(i.reference for i in manager.images.list()),
             "labels": {},
             "cordoned": manager.cordoned,
+            "runtime": self.runtime,
         }

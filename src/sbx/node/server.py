@@ -87,6 +87,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
         config.paths.agent_path,
         pooled_disk_mb=config.defaults.disk_mb,
         egress=config.egress,
+        platform=config.gvisor.platform,
     )
     backend.check()
     config = within_backend(config, backend.network_modes)
@@ -103,6 +104,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     ctx = NodeContext(
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
         on_create=metrics.observe_create, pools=pools, sampler=sampler,
+        runtime=backend.runtime_report(),
     )  # fmt: skip
     await backend.start()
     await manager.start()
