@@ -422,6 +422,13 @@ class GVisorBackend:
             return
         for leftover in self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.*"):
             leftover.unlink(missing_ok=True)
+        self._control_socket(sandbox_id).unlink(missing_ok=True)
+
+    def _control_socket(self, sandbox_id: str) -> Path:
+        """The unix socket runsc (release 20230130 and later) controls a sandbox through. A stopped sandbox's
+        socket must go before a restore under the same id: runsc would not reuse it and would try /var/run,
+        /run and /tmp instead, leaving a socket file in each, then fail."""
+        return self.runsc_root / f"runsc-{sandbox_id}.sock"
 
     async def restore(self, sandbox_id: str, image_dir: Path) -> None:
         """Start the checkpointed sandbox again from ``image_dir``, on its own bundle and layer; its agent
@@ -432,6 +439,7 @@ class GVisorBackend:
             directory = self._dir(sandbox_id)
             if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
+            self._control_socket(sandbox_id).unlink(missing_ok=True)
             (directory / "ctl" / WAKE_FILE_NAME).touch()
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
 
@@ -474,6 +482,7 @@ class GVisorBackend:
                     await run_tool(*self._runsc_for(sandbox_id, *args))
                 except BackendError:
                     pass
+        self._control_socket(sandbox_id).unlink(missing_ok=True)
         if self.net is not None:
             await self.net.destroy(sandbox_id)  # reads the sandbox's network.json: before the rmtree
         async with self._lock(sandbox_id):  # after a disk copy under way: a frozen layer cannot unmount
