@@ -5,6 +5,7 @@ doing real work offline (docs/backends.md, docs/images.md)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 from sandboxd_harness import Sandboxd
+
+from sbx.backends.runsc import STATX_FIXED_RELEASE
 
 # Run by the sandbox user in its home: everything a developer does to files, each must print nothing on
 # stderr. (Permission errors a real Linux also gives, like listing /root as a user, are left out.)
@@ -39,6 +42,12 @@ echo ok
 
 
 def test_file_system_tools_print_no_errors(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
+    version = sandboxd.request("GET", "/v1/node").json()["runtime"]["runsc_version"]
+    release = int(m.group(1)) if (m := re.search(r"(20\d{6})", version)) else 0
+    if 0 < release < STATX_FIXED_RELEASE:
+        pytest.skip(
+            f"runsc {version} fails statx for coreutils; scripts/install.sh installs a release that does not"
+        )
     result = sandboxd.run(sandbox["id"], ["bash", "-c", FILE_SYSTEM_SCRIPT])
     assert (result["exit_code"], result["stderr"], result["stdout"]) == (0, b"", b"ok\n")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -34,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from sbx.api.network_policy import NetworkPolicy
-from sbx.backends.base import BackendError, BackendUsage, BootSpec
+from sbx.backends.base import BackendError, BackendUsage, BootSpec, VolumeBind
 from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
-from sbx.backends.layers import LayerPool, WritableLayer, run_tool
+from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
 from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc
 from sbx.net.egress import Egress, EgressConfig, instance_tag
 
@@ -320,6 +321,7 @@ class GVisorBackend:
             ctl_dir.mkdir(mode=0o700)
             bundle.mkdir()
             await make_layer(layer)
+            spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
             config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
             if self.net is not None and spec.network.mode != "none":
                 await self.net.create(spec.sandbox_id, spec.network)
@@ -331,6 +333,20 @@ class GVisorBackend:
         except BaseException:
             await self.destroy(spec.sandbox_id)
             raise
+
+    def _read_only_binds(self, spec: BootSpec) -> tuple[VolumeBind, ...]:
+        """The volumes with each read-only one's source replaced by a read-only bind of it in the sandbox's
+        directory (``volumes/<n>``, unmounted by destroy). runsc 20240729 with directfs truncates the host
+        file of ``open(O_TRUNC)`` on a read-only mount before it answers EROFS (upstream fix 0a99125cd, in
+        release 20250707): through a read-only host mount the kernel refuses the truncation itself."""
+        binds = []
+        for index, volume in enumerate(spec.volumes):
+            if volume.read_only:
+                target = self._dir(spec.sandbox_id) / "volumes" / str(index)
+                bind_read_only(volume.source, target)
+                volume = dataclasses.replace(volume, source=target)
+            binds.append(volume)
+        return tuple(binds)
 
     async def _start(
         self, sandbox_id: str, bundle: Path, console: Path, image_dir: Path | None = None
@@ -487,6 +503,8 @@ class GVisorBackend:
             await self.net.destroy(sandbox_id)  # reads the sandbox's network.json: before the rmtree
         async with self._lock(sandbox_id):  # after a disk copy under way: a frozen layer cannot unmount
             await WritableLayer(directory / "layer").remove()
+            binds = directory / "volumes"
+            await unmount_all(sorted(binds.iterdir()) if binds.is_dir() else [])
             shutil.rmtree(directory, ignore_errors=True)
         self._remove_cgroup(sandbox_id)
 

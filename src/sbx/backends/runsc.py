@@ -40,6 +40,9 @@ NETNS_CHECK_FIXED_RELEASE: Final = 20240807
 #: Releases before this fail statx(2) with AT_NO_AUTOMOUNT (EINVAL), which coreutils passes: ``ls -l``,
 #: ``stat`` and ``du`` fail (upstream commits 7a0c4b574 and 2df63d779, the second in release 20231030).
 STATX_FIXED_RELEASE: Final = 20231030
+#: Releases before this ignore ^D (VEOF) on terminals in canonical mode: ``cat`` on a tty never sees its end
+#: of input (upstream commit e8c399a09).
+VEOF_FIXED_RELEASE: Final = 20230911
 
 Platform = Literal["systrap", "ptrace"]
 #: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
@@ -91,6 +94,11 @@ class RunscInfo:
             found.append(
                 f"runsc {self.release} fails statx with AT_NO_AUTOMOUNT: `ls -l`, `stat` and `du` fail with "
                 f"'Invalid argument'; install runsc {RECOMMENDED_RELEASE} or later (scripts/install.sh does)"
+            )
+        if 0 < self.release < VEOF_FIXED_RELEASE:
+            found.append(
+                f"runsc {self.release} terminals ignore ^D in canonical mode: an attach's end of input reaches "
+                "`cat` or `sh` on a terminal as nothing (bash, reading it itself, still ends)"
             )
         if platform == "ptrace":
             found.append(
