@@ -62,8 +62,9 @@ rm -rf "pip-$n" "clone-$n"
 """
 
 
-def make_inputs(directory: Path) -> None:
-    """The inputs every side gets: wheels, a git repository of 5,000 files, a C project."""
+def make_inputs(directory: Path, only: list[str]) -> None:
+    """The inputs every side gets: wheels, a git repository of 5,000 files, a C project, and the round's
+    script running the workloads in ``only``."""
     wheels = directory / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "-d", str(wheels), *WHEELS], check=True)  # fmt: skip
@@ -90,7 +91,9 @@ def make_inputs(directory: Path) -> None:
         f"all: prog\nprog: main.o {objs}\n\tcc -o $@ $^\n%.o: %.c\n\tcc -O2 -c -o $@ $<\n"
         "clean:\n\trm -f prog *.o\n"
     )
-    (directory / "round.sh").write_text(ROUND.replace("WHEEL_NAMES", " ".join(WHEELS)))
+    lines = [line for line in ROUND.splitlines() if not line.startswith("t ") or line.split(" ", 2)[1].strip('"') in
+             {w.split()[0] for w in only}]  # fmt: skip
+    (directory / "round.sh").write_text("\n".join(lines).replace("WHEEL_NAMES", " ".join(WHEELS)) + "\n")
 
 
 def tar_of(directory: Path) -> bytes:
@@ -166,13 +169,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--platforms", default="systrap,ptrace")
     parser.add_argument("--cpus", default="1,2")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
     args = parser.parse_args()
+    only = [w for w in args.only.split(",") if w] or list(WORKLOADS)
     platforms = args.platforms.split(",")
     cpus_list = [int(c) for c in args.cpus.split(",")]
     work = Path(tempfile.mkdtemp(prefix="sbx-bench-guest-", dir="/var/tmp"))
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, work, True)
-        make_inputs(work / "inputs")
+        make_inputs(work / "inputs", only)
         inputs = tar_of(work / "inputs")
         (work / "host").mkdir()
         host = HostSide(work / "host", default_rootfs(), inputs)
@@ -192,7 +197,7 @@ def main() -> None:
         for _ in range(args.rounds + 1):  # the first round warms caches and is not counted
             for name, side in sides.items():
                 parse(side.round(), results[name])
-        for workload in WORKLOADS:
+        for workload in only:
             base = results["host"][workload][1:]
             for name in sides:
                 samples = results[name][workload][1:]

@@ -61,6 +61,9 @@ class Variant:
     root: str = "image"  # image | small | erofs
     annotations: dict[str, str] = field(default_factory=dict)
     cpuset: str | None = None
+    #: After ``runsc create``, widen the sandbox's cpuset to every CPU again: the guest keeps the CPU count
+    #: runsc read at creation, its threads may run anywhere.
+    widen: bool = False
 
 
 def variants(erofs_image: Path | None) -> dict[str, Variant]:
@@ -71,6 +74,7 @@ def variants(erofs_image: Path | None) -> dict[str, Variant]:
         "no-directfs": Variant(["--platform=systrap", *overlay, "--directfs=false"]),
         "self-overlay": Variant(["--platform=systrap", "--overlay2=root:self"]),
         "one-cpu": Variant(["--platform=systrap", *overlay], cpuset="0"),
+        "one-cpu-wide": Variant(["--platform=systrap", *overlay], cpuset="0", widen=True),
         "small-root": Variant(["--platform=systrap", *overlay], root="small"),
     }
     if erofs_image is not None:
@@ -132,11 +136,14 @@ class Runner:
             }  # fmt: skip
             (d / "bundle" / "config.json").write_text(json.dumps(spec))
             started = time.monotonic()
-            done = subprocess.run(
-                ["runsc", "--root", str(self.runsc_root), "--network=none", *variant.flags, "run",
-                 "--bundle", str(d / "bundle"), f"v{self.counter}"],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
+            if variant.widen:
+                done = self._create_widen_start(variant, d)
+            else:
+                done = subprocess.run(
+                    ["runsc", "--root", str(self.runsc_root), "--network=none", *variant.flags, "run",
+                     "--bundle", str(d / "bundle"), f"v{self.counter}"],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
             total = time.monotonic() - started
             if done.returncode != 0:
                 raise RuntimeError(f"runsc failed ({variant.flags}): {done.stderr[-800:]}")
@@ -152,6 +159,19 @@ class Runner:
             for controller in Path("/sys/fs/cgroup").iterdir():
                 for leftover in (controller / "sbx-bench-options").glob("v*"):
                     leftover.rmdir()  # runsc leaves empty cgroups behind on cgroup v1
+
+    def _create_widen_start(self, variant: Variant, d: Path) -> subprocess.CompletedProcess[str]:
+        """``runsc create``, then the cpuset widened to the parent's CPUs, then ``start`` and ``wait``."""
+        name = f"v{self.counter}"
+        base = ["runsc", "--root", str(self.runsc_root), "--network=none", *variant.flags]
+        with open(d / "out", "w") as out:  # the container's stdio: nothing here may wait for its end
+            subprocess.run([*base, "create", "--bundle", str(d / "bundle"), name], stdout=out, stderr=out,
+                           stdin=subprocess.DEVNULL, check=True)  # fmt: skip
+        cpuset = Path("/sys/fs/cgroup/cpuset")
+        (cpuset / "sbx-bench-options" / name / "cpuset.cpus").write_text((cpuset / "cpuset.cpus").read_text())
+        subprocess.run([*base, "start", name], check=True, capture_output=True)
+        subprocess.run([*base, "wait", name], check=True, capture_output=True)
+        return subprocess.CompletedProcess([], 0, (d / "out").read_text(), "")
 
 
 def main() -> None:
