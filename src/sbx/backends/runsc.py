@@ -8,7 +8,7 @@ releases").
 
 The platform: ``systrap`` (gVisor's default since release 20230621; system calls trapped with seccomp, a
 few microseconds each) when this runsc has it and a probe sandbox boots on it here, else ``ptrace`` (every
-system call is a ptrace stop: 20 to 40 times slower for syscall-bound work, measured in docs/benchmarks.md).
+system call is a ptrace stop: 2.5 to 6.5 times slower for syscall-bound work, measured in docs/benchmarks.md).
 The probe boots the agent binary alone (``sbx-agent --version``) in an empty root: about 150 ms.
 """
 
@@ -102,7 +102,7 @@ class RunscInfo:
             )
         if platform == "ptrace":
             found.append(
-                "platform ptrace: every system call is a ptrace stop, 20 to 40 times slower than systrap "
+                "platform ptrace: every system call is a ptrace stop, 2.5 to 6.5 times slower than systrap "
                 "for syscall-bound work"
             )
         found.append(

@@ -15,7 +15,7 @@ dependencies name virtual packages). Documentation, manual pages and translation
 :mod:`sbx.images.store`), placeholder ``/etc/resolv.conf``, ``/etc/hosts`` and ``/etc/hostname`` (the host's
 must not leak in), no apt caches or package lists (``apt-get update`` first inside a sandbox with network
 access), and no ``EXTERNALLY-MANAGED`` marker: the sandbox user's ``pip install`` goes to its own site
-directory (it cannot write the system's) instead of being refused. It takes about two minutes and 800 MB
+directory (it cannot write the system's) instead of being refused. It takes about 70 s and 830 MB
 (docs/images.md).
 
 Idempotent: an installed ``default`` whose ``sbx.recipe`` annotation equals :data:`RECIPE_ID` is kept;
@@ -378,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         current = installed_default(store)
         if current is None or args.force or not is_current(current):
             print(
-                f"building image {DEFAULT_IMAGE!r} from {mirror} (mmdebstrap, about two minutes)", flush=True
+                f"building image {DEFAULT_IMAGE!r} from {mirror} (mmdebstrap, about a minute or two)",
+                flush=True,
             )
         started = time.monotonic()
         image, built = ensure_default_image(store, mirror, security=security, force=args.force)
