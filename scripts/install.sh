@@ -133,6 +133,12 @@ if [ ${#missing[@]} -eq 0 ]; then
     note "all ${#APT_PACKAGES[@]} present (runsc $(installed_version runsc))"
 else
     note "installing: ${missing[*]}"
+    old_runsc=$(installed_version runsc || true)
+    if [[ " ${missing[*]} " == *" runsc "* ]] && [ -n "$old_runsc" ] &&
+        [ -n "$(runsc --root "$STATE_DIR/gvisor/runsc" list -quiet 2>/dev/null)" ]; then
+        note "warning: replacing runsc $old_runsc while sandboxes it started exist: they keep running, but the new"
+        note "runsc cannot suspend, snapshot or resume them; recreate them (docs/install.md)"
+    fi
     export DEBIAN_FRONTEND=noninteractive
     apt_opts=(-q -o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
     if [[ " ${missing[*]} " == *" runsc "* ]] && ! has_backports_source; then
