@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Install everything sandboxd needs on Debian 12 and (re)start it on /run/sandboxd.sock.
 #
-#   sudo bash scripts/install.sh             install, then start or restart sandboxd
-#   sudo bash scripts/install.sh --no-start  install only
-#   sudo bash scripts/install.sh --no-start --test-deps  also what the tests need (scripts/test.sh)
+#   bash scripts/install.sh             install, then start or restart sandboxd (as root)
+#   bash scripts/install.sh --no-start  install only
+#   bash scripts/install.sh --no-start --test-deps  also what the tests need (scripts/test.sh)
 #
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
-# Steps: apt packages (apt-get update only when one is missing), the virtualenv .venv with this checkout
+# Steps: apt packages (apt-get update only when one is missing; runsc from bookworm-backports, whose apt
+# source is added when the machine has none), the virtualenv .venv with this checkout
 # installed editable, the guest agent binary, the default image, then sandboxd under systemd (when systemd
 # is PID 1) or as a daemon with a pidfile. Paths and details: docs/install.md.
 set -euo pipefail
@@ -26,9 +27,14 @@ SYSTEM_PYTHON=/usr/bin/python3
 STAMP=$VENV/.sbx-install-stamp
 START_TIMEOUT_SECS=60
 
+# gVisor, the sandbox runtime: this release or a later one, from bookworm-backports (Debian 12's own,
+# 20221219, lacks the systrap platform and fails `ls -l`; docs/backends.md says why this one).
+RUNSC_VERSION=0.0~20240729.0-4~bpo12+2
+BACKPORTS_SUITE=bookworm-backports
+BACKPORTS_SOURCES=/etc/apt/sources.list.d/sbx-bookworm-backports.sources
 APT_PACKAGES=(
-    runsc                   # gVisor, the sandbox runtime
-    debootstrap debian-archive-keyring  # builds the default image
+    runsc                   # checked against RUNSC_VERSION, installed from $BACKPORTS_SUITE
+    mmdebstrap debian-archive-keyring  # builds the default image
     e2fsprogs               # mkfs.ext4, e2fsck, resize2fs: writable layers, volumes, snapshot copies
     util-linux mount        # umount, fsfreeze (disk snapshots), setsid, flock
     iproute2                # ip, for sandbox networking
@@ -74,29 +80,93 @@ die() {
 trap 'rc=$?; [ $rc -eq 0 ] || printf "install.sh: failed (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
 
 [ "$(id -u)" -eq 0 ] || die "install.sh must run as root (it installs packages and runs gVisor)" \
-    "run: sudo bash scripts/install.sh $ARGS"
+    "run it as root: bash scripts/install.sh $ARGS (from a root shell, or through sudo or su)"
 command -v apt-get >/dev/null && command -v dpkg-query >/dev/null ||
     die "apt-get not found: this script supports Debian 12 only" \
         "elsewhere install the equivalents of: ${APT_PACKAGES[*]}"
 
 # --- 1. apt packages ------------------------------------------------------------------------------------------
 step "apt packages"
+installed_version() {  # the installed version of package $1, empty when it is not installed
+    [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ] &&
+        dpkg-query -W -f='${Version}' "$1" 2>/dev/null
+}
+runsc_current() {
+    local v
+    v=$(installed_version runsc) && dpkg --compare-versions "$v" ge "$RUNSC_VERSION"
+}
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
-    status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
-    [ "$status" = installed ] || missing+=("$pkg")
+    if [ "$pkg" = runsc ]; then
+        runsc_current || missing+=(runsc)
+    elif [ -z "$(installed_version "$pkg")" ]; then
+        missing+=("$pkg")
+    fi
 done
+
+# The first apt source of Debian's bookworm suite (one-line or deb822 format), else deb.debian.org: where
+# backports come from when no source names them yet.
+debian_mirror() {
+    local files=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources) found
+    found=$({ cat "${files[@]}" 2>/dev/null || true; } | awk '
+        function stanza_end() { if (uri != "" && suites ~ /(^| )bookworm( |$)/) print uri; uri = ""; suites = "" }
+        /^[[:space:]]*#/ { next }
+        /^[[:space:]]*$/ { stanza_end(); next }
+        $1 == "deb" {
+            n = 0
+            for (i = 2; i <= NF; i++) if ($i !~ /^\[/ && $i !~ /\]$/ && $i !~ /=/) word[++n] = $i
+            if (n >= 2 && word[2] == "bookworm") print word[1]
+            next
+        }
+        tolower($1) == "uris:" { uri = $2 }
+        tolower($1) == "suites:" { $1 = ""; suites = $0 " " }
+        END { stanza_end() }' | grep -m1 -E '^(https?|file):' || true)
+    printf '%s\n' "${found%/}" | sed 's|^$|http://deb.debian.org/debian|'
+}
+# Whether an enabled apt source names the backports suite (apt itself is the judge once lists are read).
+has_backports_source() {
+    apt-get -q -o Dpkg::Use-Pty=0 indextargets --format '$(RELEASE)' 2>/dev/null | grep -qx "$BACKPORTS_SUITE" ||
+        grep -qsE "^[^#]*[[:space:]]$BACKPORTS_SUITE([[:space:]]|\$)" /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+            /etc/apt/sources.list.d/*.sources
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
-    note "all ${#APT_PACKAGES[@]} present"
+    note "all ${#APT_PACKAGES[@]} present (runsc $(installed_version runsc))"
 else
     note "installing: ${missing[*]}"
+    old_runsc=$(installed_version runsc || true)
+    if [[ " ${missing[*]} " == *" runsc "* ]] && [ -n "$old_runsc" ] &&
+        [ -n "$(runsc --root "$STATE_DIR/gvisor/runsc" list -quiet 2>/dev/null)" ]; then
+        note "warning: replacing runsc $old_runsc while sandboxes it started exist: they keep running, but the new"
+        note "runsc cannot suspend, snapshot or resume them; recreate them (docs/install.md)"
+    fi
     export DEBIAN_FRONTEND=noninteractive
     apt_opts=(-q -o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
+    if [[ " ${missing[*]} " == *" runsc "* ]] && ! has_backports_source; then
+        mirror=$(debian_mirror)
+        note "adding the apt source $BACKPORTS_SUITE from $mirror ($BACKPORTS_SOURCES)"
+        printf '%s\n' "# Added by sbx scripts/install.sh: runsc (gVisor) comes from here (docs/install.md)." \
+            "Types: deb" "URIs: $mirror" "Suites: $BACKPORTS_SUITE" "Components: main" \
+            "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" >"$BACKPORTS_SOURCES"
+    fi
     apt-get "${apt_opts[@]}" update ||
         die "apt-get update failed" "check /etc/apt/sources.list* and the network, then run this again"
-    apt-get "${apt_opts[@]}" install -y --no-install-recommends "${missing[@]}" ||
-        die "apt-get install failed for: ${missing[*]}" \
-            "on Debian 12 these are all in main; fix the apt error above and run this again"
+    install_args=()
+    for pkg in "${missing[@]}"; do
+        if [ "$pkg" != runsc ]; then
+            install_args+=("$pkg")
+        elif apt-cache madison runsc | awk -F'|' '{gsub(/ /, "", $2); print $2}' | grep -qxF "$RUNSC_VERSION"; then
+            install_args+=("runsc=$RUNSC_VERSION")  # the pinned release, where the archive still has it
+        else
+            install_args+=("runsc/$BACKPORTS_SUITE")  # a later backport replaced it: checked below
+        fi
+    done
+    apt-get "${apt_opts[@]}" install -y --no-install-recommends "${install_args[@]}" ||
+        die "apt-get install failed for: ${install_args[*]}" \
+            "on Debian 12 these are in main and $BACKPORTS_SUITE; fix the apt error above and run this again"
+    runsc_current || die "runsc $(installed_version runsc) is installed, but sandboxd needs $RUNSC_VERSION or later" \
+        "check that apt can see $BACKPORTS_SUITE (apt-cache policy runsc) and run this again"
+    note "runsc $(installed_version runsc)"
 fi
 if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
     # Debian's packages enable a registry and a Prometheus server on every interface; tests only need the

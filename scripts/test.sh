@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite: install what is missing, then ruff, mypy, unit tests, integration tests.
 #
-#   sudo bash scripts/test.sh [extra pytest arguments, e.g. -k name or -x]
+#   bash scripts/test.sh [extra pytest arguments, e.g. -k name or -x]   (as root)
 #
 # Runs scripts/install.sh --no-start --test-deps first (idempotent; sandboxd is not started: integration tests start
 # their own servers). Every step runs even when an earlier one fails, then a summary is printed. Logs and

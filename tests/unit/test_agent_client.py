@@ -31,7 +31,7 @@ from sbx.agent.client import (
 
 ENV = {"PATH": "/bin"}
 QUIET_SECS = 0.1  # how long the fake agent listens for frames that should not come
-TCP_WINDOW = 4 * p.CHUNK
+TCP_WINDOW = 4 * p.TCP_CHUNK  # what the agent announces: 1 MiB
 
 
 @dataclass
@@ -206,15 +206,16 @@ async def test_an_agent_of_version_1_is_still_served_without_tunnels() -> None:
 async def test_tunnel_writes_wait_for_the_window(pair: tuple[AgentClient, FakeAgent]) -> None:
     client, fake = pair
     stream, fid = await _open(client, fake)
-    data = bytes(range(256)) * (p.CHUNK * 10 // 256)
+    data = bytes(range(256)) * (p.TCP_CHUNK * 10 // 256)
     writing = asyncio.create_task(stream.write(data))
     first = await fake.recv_all()
     assert [(type(m).__name__, i) for m, i in first] == [("TcpSend", fid)] * 4  # a window, then wait
-    fake.send(p.TcpSendAck(2 * p.CHUNK), fid)
+    assert all(len(m.data) == p.TCP_CHUNK for m, _ in first if isinstance(m, p.TcpSend))
+    fake.send(p.TcpSendAck(2 * p.TCP_CHUNK), fid)
     second = await fake.recv_all()
     assert _types(second) == ["TcpSend"] * 2
     assert not writing.done()
-    fake.send(p.TcpSendAck(10 * p.CHUNK), fid)
+    fake.send(p.TcpSendAck(10 * p.TCP_CHUNK), fid)
     third = await fake.recv_all()
     await asyncio.wait_for(writing, 5)
     assert b"".join(m.data for m, _ in first + second + third if isinstance(m, p.TcpSend)) == data
@@ -227,12 +228,12 @@ async def test_tunnel_reads_acknowledge_only_what_was_consumed(pair: tuple[Agent
     client, fake = pair
     stream, fid = await _open(client, fake)
     for i in range(4):  # a full window the caller has not read yet
-        fake.send(p.TcpData(bytes([i]) * p.CHUNK), fid)
+        fake.send(p.TcpData(bytes([i]) * p.TCP_CHUNK), fid)
     fake.send(p.TcpEof(), fid)
     assert await fake.recv_all() == []  # nothing is acknowledged before it is read
-    assert await stream.read() == b"\0" * p.CHUNK
-    assert await fake.recv_all() == [(p.TcpAck(p.CHUNK), fid)]  # a quarter window consumed
-    assert len(await read_rest(stream)) == 3 * p.CHUNK
+    assert await stream.read() == b"\0" * p.TCP_CHUNK
+    assert await fake.recv_all() == [(p.TcpAck(p.TCP_CHUNK), fid)]  # a quarter window consumed
+    assert len(await read_rest(stream)) == 3 * p.TCP_CHUNK
     assert await stream.read() == b""
 
 
@@ -314,8 +315,10 @@ async def test_an_agent_sending_tunnel_data_past_the_window_loses_its_channel(
 ) -> None:
     client, fake = pair
     stream, fid = await _open(client, fake)
-    for _ in range(12):  # nobody reads: TCP_WINDOW plus a payload is 1.25 MiB, this 1.3 MiB
-        fake.send(p.TcpData(b"x" * (HUGE // 8)), fid)
+    chunk = HUGE // 8
+    # Nobody reads: one chunk more than the window the agent announced plus a payload.
+    for _ in range((client.tcp_window + client.max_payload) // chunk + 1):
+        fake.send(p.TcpData(b"x" * chunk), fid)
     await asyncio.wait_for(client.closed.wait(), 5)
     with pytest.raises(AgentProtocolError):
         await read_rest(stream)

@@ -1018,14 +1018,14 @@ def _raw_call(sock: Path, *frames: tuple[p.Message, int]) -> list[p.Message]:
         (
             2,
             [
-                p.HelloOk(2, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 256 * 1024),
+                p.HelloOk(2, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 1 << 20),
                 p.Error(errno.EINVAL, ""),
             ],
         ),
         (
             3,
             [
-                p.HelloOk(3, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 256 * 1024),
+                p.HelloOk(3, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 1 << 20),
                 p.Error(errno.EINVAL, ""),
             ],
         ),

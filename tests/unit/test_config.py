@@ -54,6 +54,7 @@ def test_no_file_gives_documented_defaults() -> None:
         Path("/var/lib/sandboxd/images"), Path("/var/lib/sandboxd/agent/sbx-agent")
     )
     assert cfg.audit.enabled is True
+    assert cfg.gvisor.platform == "auto"
 
 
 def test_empty_file_equals_defaults(tmp_path: Path) -> None:
@@ -139,6 +140,8 @@ enabled = false
         pytest.param("[[pools]]\nimage = \"default\"\nsize = 2", lambda c: c.pools == (PoolConfig("default", 2),), id="pool-of-default"),
         pytest.param("[images]\nallowed = []\n[[pools]]\nimage = \"default\"\nsize = 1", lambda c: c.pools[0].image == "default", id="default-always-allowed"),
         pytest.param("[[pools]]\nimage = \"default\"\nsize = 0", lambda c: c.pools == (PoolConfig("default", 0),), id="pool-size-zero"),
+        pytest.param("[gvisor]\nplatform = \"ptrace\"", lambda c: c.gvisor.platform == "ptrace", id="platform-ptrace"),
+        pytest.param("[gvisor]\nplatform = \"systrap\"", lambda c: c.gvisor.platform == "systrap", id="platform-systrap"),
     ],
 )  # fmt: skip
 def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig], bool]) -> None:
@@ -223,6 +226,10 @@ def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig],
         pytest.param("[[pools]]\nimage = \"Bad_Ref:\"\nsize = 1", "pools[0].image: image reference", id="pool-bad-reference"),
         pytest.param("[[pools]]\nimage = \"default\"\nsize = 1\n[[pools]]\nimage = \"default\"\nsize = 2", "has two pools", id="pool-twice"),
         pytest.param("[images]\nallowed = [\"ghcr.io/**\"]\n[[pools]]\nimage = \"python\"\nsize = 1", "is not allowed by images.allowed", id="pool-not-allowed"),
+        # gVisor.
+        pytest.param("[gvisor]\nplatform = \"kvm\"", "gvisor.platform = 'kvm': expected one of auto, systrap, ptrace", id="platform-unknown"),
+        pytest.param("[gvisor]\nplatform = \"\"", "gvisor.platform: expected a non-empty string", id="platform-empty"),
+        pytest.param("[gvisor]\nruntime = \"runsc\"", "unknown key gvisor.runtime", id="gvisor-unknown-key"),
         # Syntax.
         pytest.param("[limits\nmax_cpus = 1", "is not valid TOML", id="bad-toml"),
     ],

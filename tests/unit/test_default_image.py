@@ -12,9 +12,11 @@ from sbx.images.default_image import (
     DEFAULT_IMAGE,
     RECIPE_ANNOTATION,
     RECIPE_ID,
+    apt_source_lines,
     debian_mirror,
     installed_default,
     is_current,
+    security_mirror,
 )
 from sbx.images.store import ImageConfig, ImageStore, InstalledImage, image_dir_name
 
@@ -132,3 +134,39 @@ def test_damaged_default_counts_as_missing(tmp_path: Path, capsys: pytest.Captur
     (damaged / "image.json").write_text("{")
     assert installed_default(store) is None
     assert "rebuilding the damaged default image" in capsys.readouterr().err
+
+
+# (case, {relative file: contents}, expected security mirror)
+SECURITY_CASES: list[tuple[str, dict[str, str], str | None]] = [
+    ("deb822 as on Debian 12", {"sources.list.d/debian.sources": BOOKWORM_DEB822},
+     "http://deb.debian.org/debian-security"),
+    ("one-line", {"sources.list": "deb http://security.example.org/debian-security/ bookworm-security main\n"},
+     "http://security.example.org/debian-security"),
+    ("another suite's security only", {"sources.list": "deb http://s.example/debian-security trixie-security main\n"},
+     None),
+    ("none at all", {}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"), [c[1:] for c in SECURITY_CASES], ids=[c[0] for c in SECURITY_CASES]
+)
+def test_security_mirror_from_apt_sources(
+    tmp_path: Path, files: dict[str, str], expected: str | None
+) -> None:
+    (tmp_path / "sources.list.d").mkdir()
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert security_mirror(tmp_path) == expected
+
+
+def test_image_sources_with_and_without_security() -> None:
+    assert apt_source_lines("http://m.example/debian", "http://s.example/debian-security") == [
+        "deb http://m.example/debian bookworm main",
+        "deb http://m.example/debian bookworm-updates main",
+        "deb http://s.example/debian-security bookworm-security main",
+    ]
+    assert apt_source_lines("file:/srv/mirror", None) == [
+        "deb file:/srv/mirror bookworm main",
+        "deb file:/srv/mirror bookworm-updates main",
+    ]

@@ -951,7 +951,7 @@ class AgentTcpStream:
             if self._eof_sent:
                 raise AgentRequestError(errno_mod.EPIPE, "write after write_eof on the tunnel")
             view = memoryview(data)
-            step = min(p.CHUNK, self._window)  # a chunk must fit the window, or it would wait forever
+            step = min(p.TCP_CHUNK, self._window)  # a chunk must fit the window, or it would wait forever
             while view:
                 chunk = bytes(view[:step])
                 view = view[step:]

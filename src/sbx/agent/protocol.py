@@ -43,6 +43,9 @@ HEADER_LEN = HEADER.size  # 9
 MAX_PAYLOAD = 1 << 20
 """Largest payload either side accepts (bytes); a larger frame ends the connection."""
 CHUNK = 64 * 1024
+#: Largest TCP_SEND chunk the host sends (the agent sends TCP_DATA of up to as much): fewer, larger frames
+#: for tunnels, whose window is larger (docs/agent-protocol.md).
+TCP_CHUNK = 256 * 1024
 """Largest data chunk the host puts in one STDIN, WRITE_DATA or TCP_SEND frame (bytes)."""
 
 STDOUT = 0
@@ -110,6 +113,7 @@ class _Reader:
     """Cursor over one payload; every read checks the remaining length."""
 
     def __init__(self, data: bytes) -> None:
+        self.raw = data
         self.data = memoryview(data)
         self.pos = 0
 
@@ -121,6 +125,9 @@ class _Reader:
         return out
 
     def rest(self) -> bytes:
+        if self.pos == 0:  # the whole payload (tunnel data, output): no copy of up to a MiB
+            self.pos = len(self.data)
+            return self.raw
         return self.take(len(self.data) - self.pos)
 
     def done(self) -> None:
@@ -791,21 +798,34 @@ class FrameReader:
         self._max = max_payload
 
     def feed(self, data: bytes) -> Iterator[Frame]:
-        """Frames completed by ``data``; raises AgentProtocolError on an oversized frame."""
-        self._buf += data
+        """Frames completed by ``data``; raises AgentProtocolError on an oversized frame.
+
+        Each payload is copied once, out of ``data`` itself while nothing is held back (the common case
+        for large frames read whole), else out of the held-back bytes with ``data`` appended.
+        """
+        if self._buf:
+            self._buf += data
+            source: bytes | bytearray = self._buf
+        else:
+            source = data
         pos = 0
         try:
-            while len(self._buf) - pos >= HEADER_LEN:
-                t, fid, n = HEADER.unpack_from(self._buf, pos)
+            while len(source) - pos >= HEADER_LEN:
+                t, fid, n = HEADER.unpack_from(source, pos)
                 if n > self._max:
                     raise AgentProtocolError(f"frame of {n} bytes exceeds the maximum of {self._max}")
-                if len(self._buf) - pos < HEADER_LEN + n:
+                if len(source) - pos < HEADER_LEN + n:
                     break
                 start = pos + HEADER_LEN
-                yield Frame(t, fid, bytes(self._buf[start : start + n]))
+                with memoryview(source) as view:
+                    payload = bytes(view[start : start + n])
+                yield Frame(t, fid, payload)
                 pos = start + n
         finally:
-            del self._buf[:pos]
+            if source is self._buf:
+                del self._buf[:pos]
+            else:
+                self._buf += memoryview(data)[pos:]
 
     @property
     def pending(self) -> int:

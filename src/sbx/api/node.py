@@ -56,6 +56,18 @@ class Capabilities(msgspec.Struct, kw_only=True):
     network: NetworkConfig
 
 
+class Runtime(msgspec.Struct, kw_only=True):
+    """What runs a node's sandboxes (an addition to NodeStatus): the ``platform`` guest code runs on and
+    ``platform_reason`` why it was chosen, ``limitations`` (one sentence each: what sandboxes here cannot do
+    or do slowly) and, for gVisor, the runsc release read at start and its path."""
+
+    platform: str
+    platform_reason: str = ""
+    limitations: list[str] = msgspec.field(default_factory=list)
+    runsc_version: str | UnsetType = UNSET
+    runsc_path: str | UnsetType = UNSET
+
+
 class NodeStatus(msgspec.Struct, kw_only=True):
     """``GET /v1/node``: a node's name (empty when standalone), version, capabilities, capacity and what is
     free (capacity less what every live sandbox holds, pooled ones included), sandboxes running, pooled
@@ -74,7 +86,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     labels: dict[str, str]
     cordoned: bool
     defaults: Defaults | UnsetType = UNSET
-    runtime: dict[str, str] | UnsetType = UNSET
+    runtime: Runtime | UnsetType = UNSET
 
 
 class CordonRequest(msgspec.Struct):

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from sbx.agent.client import AgentClient
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.node import Runtime
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,10 @@ class Backend(Protocol):
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Apply ``policy`` to a running or suspended sandbox at once, cutting connections it no longer
         permits; BackendError (message safe to show) when this sandbox's policy cannot change."""
+
+    def runtime_report(self) -> Runtime:
+        """What runs the sandboxes (platform, why, limitations), as ``GET /v1/node`` reports it; valid after
+        :meth:`check`."""
 
 
 @runtime_checkable

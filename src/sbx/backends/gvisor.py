@@ -1,4 +1,5 @@
-"""The gVisor backend: each sandbox is a `runsc` sandbox (ptrace platform) with the agent as its init.
+"""The gVisor backend: each sandbox is a `runsc` sandbox (systrap platform where it works) with the agent as
+its init.
 
 Per sandbox, under ``<state>/gvisor/<id>/``::
 
@@ -16,13 +17,18 @@ sandbox running outside sandboxd's process tree, so killing sandboxd never stops
 Isolation: pid, mount, ipc, uts and network namespaces; CPU quota, memory and pid limits through the cgroup
 ``/sandboxd/<id>``; network mode ``none`` (loopback only, gVisor's own stack), modes ``allowlist`` and ``open``
 in a network namespace of their own behind the egress proxy (gvisor_net.py, docs/network.md).
+
+Which runsc release is installed and which platform works here decide the flags (runsc.py): read once by
+:meth:`GVisorBackend.check`, reported by ``GET /v1/node`` (:meth:`GVisorBackend.runtime_report`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -30,17 +36,22 @@ from pathlib import Path
 from typing import Any
 
 from sbx.agent.client import AgentClient
+from sbx.api.codec import to_builtins
 from sbx.api.network_policy import NetworkPolicy
+from sbx.api.node import Runtime
 from sbx.api.validation import DEFAULT_CWD
-from sbx.backends.base import BackendError, BackendUsage, BootSpec, GuestUser, VolumeDisks
+from sbx.backends.base import BackendError, BackendUsage, BootSpec, GuestUser, VolumeBind, VolumeDisks
 from sbx.backends.ctl_dir import touch_regular
 from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
-from sbx.backends.layers import LayerPool, WritableLayer, run_tool
+from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
+from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
+
+log = logging.getLogger(__name__)
 
 #: The in-sandbox paths of the agent and its control directory.
 GUEST_AGENT_PATH = "/.sbx/agent"
@@ -64,14 +75,23 @@ STOP_WAIT_SECS = 5.0
 _GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> dict[str, Any]:
-    """The OCI runtime spec for one sandbox: the agent as init, limits in the cgroup."""
+def tmpfs_size_option(spec: BootSpec) -> str:
+    """The size of /tmp and of /dev/shm, half of ``memory_mb`` each (Linux's tmpfs default is half the RAM):
+    they live in the sandbox's memory, so filling one answers ENOSPC instead of getting the whole sandbox
+    killed at its memory limit, and ``df`` shows what they can hold."""
+    return f"size={max(1, spec.memory_mb // 2)}m"
+
+
+def oci_spec(
+    spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path, agent_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The OCI runtime spec for one sandbox: the agent as init (with ``agent_args``), limits in the cgroup."""
     return {
         "ociVersion": "1.0.0",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [GUEST_AGENT_PATH, "--listen", f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}"],
+            "args": [GUEST_AGENT_PATH, *agent_args, "--listen", f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}"],
             "env": [f"PATH={_GUEST_PATH}"],
             "cwd": "/",
             "capabilities": {
@@ -88,8 +108,20 @@ def oci_spec(spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path) -> d
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
-            # runsc mounts /sys, /dev/pts and a tmpfs /tmp by itself; naming them again costs ~15 ms a boot.
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev"]},
+            # runsc mounts /sys and /dev/pts by itself; naming them again costs ~15 ms a boot. Its own /tmp
+            # would be a tmpfs without a size (a full one gets the sandbox killed at its memory limit).
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "nodev", tmpfs_size_option(spec)],
+            },
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=1777", tmpfs_size_option(spec)],
+            },
             {
                 "destination": GUEST_AGENT_PATH,
                 "type": "bind",
@@ -145,19 +177,25 @@ class GVisorBackend:
         self,
         state_dir: Path,
         agent_path: Path,
-        platform: str = "ptrace",
+        platform: str = "auto",
         runsc: str = "runsc",
         pooled_disk_mb: int = 0,
         egress: EgressConfig | None = None,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
-        none only."""
+        none only. ``platform``: ``auto`` (systrap where a probe boots on it, else ptrace) or a platform
+        name (runsc.py)."""
         self.base = state_dir / "gvisor"
         self.runsc_root = self.base / "runsc"
         self.agent_path = agent_path
+        #: What was asked for; :attr:`platform` is what :meth:`check` chose, and ``platform_reason`` why.
+        self.requested_platform = platform
         self.platform = platform
+        self.platform_reason = ""
         self.runsc = runsc
+        #: The installed runsc, read by :meth:`check`.
+        self.runsc_info: RunscInfo | None = None
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
         #: Volumes are ext4 images loop-mounted on the host and bound into sandboxes (runsc's gofer serves them).
         self.volumes: VolumeDisks = LoopVolumes(GUEST)
@@ -187,11 +225,8 @@ class GVisorBackend:
             await self.net.close()
 
     def check(self) -> None:
-        """Raise BackendError naming what is missing on this host."""
-        if shutil.which(self.runsc) is None:
-            raise BackendError(
-                f"{self.runsc} not found: install gVisor (Debian package runsc) or run scripts/install.sh"
-            )
+        """Raise BackendError naming what is missing on this host; read runsc and choose the platform."""
+        info = inspect_runsc(self.runsc)
         # Layers, volumes and snapshots: mkfs, checks and resizes of ext4 images, unmounts and freezes.
         for tool in ("mkfs.ext4", "e2fsck", "resize2fs", "umount", "fsfreeze"):
             if shutil.which(tool) is None:
@@ -208,6 +243,29 @@ class GVisorBackend:
         if self.net is not None and not self.net.usable():
             self.network_modes = frozenset({"none"})  # why is logged; the ceiling is lowered to match
         self.runsc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.platform, self.platform_reason = choose_platform(
+            info, self.requested_platform, self.agent_path, self.base
+        )
+        self.runsc_info = info
+        if self.net is not None:
+            self.net.procfs_mask = info.netns_needs_procfs_mask
+        log.info("gVisor runtime", extra=to_builtins(self.runtime_report()))
+
+    def runtime_report(self) -> Runtime:
+        """The runsc and platform sandboxes run on, and what they cannot do (``GET /v1/node`` ``runtime``)."""
+        info = self.runsc_info
+        return Runtime(
+            platform=self.platform,
+            platform_reason=self.platform_reason,
+            limitations=info.limitations(self.platform) if info is not None else [],
+            runsc_version=info.version if info is not None else "",
+            runsc_path=info.path if info is not None else "",
+        )
+
+    def _runsc(self) -> RunscInfo:
+        if self.runsc_info is None:
+            raise BackendError("the gVisor backend was used before check() read runsc")
+        return self.runsc_info
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.base / sandbox_id
@@ -285,7 +343,8 @@ class GVisorBackend:
             ctl_dir.mkdir(mode=0o700)
             bundle.mkdir()
             await make_layer(layer)
-            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir)
+            spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
+            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
             if self.net is not None and spec.network.mode != "none":
                 await self.net.create(spec.sandbox_id, spec.network)
                 self.net.configure_spec(spec.sandbox_id, config)
@@ -297,6 +356,20 @@ class GVisorBackend:
             await self.destroy(spec.sandbox_id)
             raise
 
+    def _read_only_binds(self, spec: BootSpec) -> tuple[VolumeBind, ...]:
+        """The volumes with each read-only one's source replaced by a read-only bind of it in the sandbox's
+        directory (``volumes/<n>``, unmounted by destroy). runsc 20240729 with directfs truncates the host
+        file of ``open(O_TRUNC)`` on a read-only mount before it answers EROFS (upstream fix 0a99125cd, in
+        release 20250707): through a read-only host mount the kernel refuses the truncation itself."""
+        binds = []
+        for index, volume in enumerate(spec.volumes):
+            if volume.read_only:
+                target = self._dir(spec.sandbox_id) / "volumes" / str(index)
+                bind_read_only(volume.source, target)
+                volume = dataclasses.replace(volume, source=target)
+            binds.append(volume)
+        return tuple(binds)
+
     async def _start(
         self, sandbox_id: str, bundle: Path, console: Path, image_dir: Path | None = None
     ) -> None:
@@ -307,7 +380,8 @@ class GVisorBackend:
         with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
                 *self._sandbox_process_argv(
-                    sandbox_id, f"--platform={self.platform}", "--host-uds=create", "--cpu-num-from-quota",
+                    sandbox_id, *self._runsc().start_flags(self.platform), "--host-uds=create",
+                    "--cpu-num-from-quota",
                     *command, "--detach", "--bundle", str(bundle), sandbox_id,
                 ),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
@@ -389,6 +463,13 @@ class GVisorBackend:
             return
         for leftover in self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.*"):
             leftover.unlink(missing_ok=True)
+        self._control_socket(sandbox_id).unlink(missing_ok=True)
+
+    def _control_socket(self, sandbox_id: str) -> Path:
+        """The unix socket runsc (release 20230130 and later) controls a sandbox through. A stopped sandbox's
+        socket must go before a restore under the same id: runsc would not reuse it and would try /var/run,
+        /run and /tmp instead, leaving a socket file in each, then fail."""
+        return self.runsc_root / f"runsc-{sandbox_id}.sock"
 
     async def restore(self, sandbox_id: str, image_dir: Path) -> None:
         """Start the checkpointed sandbox again from ``image_dir``, on its own bundle and layer; its agent
@@ -399,6 +480,7 @@ class GVisorBackend:
             directory = self._dir(sandbox_id)
             if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
+            self._control_socket(sandbox_id).unlink(missing_ok=True)
             touch_regular(directory / "ctl", WAKE_FILE_NAME)
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
 
@@ -441,10 +523,13 @@ class GVisorBackend:
                     await run_tool(*self._runsc_for(sandbox_id, *args))
                 except BackendError:
                     pass
+        self._control_socket(sandbox_id).unlink(missing_ok=True)
         if self.net is not None:
             await self.net.destroy(sandbox_id)  # reads the sandbox's network.json: before the rmtree
         async with self._lock(sandbox_id):  # after a disk copy under way: a frozen layer cannot unmount
             await WritableLayer(directory / "layer").remove()
+            binds = directory / "volumes"
+            await unmount_all(sorted(binds.iterdir()) if binds.is_dir() else [])
             shutil.rmtree(directory, ignore_errors=True)
         self._remove_cgroup(sandbox_id)
 

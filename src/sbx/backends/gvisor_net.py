@@ -6,9 +6,10 @@ pair (``eth0``, the sandbox's /30 address and a default route to the host end); 
 put back before a restore, :meth:`SandboxNetworks.prepare_for_restore`). Mode ``none`` keeps
 ``--network=none`` and no namespace at all: its creates stay as fast as before.
 
-Debian's runsc refuses ``--network=sandbox`` when ``/proc/sys/net/core/rmem_default`` exists (its test for
-"still in the root network namespace", wrong on current kernels), so the runsc process that starts a sandbox
-runs in a private mount namespace with a tmpfs over /proc/sys/net (:meth:`SandboxNetworks.process_argv`).
+runsc before release 20240807 (Debian 12's 20221219 and bookworm-backports' 20240729 included) refuses
+``--network=sandbox`` when ``/proc/sys/net/core/rmem_default`` exists (its test for "still in the root network
+namespace", wrong on current kernels), so the runsc process that starts a sandbox runs in a private mount
+namespace with a tmpfs over /proc/sys/net (:meth:`SandboxNetworks.process_argv`; not for later releases).
 Every other runsc command about such a sandbox (state, kill, delete, checkpoint) enters its network namespace
 first: runsc's control socket is abstract, so it exists only there (:meth:`SandboxNetworks.command_argv`).
 
@@ -50,6 +51,8 @@ class SandboxNetworks:
         #: False when this host cannot enforce egress (see :meth:`usable`): no new sandbox gets a network,
         #: while namespaces left by an earlier run are still entered and removed.
         self.enabled = True
+        #: Whether runsc needs the tmpfs over /proc/sys/net (set from its release by the backend).
+        self.procfs_mask = True
 
     def usable(self) -> bool:
         """Whether the tools are installed and the kernel takes our nftables rules (``nft --check``, which
@@ -107,10 +110,12 @@ class SandboxNetworks:
     def process_argv(self, sandbox_id: str, runsc_argv: list[str]) -> list[str]:
         """The argv that runs ``runsc_argv`` (a ``run`` or ``restore`` without a ``--network`` flag) so that
         it starts the sandbox: ``--network=none`` without a namespace; with one, ``--network=sandbox`` in
-        it, behind a private tmpfs over /proc/sys/net (see the module docstring)."""
+        it, behind a private tmpfs over /proc/sys/net when runsc needs one (see the module docstring)."""
         runsc, *rest = runsc_argv
         if not self.has_netns(sandbox_id):
             return [runsc, "--network=none", *rest]
+        if not self.procfs_mask:
+            return ["nsenter", f"--net={self.netns_path(sandbox_id)}", runsc, "--network=sandbox", *rest]
         script = (
             f'mount -t tmpfs none /proc/sys/net && exec nsenter --net="{self.netns_path(sandbox_id)}" "$@"'
         )

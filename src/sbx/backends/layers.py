@@ -56,8 +56,11 @@ def is_mounted(path: Path) -> bool:
     return False
 
 
+_MS_RDONLY = 0x1
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
+_MS_REMOUNT = 0x20
+_MS_BIND = 0x1000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -67,6 +70,32 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", _MS_NODEV | _MS_NOSUID, options) != 0:
         err = ctypes.get_errno()
         raise BackendError(f"cannot mount the sandbox's root overlay at {target}: {os.strerror(err)}")
+
+
+def bind_read_only(source: Path, target: Path) -> None:
+    """Bind-mount the directory ``source`` on ``target`` (created) read-only, nosuid and nodev, so the host's
+    kernel refuses every write through it whatever the process asks: a bind takes no flags of its own, so it
+    is made first and remounted read-only next (undone when that fails)."""
+    target.mkdir(parents=True, exist_ok=True)
+    if _libc.mount(str(source).encode(), str(target).encode(), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise BackendError(f"cannot bind {source} on {target}: {os.strerror(err)}")
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+    if _libc.mount(None, str(target).encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        _libc.umount2(str(target).encode(), 0)
+        raise BackendError(f"cannot make the bind of {source} on {target} read-only: {os.strerror(err)}")
+
+
+async def unmount_all(mount_points: list[Path]) -> None:
+    """Unmount each of ``mount_points`` that is mounted; detach lazily one still busy (a process that has
+    not exited yet holds it: it goes when that process does). Idempotent."""
+    for mount_point in mount_points:
+        if mount_point.exists() and is_mounted(mount_point):
+            try:
+                await run_tool("umount", str(mount_point))
+            except BackendError:
+                await run_tool("umount", "-l", str(mount_point))
 
 
 async def make_ext4_image(image_file: Path, size_mb: int, journal: bool) -> None:
@@ -232,15 +261,9 @@ class WritableLayer:
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
     async def remove(self) -> None:
-        """Unmount and delete everything; idempotent."""
-        for mount_point in (self.rootfs, self.disk_dir):
-            if mount_point.exists() and is_mounted(mount_point):
-                try:
-                    await run_tool("umount", str(mount_point))
-                except BackendError:
-                    # A gofer that has not exited yet may still hold it; detach so the loop device is freed
-                    # once the last user goes.
-                    await run_tool("umount", "-l", str(mount_point))
+        """Unmount and delete everything; idempotent. (A gofer that has not exited yet may still hold a
+        mount: it is then detached, and the loop device freed once the last user goes.)"""
+        await unmount_all([self.rootfs, self.disk_dir])
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

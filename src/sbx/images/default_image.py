@@ -1,14 +1,22 @@
-"""Build the offline default image ``default``: a minimal Debian bookworm root made by debootstrap.
+"""Build the offline default image ``default``: a Debian bookworm root for coding agents, made by mmdebstrap.
 
 Usage (as root; ``scripts/install.sh`` runs it)::
 
     python -m sbx.images.default_image [--images-dir DIR] [--mirror URL] [--force]
 
-The recipe: ``debootstrap --variant=minbase --include=<INCLUDE> bookworm``, then the sandbox user (uid 1000,
-gid 1000, ``sandbox``, home ``/sandbox/home``, shell ``/bin/bash``), the sandbox mount points (see
-:mod:`sbx.images.store`), placeholder ``/etc/resolv.conf``, ``/etc/hosts`` and ``/etc/hostname`` (the
-host's must not leak in), and no apt caches or package lists (``apt-get update`` first inside a sandbox with
-network access). It takes about a minute and 180 MB.
+The recipe: ``mmdebstrap --variant=minbase --include=<INCLUDE> bookworm`` from the Debian mirror (plus
+bookworm-updates there, and bookworm-security from the security mirror the machine's apt sources name), so
+the image has bash, coreutils, findutils, procps, less, git, curl, ca-certificates, python3 with pip, venv
+and headers, gcc, g++ and make (build-essential), xz, unzip, zip, jq, file, patch, openssh-client, and
+Node.js with npm, all Debian's. mmdebstrap resolves dependencies with apt (debootstrap cannot: npm's
+dependencies name virtual packages). Documentation, manual pages and translations are left out (dpkg
+``path-exclude``, kept for packages installed later too), copyright files kept. Then the sandbox user (uid
+1000, gid 1000, ``sandbox``, home ``/sandbox/home``, shell ``/bin/bash``), the sandbox mount points (see
+:mod:`sbx.images.store`), placeholder ``/etc/resolv.conf``, ``/etc/hosts`` and ``/etc/hostname`` (the host's
+must not leak in), no apt caches or package lists (``apt-get update`` first inside a sandbox with network
+access), and no ``EXTERNALLY-MANAGED`` marker: the sandbox user's ``pip install`` goes to its own site
+directory (it cannot write the system's) instead of being refused. It takes about 70 s and 830 MB
+(docs/images.md).
 
 Idempotent: an installed ``default`` whose ``sbx.recipe`` annotation equals :data:`RECIPE_ID` is kept;
 otherwise (or with ``--force``) it is rebuilt and replaces the old one atomically. :data:`RECIPE_ID` is a hash
@@ -18,8 +26,10 @@ below changes what ends up in the root) makes every node rebuild on its next ins
 The digest is the store's :func:`~sbx.images.store.tree_digest` of the root (content, not timestamps).
 
 The mirror: ``--mirror``, else ``SANDBOX_DEBIAN_MIRROR``, else the first Debian mirror in the machine's apt
-sources, else ``http://deb.debian.org/debian``. apt's ``Acquire::http::Proxy`` is passed on as
-``http_proxy`` when the environment sets none.
+sources, else ``http://deb.debian.org/debian``. The security mirror: the machine's apt source for
+``bookworm-security``, if any (none: the image has no security updates beyond the point release; say so in
+its annotations). apt's ``Acquire::http::Proxy`` is passed on as ``http_proxy`` when the environment sets
+none.
 """
 
 from __future__ import annotations
@@ -51,19 +61,36 @@ RECIPE_ANNOTATION = "sbx.recipe"
 
 #: Everything that decides the image's content; bump ``version`` when the build code changes.
 RECIPE: dict[str, object] = {
-    "version": 1,
+    "version": 2,
+    "tool": "mmdebstrap",
     "suite": "bookworm",
+    "updates": ["bookworm-updates", "bookworm-security"],
     "variant": "minbase",
-    "include": ["python3", "bash", "coreutils", "procps", "ca-certificates"],
+    "include": [
+        "bash", "build-essential", "ca-certificates", "coreutils", "curl", "file", "findutils", "git", "jq",
+        "less", "nodejs", "npm", "openssh-client", "patch", "procps", "python3", "python3-dev", "python3-pip",
+        "python3-venv", "unzip", "xz-utils", "zip",
+    ],
+    "dpkg": ["path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright",
+             "path-exclude=/usr/share/man/*", "path-exclude=/usr/share/info/*",
+             "path-exclude=/usr/share/locale/*", "path-include=/usr/share/locale/locale.alias"],
     "user": {"name": "sandbox", "uid": SANDBOX_UID, "gid": SANDBOX_GID, "home": "/sandbox/home",
              "shell": "/bin/bash"},
+    "pip": "no EXTERNALLY-MANAGED marker",
     "clean": ["apt-caches", "apt-lists"],
 }  # fmt: skip
 RECIPE_ID = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()[:16]
 
+#: Where the sandbox user's own programs go: ``pip install`` (user site), ``npm install -g`` (prefix).
+USER_PREFIX = "/sandbox/home/.local"
+
 #: How processes run in the default image.
 DEFAULT_CONFIG = ImageConfig(
-    env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+    env={
+        "PATH": f"{USER_PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "NPM_CONFIG_PREFIX": USER_PREFIX,
+    },
     working_dir="/sandbox/home",
     user=f"{SANDBOX_UID}:{SANDBOX_GID}",
 )
@@ -84,22 +111,26 @@ _TAIL_LINES = 30
 
 
 def ensure_default_image(
-    store: ImageStore, mirror: str, *, force: bool = False, progress: bool = True
+    store: ImageStore, mirror: str, *, security: str | None = None, force: bool = False, progress: bool = True
 ) -> tuple[InstalledImage, bool]:
     """Install ``default`` unless it is installed from the current recipe; returns (image, built).
 
-    ``progress`` streams debootstrap's output to stderr.
+    ``security``: the mirror of bookworm-security (None: none). ``progress`` streams mmdebstrap's output
+    to stderr.
     """
     current = installed_default(store)
     if current is not None and not force and is_current(current):
         return current, False
     image = store.install_rootfs(
         DEFAULT_IMAGE,
-        lambda rootfs: build_rootfs(rootfs, mirror, progress=progress),
+        lambda rootfs: build_rootfs(rootfs, mirror, security=security, progress=progress),
         config=DEFAULT_CONFIG,
-        annotations={RECIPE_ANNOTATION: RECIPE_ID, "sbx.suite": str(RECIPE["suite"]), "sbx.mirror": mirror},
+        annotations={
+            RECIPE_ANNOTATION: RECIPE_ID, "sbx.suite": str(RECIPE["suite"]), "sbx.mirror": mirror,
+            "sbx.security_mirror": security or "none",
+        },
         replace=True,
-    )
+    )  # fmt: skip
     return image, True
 
 
@@ -117,24 +148,41 @@ def is_current(image: InstalledImage) -> bool:
     return image.annotations.get(RECIPE_ANNOTATION) == RECIPE_ID
 
 
-def build_rootfs(rootfs: Path, mirror: str, *, progress: bool = True) -> None:
-    """Fill the empty directory ``rootfs`` with the default image's root (needs root and debootstrap)."""
-    if shutil.which("debootstrap") is None:
-        raise Unavailable(
-            "debootstrap is not installed; run scripts/install.sh or apt-get install debootstrap"
-        )
+def apt_source_lines(mirror: str, security: str | None) -> list[str]:
+    """The image's apt sources, one-line format: the suite and its updates from ``mirror``, security
+    updates from ``security`` when given."""
+    suite = str(RECIPE["suite"])
+    lines = [f"deb {mirror} {suite} main", f"deb {mirror} {suite}-updates main"]
+    if security is not None:
+        lines.append(f"deb {security} {suite}-security main")
+    return lines
+
+
+def build_rootfs(rootfs: Path, mirror: str, *, security: str | None = None, progress: bool = True) -> None:
+    """Fill the empty directory ``rootfs`` with the default image's root (needs root and mmdebstrap)."""
+    if shutil.which("mmdebstrap") is None:
+        raise Unavailable("mmdebstrap is not installed; run scripts/install.sh or apt-get install mmdebstrap")
     include = ",".join(_strings(RECIPE["include"]))
+    dpkg_options = [f"--dpkgopt={option}" for option in _strings(RECIPE["dpkg"])]
     _run(
-        ["debootstrap", f"--variant={RECIPE['variant']}", f"--include={include}", str(RECIPE["suite"]),
-         str(rootfs), mirror],
-        what=f"debootstrap from {mirror}",
-        hint="check that the mirror is reachable (or pass --mirror URL) and that the disk has 1 GB free",
+        ["mmdebstrap", "--mode=root", f"--variant={RECIPE['variant']}", f"--include={include}",
+         *dpkg_options, str(RECIPE["suite"]), str(rootfs), *apt_source_lines(mirror, security)],
+        what=f"mmdebstrap from {mirror}",
+        hint="check that the mirror is reachable (or pass --mirror URL) and that the disk has 3 GB free",
         progress=progress,
         env=_env_with_apt_proxy(),
     )  # fmt: skip
     _add_sandbox_user(rootfs)
     _replace_host_files(rootfs)
+    _let_pip_install(rootfs)
     _clean_apt(rootfs)
+
+
+def _let_pip_install(rootfs: Path) -> None:
+    # Debian marks its python as managed by apt (PEP 668), so `pip install x` is refused even for the user's
+    # own site directory. In a sandbox the user cannot write the system's packages anyway.
+    for marker in rootfs.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+        marker.unlink()
 
 
 def _add_sandbox_user(rootfs: Path) -> None:
@@ -158,7 +206,7 @@ def _add_sandbox_user(rootfs: Path) -> None:
 
 
 def _replace_host_files(rootfs: Path) -> None:
-    # debootstrap copies the host's resolv.conf and hostname; a sandbox must not learn them. The files stay
+    # mmdebstrap copies the host's resolv.conf and hostname; a sandbox must not learn them. The files stay
     # as mount points for whatever sets up a sandbox's network.
     etc = rootfs / "etc"
     (etc / "resolv.conf").unlink(missing_ok=True)
@@ -225,11 +273,18 @@ def apt_http_proxy() -> str | None:
     return value or None
 
 
+def security_mirror(apt_dir: Path = Path("/etc/apt")) -> str | None:
+    """The first source of the recipe suite's security updates (``bookworm-security``) in the apt sources
+    under ``apt_dir``; None when they name none."""
+    wanted = f"{RECIPE['suite']}-security"
+    return next((uri for uri, suites in _apt_sources(apt_dir) if wanted in suites), None)
+
+
 def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
     """The first Debian archive in the apt sources under ``apt_dir``, else :data:`DEBIAN_DEFAULT_MIRROR`.
 
     Reads ``sources.list`` and ``sources.list.d/*.list`` (one-line format) and ``*.sources`` (deb822),
-    skipping disabled entries, ``deb-src`` and URIs debootstrap cannot fetch from. A source naming the
+    skipping disabled entries, ``deb-src`` and URIs apt cannot fetch from here. A source naming the
     bookworm suite wins over one naming another Debian suite.
     """
     sources = list(_apt_sources(apt_dir))
@@ -313,17 +368,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if os.geteuid() != 0:
-            raise Refused("building the default image needs root (debootstrap); run it with sudo")
+            raise Refused("building the default image needs root (mmdebstrap); run it as root")
         mirror = args.mirror or debian_mirror()
         if urlsplit(mirror).scheme not in ("http", "https", "file"):
             raise InvalidRequest(f"--mirror {mirror!r} is not an http, https or file URL")
+        security = security_mirror()
         store = ImageStore(args.images_dir)
         store.clean_leftovers()
         current = installed_default(store)
         if current is None or args.force or not is_current(current):
-            print(f"building image {DEFAULT_IMAGE!r} from {mirror} (debootstrap, about a minute)", flush=True)
+            print(
+                f"building image {DEFAULT_IMAGE!r} from {mirror} (mmdebstrap, about a minute or two)",
+                flush=True,
+            )
         started = time.monotonic()
-        image, built = ensure_default_image(store, mirror, force=args.force)
+        image, built = ensure_default_image(store, mirror, security=security, force=args.force)
     except SandboxError as exc:
         print(f"{type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1

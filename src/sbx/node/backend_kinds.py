@@ -24,7 +24,11 @@ def _gvisor(config: NodeConfig, state_dir: Path) -> Backend:
     from sbx.backends.gvisor import GVisorBackend
 
     return GVisorBackend(
-        state_dir, config.paths.agent_path, pooled_disk_mb=config.defaults.disk_mb, egress=config.egress
+        state_dir,
+        config.paths.agent_path,
+        platform=config.gvisor.platform,
+        pooled_disk_mb=config.defaults.disk_mb,
+        egress=config.egress,
     )
 
 

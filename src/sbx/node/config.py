@@ -45,6 +45,7 @@ __all__ = [
     "CapacityConfig",
     "ConfigError",
     "DefaultsConfig",
+    "GVisorConfig",
     "ImagesConfig",
     "LimitsConfig",
     "NetworkConfig",
@@ -161,6 +162,18 @@ class PoolConfig:
     size: int
 
 
+#: Values of ``[gvisor] platform``: ``auto`` probes systrap at start and falls back to ptrace.
+GVISOR_PLATFORMS: Final = ("auto", "systrap", "ptrace")
+
+
+@dataclass(frozen=True)
+class GVisorConfig:
+    """``[gvisor]``: ``platform`` sandboxes run on, ``auto`` (systrap where it works here, else ptrace; see
+    docs/backends.md) or a platform name used as told."""
+
+    platform: str = "auto"
+
+
 @dataclass(frozen=True)
 class BackendConfig:
     """``[backend]``: ``kind``, the backend that isolates sandboxes (``gvisor``; sbx.node.backend_kinds)."""
@@ -184,6 +197,7 @@ class NodeConfig:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     pools: tuple[PoolConfig, ...] = ()
     backend: BackendConfig = field(default_factory=BackendConfig)
+    gvisor: GVisorConfig = field(default_factory=GVisorConfig)
     source: Path | None = None
 
 
@@ -197,6 +211,7 @@ _SECTIONS: Final = (
     "audit",
     "images",
     "backend",
+    "gvisor",
 )
 #: Top-level arrays of tables (``[[pools]]``), checked apart from the sections.
 _ARRAYS: Final = ("pools",)
@@ -319,9 +334,16 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     if kind not in KINDS:
         raise ConfigError(f"backend.kind = {kind!r}: expected one of {', '.join(sorted(KINDS))}")
 
+    gvi = sections["gvisor"]
+    _no_unknown(gvi, _fields(GVisorConfig), "gvisor.")
+    platform = _nonempty_str(gvi, "gvisor.platform", GVisorConfig.platform)
+    if platform not in GVISOR_PLATFORMS:
+        raise ConfigError(f"gvisor.platform = {platform!r}: expected one of {', '.join(GVISOR_PLATFORMS)}")
+
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
-        paths=paths, audit=audit, images=images, pools=pools, backend=BackendConfig(kind), source=source,
+        paths=paths, audit=audit, images=images, pools=pools, backend=BackendConfig(kind),
+        gvisor=GVisorConfig(platform=platform), source=source,
     )  # fmt: skip
 
 

@@ -76,4 +76,5 @@ class NodeContext:
             labels={},
             cordoned=manager.cordoned,
             defaults=self.config.defaults,
+            runtime=self.backend.runtime_report(),
         )

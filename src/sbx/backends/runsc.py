@@ -1,0 +1,234 @@
+"""The installed runsc: its release, the flags it knows, and the platform sandboxes run on.
+
+sandboxd reads these once at start (:func:`inspect_runsc`, :func:`choose_platform`) and builds every runsc
+command line and OCI spec from them, so that one sandboxd runs correctly on Debian 12's runsc (release
+20221219) and on the bookworm-backports one (20240729, what ``scripts/install.sh`` installs), and says what
+an older one cannot do instead of failing in ways a user only notices later (docs/backends.md, "runsc
+releases").
+
+The platform: ``systrap`` (gVisor's default since release 20230621; system calls trapped with seccomp, a
+few microseconds each) when this runsc has it and a probe sandbox boots on it here, else ``ptrace`` (every
+system call is a ptrace stop: 2.5 to 6.5 times slower for syscall-bound work, measured in docs/benchmarks.md).
+The probe boots the agent binary alone (``sbx-agent --version``) in an empty root: about 150 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+from sbx.backends.base import BackendError
+
+log = logging.getLogger(__name__)
+
+#: The oldest runsc release sandboxd has been tested with (Debian 12's own); older ones are refused.
+MIN_RELEASE: Final = 20221219
+#: The release scripts/install.sh installs from bookworm-backports, and every later one.
+RECOMMENDED_RELEASE: Final = 20240729
+#: Releases before this refuse ``--network=sandbox`` when /proc/sys/net/core/rmem_default exists (their
+#: test for "still in the host's network namespace", wrong on current kernels); upstream commit 19f6b0c07.
+NETNS_CHECK_FIXED_RELEASE: Final = 20240807
+#: Releases before this fail statx(2) with AT_NO_AUTOMOUNT (EINVAL), which coreutils passes: ``ls -l``,
+#: ``stat`` and ``du`` fail (upstream commits 7a0c4b574 and 2df63d779, the second in release 20231030).
+STATX_FIXED_RELEASE: Final = 20231030
+#: Releases before this ignore ^D (VEOF) on terminals in canonical mode: ``cat`` on a tty never sees its end
+#: of input (upstream commit e8c399a09).
+VEOF_FIXED_RELEASE: Final = 20230911
+
+Platform = Literal["systrap", "ptrace"]
+#: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
+PLATFORMS: Final[tuple[Platform, ...]] = ("systrap", "ptrace")
+#: How long a platform probe may take before the platform counts as not working here, in seconds.
+PROBE_TIMEOUT_SECS: Final = 20.0
+
+_RELEASE = re.compile(r"(?<!\d)(20\d{6})(?!\d)")
+
+
+@dataclass(frozen=True)
+class RunscInfo:
+    """What one runsc binary is. ``release`` is its gVisor release date (``yyyymmdd``), 0 when its version
+    string names none (a build from source): then every workaround below stays on, which is only slower."""
+
+    path: str
+    version: str
+    release: int
+    flags: frozenset[str]
+    platforms: tuple[str, ...]
+
+    @property
+    def netns_needs_procfs_mask(self) -> bool:
+        """Whether ``--network=sandbox`` must run behind a tmpfs over /proc/sys/net (gvisor_net.py)."""
+        return self.release == 0 or self.release < NETNS_CHECK_FIXED_RELEASE
+
+    def start_flags(self, platform: str) -> list[str]:
+        """The global flags of ``runsc run`` and ``runsc restore`` for sandboxes on ``platform``.
+
+        ``--overlay2=none``: the root's writes must land in the sandbox's own ext4 layer (its ``disk_mb``,
+        which disk snapshots copy). Since release 20230605 runsc's default, ``root:self``, keeps them in a
+        ``.gvisor.filestore`` file of its own that snapshots cannot use (a forked file went missing,
+        measured) and that ``df`` shows as an 8 EiB file system. directfs (the sentry opens the root's files
+        itself, default since 20230807) is kept: measured as fast as or faster than the gofer.
+        """
+        flags = [f"--platform={platform}"]
+        if "overlay2" in self.flags:
+            flags.append("--overlay2=none")
+        return flags
+
+    def limitations(self, platform: str) -> list[str]:
+        """What sandboxes on this runsc and ``platform`` cannot do or do slowly, one sentence each."""
+        found = []
+        if self.release == 0:
+            found.append(
+                f"runsc version {self.version!r} names no release; assuming the workarounds of older releases"
+            )
+        elif self.release < STATX_FIXED_RELEASE:
+            found.append(
+                f"runsc {self.release} fails statx with AT_NO_AUTOMOUNT: `ls -l`, `stat` and `du` fail with "
+                f"'Invalid argument'; install runsc {RECOMMENDED_RELEASE} or later (scripts/install.sh does)"
+            )
+        if 0 < self.release < VEOF_FIXED_RELEASE:
+            found.append(
+                f"runsc {self.release} terminals ignore ^D in canonical mode: an attach's end of input reaches "
+                "`cat` or `sh` on a terminal as nothing (bash, reading it itself, still ends)"
+            )
+        if platform == "ptrace":
+            found.append(
+                "platform ptrace: every system call is a ptrace stop, 2.5 to 6.5 times slower than systrap "
+                "for syscall-bound work"
+            )
+        found.append(
+            "extended attributes are not supported inside sandboxes (every xattr call answers EOPNOTSUPP): "
+            "runsc's gofer answers getxattr with EBADF on symlinks and EACCES on unreadable files"
+        )
+        found.append(
+            "a sandbox with cpus 1 sees 2 CPUs (runsc keeps at least two so its sentry and systrap's fast "
+            "path stay usable); its CPU time is still limited to 1 core"
+        )
+        return found
+
+
+def inspect_runsc(runsc: str = "runsc") -> RunscInfo:
+    """Read ``runsc --version`` and ``runsc flags`` (about 20 ms each). BackendError when runsc is missing,
+    does not answer, or is older than :data:`MIN_RELEASE`."""
+    path = shutil.which(runsc)
+    if path is None:
+        raise BackendError(
+            f"{runsc} not found: install gVisor with scripts/install.sh (Debian package runsc from "
+            "bookworm-backports)"
+        )
+    version_text = _output([path, "--version"])
+    first = version_text.splitlines()[0] if version_text.strip() else ""
+    version = first.removeprefix("runsc version").strip() or first.strip()
+    match = _RELEASE.search(version)
+    release = int(match.group(1)) if match else 0
+    if 0 < release < MIN_RELEASE:
+        raise BackendError(
+            f"{path} is runsc {version}, older than release {MIN_RELEASE}, the oldest sandboxd runs on; "
+            f"install runsc {RECOMMENDED_RELEASE} or later (scripts/install.sh does)"
+        )
+    flags_text = _output([path, "flags"])
+    flags = frozenset(re.findall(r"^\s+-([A-Za-z0-9_-]+)", flags_text, re.MULTILINE))
+    return RunscInfo(path, version, release, flags, _platforms(flags_text))
+
+
+def _platforms(flags_text: str) -> tuple[str, ...]:
+    """Platform names from the help of ``-platform`` ("specifies which platform to use: systrap (default),
+    ptrace, kvm."); ptrace alone when the text cannot be read (every release has it)."""
+    help_line = re.search(r"^\s+-platform\b.*\n\s+.*?:([^.]*)", flags_text, re.MULTILINE)
+    names = re.findall(r"[a-z]+", help_line.group(1)) if help_line else []
+    return tuple(dict.fromkeys(n for n in names if n != "default")) or ("ptrace",)
+
+
+def _output(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=30, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BackendError(f"{' '.join(argv)} could not be run: {exc}") from exc
+    # `runsc flags` prints its list on stderr in some releases, stdout in others.
+    return (done.stdout + done.stderr).decode(errors="replace")
+
+
+def choose_platform(info: RunscInfo, requested: str, agent_path: Path, workdir: Path) -> tuple[Platform, str]:
+    """The platform sandboxes run on and why. ``requested``: ``auto`` (the first of :data:`PLATFORMS`
+    this runsc has and a probe boots on here) or a platform name (used as told, BackendError when this
+    runsc lacks it). The probe runs in a temporary directory under ``workdir``."""
+    if requested != "auto":
+        if requested not in info.platforms:
+            raise BackendError(
+                f"[gvisor] platform = {requested!r}, but runsc {info.version} offers only "
+                f"{', '.join(info.platforms)}; choose one of those or 'auto'"
+            )
+        return requested, "configured"  # type: ignore[return-value]
+    reasons = []
+    for platform in PLATFORMS:
+        if platform not in info.platforms:
+            reasons.append(f"runsc {info.version} has no {platform} platform")
+            continue
+        if platform == "ptrace":
+            break  # the last resort: every release has it, a probe would not change the choice
+        problem = probe_platform(info, platform, agent_path, workdir)
+        if problem is None:
+            return platform, "probed"
+        reasons.append(f"a probe sandbox on {platform} failed: {problem}")
+    log.warning("sandboxes run on the ptrace platform", extra={"reasons": reasons})
+    return "ptrace", "; ".join(reasons)
+
+
+def probe_platform(
+    info: RunscInfo, platform: str, agent_path: Path, workdir: Path, timeout_secs: float = PROBE_TIMEOUT_SECS
+) -> str | None:
+    """Boot ``sbx-agent --version`` alone on ``platform``; None when it printed its version, else why not.
+    Leaves nothing behind (runsc removes a container that was not detached; the directory goes too)."""
+    workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    base = Path(tempfile.mkdtemp(prefix="platform-probe-", dir=workdir))
+    try:
+        rootfs = base / "rootfs"
+        bundle = base / "bundle"
+        rootfs.mkdir()
+        bundle.mkdir()
+        (rootfs / "agent").touch()
+        spec = {
+            "ociVersion": "1.0.0",
+            "process": {"terminal": False, "user": {"uid": 0, "gid": 0}, "args": ["/agent", "--version"],
+                        "env": ["PATH=/"], "cwd": "/"},
+            "root": {"path": str(rootfs), "readonly": True},
+            "mounts": [{"destination": "/agent", "type": "bind", "source": str(agent_path),
+                        "options": ["rbind", "ro"]}],
+            "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]},
+        }  # fmt: skip
+        (bundle / "config.json").write_text(json.dumps(spec), encoding="utf-8")
+        container = f"probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        argv = [info.path, "--root", str(base / "state"), "--network=none", "--ignore-cgroups",
+                f"--platform={platform}", "run", "--bundle", str(bundle), container]  # fmt: skip
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, timeout=timeout_secs, check=False, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            _force_delete(info, base, container)
+            return f"no answer within {timeout_secs:g} s"
+        except OSError as exc:
+            return str(exc)
+        if done.returncode == 0 and b"sbx-agent protocol" in done.stdout:
+            return None
+        _force_delete(info, base, container)
+        tail = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return f"exit {done.returncode}: {tail[0][:300]}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _force_delete(info: RunscInfo, base: Path, container: str) -> None:
+    subprocess.run(
+        [info.path, "--root", str(base / "state"), "delete", "--force", container],
+        capture_output=True, timeout=30, check=False,
+    )  # fmt: skip

@@ -1,0 +1,178 @@
+"""What sandboxd reads from runsc: release, flags, platforms, and the platform probe's verdicts.
+
+Fake ``runsc`` programs (shell scripts printing what a release prints) stand in for the real one; the real
+releases are exercised by the integration tests.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from sbx.backends.base import BackendError
+from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc, probe_platform
+
+FLAGS_20240729 = """\
+  -overlay2 value
+    \twrap mounts with overlayfs. Format is {mount}:{medium}, ... (default root:self)
+  -platform string
+    \tspecifies which platform to use: systrap (default), ptrace, kvm. (default "systrap")
+  -directfs
+    \tdirectly access the container filesystems from the sentry. (default true)
+"""
+FLAGS_20221219 = """\
+  -overlay2 value
+    \twrap mounts with overlayfs. 'none' will turn overlay mode off.
+  -platform string
+    \tspecifies which platform to use: ptrace (default), kvm. (default "ptrace")
+"""
+FLAGS_ANCIENT = """\
+  -platform string
+    \tthe platform
+"""
+
+
+def fake_runsc(tmp_path: Path, version: str, flags: str, run: str = "exit 0") -> str:
+    """A runsc answering ``--version`` and ``flags`` (on stderr, as real releases do) and running ``run``
+    for any other command."""
+    path = tmp_path / "runsc"
+    path.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = --version ]; then printf '%s\\nspec: 1.0.2-dev\\n' '{version}'; exit 0; fi\n"
+        f"if [ \"$1\" = flags ]; then cat >&2 <<'EOF'\n{flags}EOF\nexit 0; fi\n"
+        f"{run}\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+# (case, version line, flags text, release, platforms, --overlay2=none passed, procfs mask needed)
+INSPECT_CASES = [
+    ("bookworm-backports", "runsc version 0.0~20240729.0", FLAGS_20240729, 20240729,
+     ("systrap", "ptrace", "kvm"), True, True),
+    ("debian 12", "runsc version 0.0~20221219.0", FLAGS_20221219, 20221219, ("ptrace", "kvm"), True, True),
+    ("upstream release tag", "runsc version release-20250101.0", FLAGS_20240729, 20250101,
+     ("systrap", "ptrace", "kvm"), True, False),
+    ("source build without a date", "runsc version 0.0.0", FLAGS_20240729, 0, ("systrap", "ptrace", "kvm"),
+     True, True),
+    ("unreadable platform help", "runsc version 0.0~20240729.0", FLAGS_ANCIENT, 20240729, ("ptrace",), False,
+     True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("version", "flags", "release", "platforms", "overlay_none", "procfs_mask"),
+    [c[1:] for c in INSPECT_CASES],
+    ids=[c[0] for c in INSPECT_CASES],
+)
+def test_inspect(
+    tmp_path: Path,
+    version: str,
+    flags: str,
+    release: int,
+    platforms: tuple[str, ...],
+    overlay_none: bool,
+    procfs_mask: bool,
+) -> None:
+    info = inspect_runsc(fake_runsc(tmp_path, version, flags))
+    assert info.release == release
+    assert info.version == version.removeprefix("runsc version ")
+    assert info.platforms == platforms
+    assert ("--overlay2=none" in info.start_flags("systrap")) is overlay_none
+    assert info.start_flags("ptrace")[0] == "--platform=ptrace"
+    assert info.netns_needs_procfs_mask is procfs_mask
+
+
+def test_release_older_than_the_minimum_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BackendError) as info:
+        inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20220510.0", FLAGS_20221219))
+    assert "older than release 20221219" in str(info.value)
+    assert "scripts/install.sh" in str(info.value)
+
+
+def test_missing_runsc_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(BackendError, match="not found: install gVisor with scripts/install.sh"):
+        inspect_runsc(str(tmp_path / "no-such-runsc"))
+
+
+# (case, release, platform, expected phrases, phrases that must not appear)
+LIMITATION_CASES = [
+    ("new release on systrap", 20240729, "systrap", ["extended attributes", "cpus 1 sees 2 CPUs"],
+     ["statx", "ptrace", "^D"]),
+    ("old release on ptrace", 20221219, "ptrace", ["statx", "ignore ^D", "platform ptrace"], []),
+    ("unknown release", 0, "systrap", ["names no release"], ["statx"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("release", "platform", "present", "absent"),
+    [c[1:] for c in LIMITATION_CASES],
+    ids=[c[0] for c in LIMITATION_CASES],
+)
+def test_limitations(release: int, platform: str, present: list[str], absent: list[str]) -> None:
+    info = RunscInfo("/usr/bin/runsc", f"0.0~{release}.0", release, frozenset(), ("systrap", "ptrace"))
+    text = " | ".join(info.limitations(platform))
+    assert all(p in text for p in present), text
+    assert not any(a in text for a in absent), text
+
+
+def test_configured_platform_is_used_without_a_probe(tmp_path: Path) -> None:
+    # A runsc that fails every command: the configured platform must not be probed.
+    info = inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20240729.0", FLAGS_20240729, run="exit 7"))
+    assert choose_platform(info, "ptrace", tmp_path / "agent", tmp_path / "work") == ("ptrace", "configured")
+    assert choose_platform(info, "systrap", tmp_path / "agent", tmp_path / "work") == (
+        "systrap",
+        "configured",
+    )
+
+
+def test_configured_platform_this_runsc_lacks_is_refused(tmp_path: Path) -> None:
+    info = inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20221219.0", FLAGS_20221219))
+    with pytest.raises(BackendError) as err:
+        choose_platform(info, "systrap", tmp_path / "agent", tmp_path / "work")
+    assert str(err.value) == (
+        "[gvisor] platform = 'systrap', but runsc 0.0~20221219.0 offers only ptrace, kvm; "
+        "choose one of those or 'auto'"
+    )
+
+
+# (case, what the fake runsc does when asked to run the probe, chosen platform, reason contains)
+AUTO_CASES = [
+    ("systrap boots", "echo 'sbx-agent protocol 3'; exit 0", "systrap", "probed"),
+    ("systrap fails", "echo 'FATAL ERROR: systrap unsupported' >&2; exit 128", "ptrace",
+     "a probe sandbox on systrap failed: exit 128: FATAL ERROR: systrap unsupported"),
+    ("exit 0 without the agent's answer", "exit 0", "ptrace", "exit 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("run", "chosen", "reason"), [c[1:] for c in AUTO_CASES], ids=[c[0] for c in AUTO_CASES]
+)
+def test_auto_probes_systrap(tmp_path: Path, run: str, chosen: str, reason: str) -> None:
+    # The probe's `run` and the cleanup's `delete` both reach the script; only `run` answers.
+    script = f'case " $* " in *" run "*) {run} ;; esac'
+    info = inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20240729.0", FLAGS_20240729, run=script))
+    platform, why = choose_platform(info, "auto", tmp_path / "agent", tmp_path / "work")
+    assert (platform, reason in why) == (chosen, True), why
+    assert os.listdir(tmp_path / "work") == []  # the probe's directory is gone
+
+
+def test_auto_without_systrap_takes_ptrace_unprobed(tmp_path: Path) -> None:
+    info = inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20221219.0", FLAGS_20221219, run="exit 9"))
+    platform, why = choose_platform(info, "auto", tmp_path / "agent", tmp_path / "work")
+    assert (platform, why) == ("ptrace", "runsc 0.0~20221219.0 has no systrap platform")
+
+
+def test_probe_that_hangs_times_out_and_is_cleaned_up(tmp_path: Path) -> None:
+    log = tmp_path / "calls"
+    script = f'echo "$*" >> {log}; case " $* " in *" run "*) exec sleep 30 ;; esac'
+    info = inspect_runsc(fake_runsc(tmp_path, "runsc version 0.0~20240729.0", FLAGS_20240729, run=script))
+    assert probe_platform(info, "systrap", tmp_path / "agent", tmp_path / "work", timeout_secs=0.5) == (
+        "no answer within 0.5 s"
+    )
+    calls = log.read_text().splitlines()
+    assert "--platform=systrap run --bundle" in calls[0] and " delete --force probe-" in calls[1]
+    assert os.listdir(tmp_path / "work") == []
