@@ -116,10 +116,20 @@ def gateway_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     yield from _node(tmp_path_factory)
 
 
+def _fuzzed(schema: schemathesis.BaseSchema) -> schemathesis.BaseSchema:
+    """``schema`` without the LEFT_OUT operations (never drawn, rather than drawn and skipped)."""
+    for method, path in sorted(LEFT_OUT):
+        schema = schema.exclude(method=method, path=path)
+    return schema
+
+
+def test_what_is_left_out_is_served() -> None:
+    """A LEFT_OUT entry that names no operation would hide nothing and is stale."""
+    served = {(method.upper(), path) for path, item in document()["paths"].items() for method in item}
+    assert LEFT_OUT <= served
+
+
 def _fuzz(target: Target, case: schemathesis.Case) -> None:
-    key = (case.method, case.path)
-    if key in LEFT_OUT:
-        pytest.skip("left out: it would end what the fuzzing stands on or reach other machines")
     # Half the cases aim at the real sandbox (deeper code), half at whatever was drawn (look-ups that fail).
     if (
         "ref" in (case.path_parameters or {})
@@ -131,7 +141,7 @@ def _fuzz(target: Target, case: schemathesis.Case) -> None:
     check_answer(case.method, case.path, response.status_code, content_type, response.text)
 
 
-node_schema = SCHEMA.include(tag="node")
+node_schema = _fuzzed(SCHEMA.include(tag="node"))
 
 
 @node_schema.parametrize()
@@ -170,7 +180,7 @@ def wait_until_placeable(gw: GatewayProcess, key: str, timeout_secs: float = 20.
     raise AssertionError("the gateway's node never answered")
 
 
-gateway_schema = SCHEMA.include(tag="gateway")
+gateway_schema = _fuzzed(SCHEMA.include(tag="gateway"))
 
 
 @gateway_schema.parametrize()
