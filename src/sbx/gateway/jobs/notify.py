@@ -9,7 +9,7 @@ dialled (``sbx.net.dial_guard``: a name that resolves elsewhere the second time 
 followed. ``--no-notify`` refuses any ``notify`` (501): the gateway then never posts anywhere.
 
 Delivery: from an outbox in the state file, written in the same transaction as the state change it reports, so a
-gateway restart loses none. A 2xx answer delivers; a refused address, a 4xx other than 408 and 429, or
+gateway restart loses none; a job's notifications are delivered one after the other, in order. A 2xx answer delivers; a refused address, a 4xx other than 408 and 429, or
 :data:`GIVE_UP_SECS` of failures gives up (logged, counted); anything else is tried again after 1, 2, 4 ... 60 s.
 """
 
@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -180,18 +180,24 @@ class Notifier:
 
     async def _loop(self) -> None:
         while True:
+            self._wake.clear()
             rows = await asyncio.to_thread(
                 self.store.query,
-                "SELECT id, url, body, attempts, first_try, next_try FROM notifications ORDER BY next_try",
+                "SELECT id, url, body, attempts, first_try, next_try, job FROM notifications ORDER BY id",
             )
+            # A job's notifications go in the order they were written: only its oldest is up for delivery.
+            heads: dict[str, tuple[Any, ...]] = {}
+            for row in rows:
+                heads.setdefault(row[6], row[:6])
+            rows = sorted(heads.values(), key=lambda r: r[5])
             now = time.time()
             due = [r for r in rows if r[5] <= now]
-            await asyncio.gather(*(self._deliver(*row) for row in due))
-            later = [r[5] for r in rows if r[5] > now]
-            wait = min(later) - time.time() if later else None
-            self._wake.clear()
+            if due:
+                await asyncio.gather(*(self._deliver(*row) for row in due))
+                continue
+            wait = rows[0][5] - now if rows else None
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.05, wait) if wait is not None else None):
+                async with asyncio.timeout(wait):
                     await self._wake.wait()
 
     async def _deliver(self, row_id: int, url: str, body: str, attempts: int, first_try: float,

@@ -100,7 +100,7 @@ class Runner:
         try:
             if run.pid is None:
                 run = await self._start(job, run, node.client)
-            exit_code, error = await self._wait(job, run, node.client)
+            exit_code, error, truncated = await self._wait(job, run, node.client)
         except SandboxError as exc:
             return await self.finish(job, run, "failed", error=exc.message)
         except AttemptFailed as exc:
@@ -110,7 +110,9 @@ class Runner:
         state: RunState = "succeeded" if exit_code == 0 and error is None else "failed"
         if error is None and exit_code != 0:
             error = f"exit code {exit_code}"
-        return await self.finish(job, run, state, exit_code=exit_code, error=error, files=files)
+        return await self.finish(
+            job, run, state, exit_code=exit_code, error=error, files=files, truncated=truncated
+        )
 
     async def finish(
         self, job: JobRecord, run: RunRecord, state: RunState, *, exit_code: int | None = None, error: str | None = None,
@@ -123,8 +125,9 @@ class Runner:
         )  # fmt: skip
         extra = []
         if job.spec.notify is not UNSET:
+            current = self.db.jobs.get(job.id, job)
             note = JobNotification(
-                event="run.finished", job=job.id, name=job.spec.name, job_state=job.state, run=run.n, state=state,
+                event="run.finished", job=job.id, name=job.spec.name, job_state=current.state, run=run.n, state=state,
                 exit_code=exit_code if exit_code is not None else UNSET,
             )  # fmt: skip
             extra.append(self.notifier.statement(job.id, job.spec.notify, note))
@@ -207,8 +210,8 @@ class Runner:
             started = time.time()
         return started + job.spec.timeout_secs
 
-    async def _wait(self, job: JobRecord, run: RunRecord, client: NodeClient) -> tuple[int, str | None]:
-        """Follow the command's output until it exits: ``(exit code, error)``."""
+    async def _wait(self, job: JobRecord, run: RunRecord, client: NodeClient) -> tuple[int, str | None, bool]:
+        """Follow the command's output until it exits: ``(exit code, error, whether output was cut)``."""
         assert run.sandbox is not None and run.pid is not None and run.node is not None
         sandbox, pid, node_name = run.sandbox, run.pid, run.node
         deadline = self._deadline(job, run)
@@ -225,13 +228,10 @@ class Runner:
                         async for event in client.follow_output(sandbox, pid):
                             if isinstance(event, OutputExit):
                                 truncated = spool.truncated or event.truncated is True
-                                if truncated != run.truncated:
-                                    run = dataclasses.replace(run, truncated=truncated)
-                                    await self.db.put(run=run)
                                 if timed_out:
                                     assert job.spec.timeout_secs is not UNSET
-                                    return -1, f"timed out after {job.spec.timeout_secs} s"
-                                return event.exit_code, None
+                                    return -1, f"timed out after {job.spec.timeout_secs} s", truncated
+                                return event.exit_code, None, truncated
                             await asyncio.to_thread(spool.add, event)
                 except TimeoutError:
                     timed_out = True
