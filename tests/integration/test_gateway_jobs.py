@@ -5,9 +5,13 @@ gateways without --notify-allow-private and with --no-notify."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -259,3 +263,41 @@ def test_notify_rules_without_allow_private_and_with_no_notify(w: World) -> None
         assert (resp.status, resp.error[0]) == (501, "unsupported") and "--no-notify" in resp.error[1]
     finally:
         off.stop()
+
+
+def test_the_cli_and_the_sdk(w: World, tmp_path: Path) -> None:
+    env = {**os.environ, "SANDBOX_URL": f"http://127.0.0.1:{w.gw.port}", "SANDBOX_TOKEN": w.keys["carol"]}
+
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sbx.cli.main", *args], env=env, input=stdin,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+
+    assert cli("secrets", "set", "CLI_SECRET", stdin="from-stdin\n").stdout == "set CLI_SECRET\n"
+    assert "CLI_SECRET" in cli("secrets", "list").stdout and "from-stdin" not in cli("secrets", "list").stdout
+    ran = cli("jobs", "run", "--name", "hello", "--secret", "CLI_SECRET", "--env", "A=1", "--wait", "--",
+              "sh", "-c", 'echo "$A ${#CLI_SECRET}"')  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    job_id = ran.stdout.split()[1]
+    assert "succeeded" in ran.stdout
+    assert cli("jobs", "output", job_id).stdout == "1 10\n"
+    failing = cli("jobs", "run", "--wait", "--", "false")
+    assert failing.returncode == 1 and "exit code 1" in failing.stdout
+    spec = tmp_path / "api.toml"
+    spec.write_text('name = "api"\ncommand = ["sleep", "infinity"]\nreplicas = 1\n')
+    applied = cli("services", "apply", str(spec))
+    assert applied.returncode == 0 and applied.stdout.split("\n")[1].split()[:2] == ["api", "acme"], applied
+    wait_for(lambda: "1/1" in cli("services", "list").stdout, 60)
+    assert cli("services", "scale", "api", "2").returncode == 0
+    assert cli("services", "delete", "api").stdout == "deleted api\n"
+    bad = cli("services", "get", "api")
+    assert (bad.returncode, bad.stderr) == (1, "not_found: no service 'api' among yours\n")
+    # The blocking SDK, over the same calls.
+    from sbx.api.jobs import JobSpec, KeepSpec
+    from sbx.client.sync import Client
+
+    with Client(f"http://127.0.0.1:{w.gw.port}", w.keys["carol"]) as client:
+        job = client.jobs.create(JobSpec(command=["sh", "-c", "echo sdk > /sandbox/home/f"],
+                                         keep=KeepSpec(files=["/sandbox/home/f"])))  # fmt: skip
+        done = client.jobs.wait(job.id, timeout_secs=60, poll_secs=0.2)
+        assert done.state == "succeeded" and client.jobs.file(job.id, 1, "/sandbox/home/f") == b"sdk\n"
+        assert [s.name for s in client.secrets.list()][:1] and client.services.list() == []
