@@ -159,7 +159,7 @@ def start_world(
     agents.write_text(AGENTS_TOML, encoding="utf-8")
     gw = GatewayProcess(workdir / "gw", list(nodes.items()), [
         *FAST_ARGS, "--secrets-key-file", str(key_file), "--agents-file", str(agents), "--notify-allow-private",
-        "--rollout-timeout", "120", *(extra_args or []),
+        "--rollout-timeout", "120", "--services-domain", "svc.test", *(extra_args or []),
     ])  # fmt: skip
     crud = ("sandbox:read", "sandbox:create", "sandbox:delete")
     keys = {

@@ -89,7 +89,7 @@ def test_a_service_spreads_serves_scales_rolls_out_and_is_deleted(w: World) -> N
         2,
         ["GREETING"],
     )
-    assert "env" not in created["spec"] and created["url"].endswith("/svc/web--acme/")
+    assert "env" not in created["spec"] and created["url"] == "http://web--acme.svc.test/"
     # Its name is the tenant's: the same name again is 409, even from another user of the tenant.
     assert w.call("POST", "/v1/services", web(), key="carol").error[0] == "conflict"
     svc = w.wait_ready("web", 2)
@@ -118,6 +118,10 @@ def test_a_service_spreads_serves_scales_rolls_out_and_is_deleted(w: World) -> N
         seen.add(ident)
     assert len(seen) == 2
     assert w.traffic("/svc/web--acme/", method="POST", body=b"x" * 200_000).body == b"x" * 200_000
+    # On its own host name (--services-domain) the path reaches the replica as sent; other hosts are the API's.
+    by_host = w.traffic("/v1/whoami?y=2", headers={"Host": "web--acme.svc.test"}).body.decode().split()
+    assert by_host[3:5] == ["/v1/whoami?y=2", "-"]
+    assert w.traffic("/v1/whoami", headers={"Host": "a.b.svc.test"}).status == 200  # not a service label: the API
     # Who may call: a key of the tenant with sandbox:read; nobody else learns the service exists.
     assert w.traffic("/svc/web--acme/", key="reader").status == 200
     assert w.traffic("/svc/web--acme/", key=None).status == 401
