@@ -121,7 +121,9 @@ def test_a_service_spreads_serves_scales_rolls_out_and_is_deleted(w: World) -> N
     # On its own host name (--services-domain) the path reaches the replica as sent; other hosts are the API's.
     by_host = w.traffic("/v1/whoami?y=2", headers={"Host": "web--acme.svc.test"}).body.decode().split()
     assert by_host[3:5] == ["/v1/whoami?y=2", "-"]
-    assert w.traffic("/v1/whoami", headers={"Host": "a.b.svc.test"}).status == 200  # not a service label: the API
+    assert (
+        w.traffic("/v1/whoami", headers={"Host": "a.b.svc.test"}).status == 200
+    )  # not a service label: the API
     # Who may call: a key of the tenant with sandbox:read; nobody else learns the service exists.
     assert w.traffic("/svc/web--acme/", key="reader").status == 200
     assert w.traffic("/svc/web--acme/", key=None).status == 401

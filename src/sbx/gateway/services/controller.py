@@ -16,7 +16,7 @@ One task per service wakes every second (or at once when a replica's health chan
 Every replica is a sandbox made through ``gw.sandboxes.create`` for ``Principal.owner(user, tenant)`` (quotas,
 placement, owner labels), stamped ``gateway.service`` (the name), ``gateway.service.rev`` and
 ``gateway.service.id``, then its command is started as a background process. A task per replica checks its
-health (``health.py``): every ``every_secs``, and twice a second while it is starting; a starting replica is
+health (``health.py``): every ``every_secs``, and every 0.25 s while it is starting; a starting replica is
 healthy at its first passing check and unhealthy when none passed within ``every_secs`` × ``failures`` of its
 start; a healthy one is unhealthy after ``failures`` failed checks in a row; one whose command exited or whose
 sandbox is gone is unhealthy at once.
@@ -74,7 +74,7 @@ ROLLOUT_FAILURES = 2
 #: Seconds between steps of a service when nothing wakes it.
 STEP_SECS = 1.0
 #: Seconds between checks of a starting replica (or ``every_secs`` when shorter).
-STARTING_CHECK_SECS = 0.5
+STARTING_CHECK_SECS = 0.25
 BACKOFF_FIRST_SECS = 1.0
 BACKOFF_MAX_SECS = 30.0
 #: A labelled sandbox no record knows is ended only when older than this (a create may be recording it now).
