@@ -267,10 +267,21 @@ def test_a_restarted_gateway_takes_services_and_jobs_up_without_duplicates(w: Wo
     job = w.ok("POST", "/v1/jobs", {"command": ["sh", "-c", "echo begin; sleep 6; echo end"]}, status=201)
     wait_for(lambda: w.job(job["id"])["runs"][0]["state"] == "running", 60)
     w.gw.kill()  # SIGKILL: nothing is shut down cleanly
+    # While it is down: a replica made on a node but never recorded (as a create cut by the kill would leave),
+    # and a sandbox of a service that no longer exists.
+    labels = dict(w.live_on_nodes("gateway.service=steady")[0]["labels"])
+    unrecorded = w.nodes["a"].create(labels=labels)
+    w.nodes["a"].request("POST", f"/v1/sandboxes/{unrecorded['id']}/processes", {"argv": SERVE})
+    stale = w.nodes["b"].create(labels={**labels, "gateway.service.id": "svc_0000000000000000"})
     w.gw.start()
+    # The unrecorded one is adopted, then one of the three is ended (the newest not healthy first): two stay,
+    # never a third made; the stale one is ended at start.
     after = w.wait_ready("steady", 2)
-    assert {r["sandbox"] for r in after["replicas"]} == {r["sandbox"] for r in before["replicas"]}
     assert len(w.live_on_nodes("gateway.service=steady")) == 2
+    assert {r["sandbox"] for r in after["replicas"]} <= {r["sandbox"] for r in before["replicas"]} | {
+        unrecorded["id"]
+    }
+    assert w.nodes["b"].request("GET", f"/v1/sandboxes/{stale['id']}").json()["state"] == "terminated"
     finished = w.wait_job(job["id"])
     assert (finished["state"], len(finished["runs"])) == ("succeeded", 1)  # reattached, not started again
     assert w.output(job["id"], 1)[0] == b"begin\nend\n"

@@ -128,6 +128,14 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def seconds_since(stamp: str) -> float | None:
+    """Seconds from the RFC 3339 time ``stamp`` to now; None when it is not one."""
+    try:
+        return datetime.now(UTC).timestamp() - datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class KeyRecord:
     id: str

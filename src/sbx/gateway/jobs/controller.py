@@ -24,9 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets as random_source
-import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -44,7 +42,7 @@ from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, Outputs
 from sbx.gateway.jobs.runner import JOB_LABEL, REVOKED, RUN_LABEL, JobCancelled, Runner
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodes import Node
-from sbx.gateway.state import now_rfc3339
+from sbx.gateway.state import now_rfc3339, seconds_since
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -326,10 +324,10 @@ class JobController:
                     await self.gw.sandboxes.terminated(record)
 
     async def _forget_old(self) -> None:
-        cutoff = time.time() - self.options.retention_secs
         old = [
             j.id for j in list(self.db.jobs.values())
-            if j.state in FINISHED_STATES and _older(j.updated, cutoff) and j.id not in self.runtimes
+            if j.state in FINISHED_STATES and _older_than(j.updated, self.options.retention_secs)
+            and j.id not in self.runtimes
         ]  # fmt: skip
         if old:
             await self.db.delete(old)
@@ -346,12 +344,7 @@ def _run_wire(run: RunRecord) -> Run:
     )  # fmt: skip
 
 
-def _older(stamp: str, cutoff: float) -> bool:
-    try:
-        return datetime.fromisoformat(stamp).timestamp() < cutoff
-    except ValueError:
-        return False
-
-
-def _older_than(created: str, secs: float) -> bool:
-    return _older(created, time.time() - secs) if created else True
+def _older_than(stamp: str, secs: float) -> bool:
+    """Whether ``stamp`` is more than ``secs`` ago (an unreadable one counts as old)."""
+    age = seconds_since(stamp)
+    return age is None or age > secs

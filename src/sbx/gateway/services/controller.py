@@ -24,7 +24,8 @@ sandbox is gone is unhealthy at once.
 After a restart the controller takes up the state file's services where they were: recorded replicas are
 checked again (not remade), a sandbox made but not recorded is found on its node by its labels and adopted, and a
 recorded replica whose command had not been started gets it started (or the process that was started adopted).
-Sandboxes labelled for a service that no longer exists are ended when their node is seen.
+Sandboxes labelled for no current replica (a service deleted meanwhile, a create cut half way) are ended when their
+node is seen again and by a sweep every minute.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import secrets as random_source
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING
 
 from msgspec import UNSET
@@ -58,7 +58,7 @@ from sbx.gateway.services.rollout import ReplicaView, plan
 from sbx.gateway.services.spec import DEFAULT_EVERY_SECS, DEFAULT_FAILURES, rollout_part
 from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
 from sbx.gateway.specs import create_request
-from sbx.gateway.state import now_rfc3339
+from sbx.gateway.state import now_rfc3339, seconds_since
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -79,6 +79,7 @@ BACKOFF_FIRST_SECS = 1.0
 BACKOFF_MAX_SECS = 30.0
 #: A labelled sandbox no record knows is ended only when older than this (a create may be recording it now).
 ORPHAN_AGE_SECS = 60.0
+SWEEP_SECS = 60.0
 
 
 @dataclass(eq=False)
@@ -138,6 +139,7 @@ class ServiceController:
         #: Told when a service's owner loses access (the traffic front ends its open requests).
         self.on_access_lost: list[Callable[[str], object]] = []
         self._started = False
+        self._sweeper: asyncio.Task[None] | None = None
         self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -155,10 +157,21 @@ class ServiceController:
                 self._watch(rt, rep)
             rt.task = asyncio.create_task(self._run(rt), name=f"service-{rt.id}")
         self.gw.registry.on_answering_again.append(self._node_back)
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="service-sweeper")
         self._started = True
 
+    async def _sweep_loop(self) -> None:
+        """Every minute: end sandboxes labelled for no current replica (a create cut half way by a delete)."""
+        while True:
+            await asyncio.sleep(SWEEP_SECS)
+            for node in self.gw.registry.healthy():
+                try:
+                    await self._sweep_node(node, adopt=False)
+                except Exception:
+                    log.exception("service sweep failed", extra={"node": node.name})
+
     async def close(self) -> None:
-        tasks = []
+        tasks = [self._sweeper] if self._sweeper is not None else []
         for rt in self.runtimes.values():
             for rep in rt.replicas.values():
                 if rep.checker is not None:
@@ -645,7 +658,5 @@ def _revision_of(sandbox: Sandbox) -> int | None:
 
 
 def _older_than(created: str, secs: float) -> bool:
-    try:
-        return datetime.fromisoformat(created).timestamp() < time.time() - secs
-    except ValueError:
-        return True
+    age = seconds_since(created)
+    return age is None or age > secs

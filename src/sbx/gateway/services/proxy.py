@@ -62,7 +62,7 @@ IDLE_SECS = 30.0
 READ_CHUNK = 64 * 1024
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host",
+    "transfer-encoding", "upgrade", "host", "expect",
 })  # fmt: skip
 
 
