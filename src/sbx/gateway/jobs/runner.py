@@ -166,7 +166,7 @@ class Runner:
                 waiting = f"waiting for room: {exc.message}"
                 if run.error != waiting:
                     run = dataclasses.replace(run, error=waiting)
-                    await self.db.put(run=run)
+                    await self.db.put(run=run, full=False)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_SECS)
                 continue
@@ -181,7 +181,7 @@ class Runner:
         run = dataclasses.replace(run, state="running", error=None)
         current = self.db.jobs.get(job.id, job)
         update = dataclasses.replace(current, state="running", updated=now_rfc3339())
-        await self.db.put(job=update if current.state == "queued" else None, run=run)
+        await self.db.put(job=update if current.state == "queued" else None, run=run, full=False)
         return run
 
     # -- 2. the command ----------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class Runner:
                 await client.write_file(run.sandbox, PROMPT_PATH, job.prompt.encode("utf-8", "surrogatepass"))
             pid = (await client.start_process(run.sandbox, ProcessRequest(argv=command))).pid
         run = dataclasses.replace(run, pid=pid)
-        await self.db.put(run=run)
+        await self.db.put(run=run, full=False)
         return run
 
     def _deadline(self, job: JobRecord, run: RunRecord) -> float | None:

@@ -103,14 +103,19 @@ class JobStore:
         )  # fmt: skip
 
     async def put(
-        self, job: JobRecord | None = None, run: RunRecord | None = None, extra: list[Statement] | None = None
-    ) -> None:
-        """Write ``job`` and/or ``run`` (and ``extra`` statements, e.g. notifications) in one transaction."""
+        self, job: JobRecord | None = None, run: RunRecord | None = None, extra: list[Statement] | None = None,
+        full: bool = True,
+    ) -> None:  # fmt: skip
+        """Write ``job`` and/or ``run`` (and ``extra`` statements, e.g. notifications) in one transaction.
+
+        ``full`` fsyncs it. Progress within an attempt (its sandbox, its pid) is written without (a SIGKILL loses
+        nothing, a power cut may lose it, and the sandbox is found again by its labels); every state a client was
+        told of, or a notification, is fsynced."""
         statements = [self.job_statement(job)] if job is not None else []
         if run is not None:
             statements.append(self.run_statement(run))
         statements += extra or []
-        await self._write(self.store.execute, statements)
+        await self._write(self.store.execute, statements, full)
         if job is not None:
             self.jobs[job.id] = job
         if run is not None:
