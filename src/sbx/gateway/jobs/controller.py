@@ -207,8 +207,12 @@ class JobController:
                 raise  # the gateway is stopping: the job is taken up at the next start
             task.uncancel()
             await self._cancelled(rt.id, rt.cancelling)
-        except JobCancelled as exc:
+        except JobCancelled as exc:  # the owner's access was found gone before a sandbox was made
             rt.cancelling = exc.reason
+            job = self.db.jobs.get(rt.id)
+            if job is not None:
+                self.gw.record_audit(kind="revocation", type="job.revoked", user=job.user,
+                                     tenant=job.tenant or None, target=job.id, result="cancelled")  # fmt: skip
             await self._cancelled(rt.id, exc.reason)
         except Exception:
             log.exception("job task failed", extra={"job": rt.id})
