@@ -197,6 +197,9 @@ def test_secrets_are_names_only_and_sealed_at_rest(w: World) -> None:
         resp = w.call("PUT", path, body)
         assert (resp.status, words in resp.error[1]) == (400, True), (path, resp.body)
         assert "hunter2" not in resp.error[1]
+    assert {s["name"] for s in w.ok("GET", "/v1/secrets")["secrets"]} == {
+        s["name"] for s in listed
+    }  # none made
     assert w.call("DELETE", "/v1/secrets/ABSENT").status == 404
     assert w.call("DELETE", "/v1/secrets/DB_PASSWORD").status == 204
     assert "DB_PASSWORD" not in {s["name"] for s in w.ok("GET", "/v1/secrets")["secrets"]}

@@ -286,3 +286,58 @@ def test_a_restarted_gateway_takes_services_and_jobs_up_without_duplicates(w: Wo
     assert (finished["state"], len(finished["runs"])) == ("succeeded", 1)  # reattached, not started again
     assert w.output(job["id"], 1)[0] == b"begin\nend\n"
     gone(w, "steady")
+
+
+#: A hostile replica: answers with an endless header line, or a 101 nobody asked for.
+HOSTILE = r"""
+import socket
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8080)); srv.listen(16)
+while True:
+    conn, _ = srv.accept()
+    data = conn.recv(65536)
+    try:
+        if b"/upgrade-anyway" in data:
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: evil\r\nConnection: Upgrade\r\n\r\nhello")
+        elif b"/health" in data:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        else:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Junk: " + b"a" * (1 << 20))
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+def test_changes_are_checked_and_a_hostile_replica_leaves_the_gateway_well(w: World) -> None:
+    w.ok("POST", "/v1/services", web(name="evil", replicas=1, command=["python3", "-c", HOSTILE],
+                                     health={"http": "/health", "every_secs": 1}), status=201)  # fmt: skip
+    before = w.wait_ready("evil", 1)
+    changes = [
+        ("PUT", "/v1/services/evil", web(name="other"), 400, "the body names 'other' but the path 'evil'"),
+        ("PUT", "/v1/services/evil", web(name="evil", replicas=-1), 400, "replicas = -1"),
+        ("POST", "/v1/services/evil/scale", {"replicas": 101}, 400, "replicas = 101"),
+        ("POST", "/v1/services/evil/scale", {}, 400, "replicas is required"),
+        ("PUT", "/v1/services/nope", web(name="nope"), 404, "no service 'nope' among yours"),
+        (
+            "POST",
+            "/v1/services/evil/scale?tenant=beta",
+            {"replicas": 2},
+            404,
+            "no service 'evil' among yours",
+        ),
+        ("DELETE", "/v1/services/evil?tenant=beta", None, 404, "no service 'evil' among yours"),
+    ]
+    for method, path, body, status, words in changes:
+        resp = w.call(method, path, body)
+        assert (resp.status, words in resp.error[1]) == (status, True), (method, path, resp.body)
+    assert w.call("DELETE", "/v1/services/evil", key="bob").status == 404
+    after = w.service("evil")
+    assert (after["revision"], after["desired"], after["updated_at"]) == (1, 1, before["updated_at"])
+    # Junk headers and an unasked-for switch of protocols are 502, and the gateway carries on.
+    for path in ("/svc/evil--acme/", "/svc/evil--acme/upgrade-anyway"):
+        resp = w.traffic(path)
+        assert (resp.status, resp.error[0]) == (502, "internal"), (path, resp.body[:200])
+    assert w.gw.request("GET", "/v1/health").status == 200
+    assert w.service("evil")["ready"] == 1
+    gone(w, "evil")
