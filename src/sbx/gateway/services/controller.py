@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import secrets as random_source
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -140,6 +141,8 @@ class ServiceController:
         self.on_access_lost: list[Callable[[str], object]] = []
         self._started = False
         self._sweeper: asyncio.Task[None] | None = None
+        #: One change of a service's record at a time (routes and the control loop write the same records).
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -235,27 +238,46 @@ class ServiceController:
             raise InvalidRequest(f"name: the body names {spec.name!r} but the path {svc.name!r}; a service is "
                                  "not renamed: create another")  # fmt: skip
         assert spec.replicas is not UNSET
-        current = self.db.revisions.get((svc.id, svc.revision), svc.spec)
-        new_revision = None
-        rollout = svc.rollout
-        revision = svc.revision
-        if rollout_part(spec) != rollout_part(current):
-            revision += 1
-            new_revision = spec
-            rollout = RolloutRecord("in_progress", svc.serving, revision, time.time())
-            log.info("rollout started", extra={"service": svc.id, "from": svc.serving, "to": revision})
-        svc = dataclasses.replace(svc, spec=spec, revision=revision, desired=spec.replicas, rollout=rollout,
-                                  updated=now_rfc3339())  # fmt: skip
-        await self.db.put_service(svc, new_revision)
+        async with self._locks[svc.id]:
+            found = self.db.services.get(svc.id)
+            if found is None:
+                raise NotFound(f"no service {svc.name!r} among yours")  # deleted meanwhile
+            svc = found
+            current = self.db.revisions.get((svc.id, svc.revision), svc.spec)
+            new_revision = None
+            rollout = svc.rollout
+            revision = svc.revision
+            if rollout_part(spec) != rollout_part(current):
+                revision += 1
+                new_revision = spec
+                rollout = RolloutRecord("in_progress", svc.serving, revision, time.time())
+                log.info("rollout started", extra={"service": svc.id, "from": svc.serving, "to": revision})
+            svc = dataclasses.replace(svc, spec=spec, revision=revision, desired=spec.replicas, rollout=rollout,
+                                      updated=now_rfc3339())  # fmt: skip
+            await self.db.put_service(svc, new_revision)
         self._wake(svc.id)
         return svc
 
     async def scale(self, svc: ServiceRecord, replicas: int) -> ServiceRecord:
-        svc = dataclasses.replace(svc, desired=replicas, spec=replace(svc.spec, replicas=replicas),
-                                  updated=now_rfc3339())  # fmt: skip
-        await self.db.put_service(svc)
+        changed = await self._change(svc.id, lambda s: dataclasses.replace(
+            s, desired=replicas, spec=replace(s.spec, replicas=replicas), updated=now_rfc3339()))  # fmt: skip
         self._wake(svc.id)
-        return svc
+        return changed or svc
+
+    async def _change(
+        self, service_id: str, change: Callable[[ServiceRecord], ServiceRecord | None]
+    ) -> ServiceRecord | None:
+        """Apply ``change`` to the service as it is now and write it (None from ``change``: nothing to write), one
+        change of a service at a time: the routes and the control loop change the same records."""
+        async with self._locks[service_id]:
+            current = self.db.services.get(service_id)
+            if current is None:
+                return None
+            changed = change(current)
+            if changed is None:
+                return current
+            await self.db.put_service(changed)
+            return changed
 
     async def delete(self, svc: ServiceRecord) -> None:
         """End the service's task and every replica it can reach (one on a node not answering is ended when
@@ -269,7 +291,9 @@ class ServiceController:
             for fn in self.on_access_lost:
                 fn(svc.id)
             await asyncio.gather(*(self._end(svc, rep) for rep in list(rt.replicas.values())))
-        await self.db.delete_service(svc.id)
+        async with self._locks[svc.id]:
+            await self.db.delete_service(svc.id)
+        self._locks.pop(svc.id, None)
         log.info("service deleted", extra={"service": svc.id})
 
     def wire(self, svc: ServiceRecord, url: str | None) -> Service:
@@ -483,40 +507,59 @@ class ServiceController:
         """``rep`` is being replaced: one more restart for the service and for the replica's slot."""
         rt.pending_restarts.setdefault(rep.rec.revision, []).append(rep.rec.restarts + 1)
         self.metrics.restarts.inc()
-        svc = dataclasses.replace(svc, restarts=svc.restarts + 1, updated=now_rfc3339())
-        await self.db.put_service(svc)
-        return svc
+        changed = await self._change(svc.id, lambda s: dataclasses.replace(s, restarts=s.restarts + 1,
+                                                                          updated=now_rfc3339()))  # fmt: skip
+        return changed or svc
+
+    @staticmethod
+    def _rolling_to(svc: ServiceRecord, revision: int) -> RolloutRecord | None:
+        """The rollout in progress to ``revision``, if that is still the one (a PUT may have started another)."""
+        rollout = svc.rollout
+        if rollout is None or rollout.state != "in_progress" or rollout.to != revision:
+            return None
+        return rollout
 
     async def _rollout_setback(self, svc: ServiceRecord, why: str) -> ServiceRecord:
-        rollout = svc.rollout
-        assert rollout is not None
-        failures = rollout.failures + 1
-        if failures >= ROLLOUT_FAILURES:
-            return await self._fail_rollout(
-                svc, f"revision {rollout.to} never became healthy ({failures} replicas failed; last: {why})"
-            )
-        svc = dataclasses.replace(svc, rollout=dataclasses.replace(rollout, failures=failures))
-        await self.db.put_service(svc)
-        return svc
+        """A new-revision replica failed before it was ever healthy: the second fails the rollout."""
+
+        def change(s: ServiceRecord) -> ServiceRecord | None:
+            rollout = self._rolling_to(s, svc.revision)
+            if rollout is None:
+                return None
+            failures = rollout.failures + 1
+            if failures < ROLLOUT_FAILURES:
+                return dataclasses.replace(s, rollout=dataclasses.replace(rollout, failures=failures))
+            return self._failed(s, rollout, f"revision {rollout.to} never became healthy ({failures} replicas "
+                                            f"failed; last: {why})")  # fmt: skip
+
+        return await self._change(svc.id, change) or svc
 
     async def _fail_rollout(self, svc: ServiceRecord, reason: str) -> ServiceRecord:
-        assert svc.rollout is not None
-        log.warning("rollout failed", extra={"service": svc.id, "to": svc.rollout.to, "reason": reason})
-        self.metrics.rollouts.labels("failed").inc()
-        svc = dataclasses.replace(svc, rollout=dataclasses.replace(svc.rollout, state="failed", reason=reason),
-                                  updated=now_rfc3339())  # fmt: skip
-        await self.db.put_service(svc)
-        return svc
+        def change(s: ServiceRecord) -> ServiceRecord | None:
+            rollout = self._rolling_to(s, svc.revision)
+            return self._failed(s, rollout, reason) if rollout is not None else None
 
-    async def _finish_rollout(self, svc: ServiceRecord) -> ServiceRecord:
-        assert svc.rollout is not None
-        log.info("rollout done", extra={"service": svc.id, "to": svc.revision})
-        self.metrics.rollouts.labels("done").inc()
-        svc = dataclasses.replace(svc, serving=svc.revision, updated=now_rfc3339(),
-                                  rollout=dataclasses.replace(svc.rollout, state="done"))  # fmt: skip
-        await self.db.put_service(svc)
-        await self.db.forget_revisions_before(svc.id, svc.revision)
-        return svc
+        return await self._change(svc.id, change) or svc
+
+    def _failed(self, svc: ServiceRecord, rollout: RolloutRecord, reason: str) -> ServiceRecord:
+        log.warning("rollout failed", extra={"service": svc.id, "to": rollout.to, "reason": reason})
+        self.metrics.rollouts.labels("failed").inc()
+        return dataclasses.replace(svc, rollout=dataclasses.replace(rollout, state="failed", reason=reason),
+                                   updated=now_rfc3339())  # fmt: skip
+
+    async def _finish_rollout(self, svc: ServiceRecord) -> None:
+        def change(s: ServiceRecord) -> ServiceRecord | None:
+            rollout = self._rolling_to(s, svc.revision)
+            if rollout is None or s.revision != svc.revision:
+                return None  # another PUT came meanwhile: the next step plans for it
+            log.info("rollout done", extra={"service": s.id, "to": s.revision})
+            self.metrics.rollouts.labels("done").inc()
+            return dataclasses.replace(s, serving=s.revision, rollout=dataclasses.replace(rollout, state="done"),
+                                       updated=now_rfc3339())  # fmt: skip
+
+        done = await self._change(svc.id, change)
+        if done is not None and done.serving == svc.revision:
+            await self.db.forget_revisions_before(svc.id, svc.revision)
 
     async def _end(self, svc: ServiceRecord, rep: ReplicaRuntime) -> None:
         """Terminate ``rep``'s sandbox when its node answers (else it is ended when the node is seen again)."""
