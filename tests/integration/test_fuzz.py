@@ -2,8 +2,9 @@
 every answer that is not 2xx has the error body with a status and code the description lists for that endpoint.
 
 A real sandboxd (gVisor) on TCP with a token, and a gateway in front of it with an admin key. Inputs are drawn
-from the schema, valid and invalid. Endpoints that would reach other machines (an image to pull, a node to add)
-are held back by configuration (no image may be pulled, no egress) or left out (adding nodes); those that
+from the schema, valid and invalid. Endpoints that would reach other machines (an image to pull, a node to add,
+a job's notify URL) are held back by configuration (no image may be pulled, no egress, no notifications) or left
+out (adding nodes); those that
 would end the fuzzing's own sandbox or node are left out, and a second sandbox is there for the rest.
 """
 
@@ -156,7 +157,12 @@ def gateway(gateway_node: Target, tmp_path_factory: pytest.TempPathFactory) -> I
     workdir = tmp_path_factory.mktemp("fuzz-gateway", numbered=True)
     token_file = workdir / "node-token"
     token_file.write_text(node.token)
-    gw = GatewayProcess(workdir, [])
+    # Job notifications are refused outright (--no-notify): a fuzzed notify URL must never make the gateway
+    # connect anywhere. A secrets key, so the secrets endpoints are driven past their 501.
+    key_file = workdir / "secrets.key"
+    key_file.write_text("ab" * 32)
+    key_file.chmod(0o600)
+    gw = GatewayProcess(workdir, [], ["--no-notify", "--secrets-key-file", str(key_file)])
     gw.node_file.write_text(
         f'[[node]]\nname = "n1"\nendpoint = "{node.base_url}"\ntoken_file = "{token_file}"\n',
         encoding="utf-8",

@@ -195,6 +195,9 @@ def test_every_scope_against_every_route(fleet: Fleet) -> None:
     assert fleet.gw.request("GET", "/v1/sandboxes", key=fleet.keys["admin"]).json() == before
 
 
+NO_SECRETS_KEY = "this gateway keeps no secrets: start it with --secrets-key-file (make a key with sandbox-gateway secrets-key new FILE)"
+
+
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [
@@ -203,7 +206,7 @@ def test_every_scope_against_every_route(fleet: Fleet) -> None:
         ("GET", "/v1/images", (501, "unsupported", "a gateway does not manage images: install them on each node with its images API")),
         ("POST", "/v1/images", (501, "unsupported", "a gateway does not manage images: install them on each node with its images API")),
         ("GET", "/v1/ssh", (404, "unsupported", "this gateway serves no SSH")),
-        ("GET", "/v1/jobs", (501, "unsupported", "this gateway does not serve jobs yet")),
+        ("GET", "/v1/secrets", (501, "unsupported", NO_SECRETS_KEY)),
     ],
 )  # fmt: skip
 def test_endpoints_a_gateway_does_not_serve(

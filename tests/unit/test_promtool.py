@@ -9,7 +9,9 @@ import pytest
 from test_metrics import SNAPSHOT
 
 from sbx.api.node import Resources
+from sbx.gateway.jobs.metrics import JobMetrics
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
+from sbx.gateway.services.metrics import ServiceMetrics
 from sbx.node.metrics import NodeMetrics
 
 pytestmark = pytest.mark.skipif(
@@ -42,7 +44,18 @@ def test_gateway_metrics_pass_promtool() -> None:
     metrics.refused.labels("quota").inc()
     metrics.scheduled.labels("n1").inc()
     metrics.terminated.inc()
-    assert promtool(metrics.render()[0]) == ""
+    # The series of services and jobs, registered in the same registry by their controllers.
+    services = ServiceMetrics(metrics.registry, list, lambda: 2)
+    services.created.inc()
+    services.restarts.inc()
+    services.rollouts.labels("done").inc()
+    services.count_request(502)
+    jobs = JobMetrics(metrics.registry, lambda: (1, 2))
+    jobs.count_run("succeeded")
+    jobs.count_notification("failed")
+    text = metrics.render()[0]
+    assert b"sandbox_gateway_service_replicas{" in text and b"sandbox_gateway_job_runs_total{" in text
+    assert promtool(text) == ""
 
 
 def test_promtool_does_flag_abbreviated_units() -> None:

@@ -74,7 +74,7 @@ def test_the_check(allowed: tuple[str, ...], host: str, port: int, address: str,
 
 
 async def test_the_resolver_keeps_only_the_addresses_a_name_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sbx.images import addresses
+    from sbx.net import dial_guard as addresses
 
     class Inner:
         async def resolve(self, host: str, port: int, family: int) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from sbx.api.gateway import (
     Whoami,
 )
 from sbx.api.images import Image, ImageList, ImageRemoved, ImageRequest
+from sbx.api.jobs import AgentRunRequest, Job, JobList, JobSpec, RunOutput
 from sbx.api.metrics import SandboxMetrics
 from sbx.api.node import Capabilities, CordonRequest, NodeStatus
 from sbx.api.orgs import (
@@ -110,6 +111,7 @@ _BODY = _errs(e.InvalidRequest)
 _SBX = "/v1/sandboxes/{ref}"
 _PROC = _SBX + "/processes/{pid}"
 _PATH_Q = (Query("path", "absolute guest path", required=True),)
+_TENANT_Q = (Query("tenant", "admin only: the tenant whose service it is (default: the one acted in)"),)
 
 ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     # -- server-wide ------------------------------------------------------------------------------
@@ -219,27 +221,34 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
              answers="empty", errors=_errs(e.NotFound, e.NotServed)),
     # -- gateway: services, jobs, secrets -----------------------------------------------------------------
     Endpoint("POST", "/v1/services", "Create a service", GATEWAY, (CREATE,), status=201, body="json",
-             request=ServiceSpec, answer=Service, errors=_errs(e.InvalidRequest, e.Conflict, e.Unsupported)),
-    Endpoint("GET", "/v1/services", "Services", GATEWAY, (READ,), answer=ServiceList, errors=_errs(e.Unsupported)),
+             request=ServiceSpec, answer=Service,
+             errors=_errs(e.InvalidRequest, e.Refused, e.Conflict, e.Unsupported)),
+    Endpoint("GET", "/v1/services", "Services: the caller's own (admin: every one)", GATEWAY, (READ,),
+             answer=ServiceList),
     Endpoint("GET", "/v1/services/{name}", "One service", GATEWAY, (READ,), answer=Service,
-             errors=_errs(e.NotFound, e.Unsupported)),
-    Endpoint("PUT", "/v1/services/{name}", "Change a service (a rollout)", GATEWAY, (CREATE,), body="json",
-             request=ServiceSpec, answer=Service, errors=_errs(e.InvalidRequest, e.NotFound, e.Unsupported)),
+             errors=_errs(e.NotFound), query=_TENANT_Q),
+    Endpoint("PUT", "/v1/services/{name}", "Change a service (a rollout when its replicas change)", GATEWAY,
+             (CREATE,), body="json", request=ServiceSpec, answer=Service, query=_TENANT_Q,
+             errors=_errs(e.InvalidRequest, e.Refused, e.NotFound, e.Unsupported)),
     Endpoint("POST", "/v1/services/{name}/scale", "Scale a service", GATEWAY, (CREATE,), body="json",
-             request=ScaleRequest, answer=Service, errors=_errs(e.InvalidRequest, e.NotFound, e.Unsupported)),
+             request=ScaleRequest, answer=Service, query=_TENANT_Q, errors=_errs(e.InvalidRequest, e.NotFound)),
     Endpoint("DELETE", "/v1/services/{name}", "Delete a service and its replicas", GATEWAY, (CREATE, DELETE),
-             status=204, answers="empty", errors=_errs(e.NotFound, e.Unsupported)),
-    Endpoint("POST", "/v1/jobs", "Start a job", GATEWAY, (CREATE,), status=201, body="json",
-             errors=_errs(e.InvalidRequest, e.Refused, e.Unsupported), notes="JobSpec: not shown by the spec."),
-    Endpoint("GET", "/v1/jobs", "Jobs, without runs", GATEWAY, (READ,), errors=_errs(e.Unsupported)),
-    Endpoint("GET", "/v1/jobs/{id}", "One job", GATEWAY, (READ,), errors=_errs(e.NotFound, e.Unsupported)),
-    Endpoint("DELETE", "/v1/jobs/{id}", "Cancel a job", GATEWAY, (CREATE,), errors=_errs(e.NotFound, e.Unsupported)),
-    Endpoint("GET", "/v1/jobs/{id}/runs/{n}/output", "A run's kept output", GATEWAY, (READ,),
-             errors=_errs(e.NotFound, e.Unsupported)),
-    Endpoint("GET", "/v1/jobs/{id}/runs/{n}/files", "A file kept from a run", GATEWAY, (READ,), answers="raw",
-             query=_PATH_Q, errors=_errs(e.NotFound, e.Unsupported)),
+             status=204, answers="empty", query=_TENANT_Q, errors=_errs(e.NotFound)),
+    Endpoint("POST", "/v1/jobs", "Start a job", GATEWAY, (CREATE,), status=201, body="json", request=JobSpec,
+             answer=Job, errors=_errs(e.InvalidRequest, e.Refused, e.Unsupported)),
+    Endpoint("GET", "/v1/jobs", "Jobs: the caller's own (admin: every one), newest first, without runs",
+             GATEWAY, (READ,), answer=JobList),
+    Endpoint("GET", "/v1/jobs/{id}", "One job", GATEWAY, (READ,), answer=Job, errors=_errs(e.NotFound)),
+    Endpoint("DELETE", "/v1/jobs/{id}", "Cancel a job; answers once its runs have stopped", GATEWAY, (CREATE,),
+             answer=Job, errors=_errs(e.NotFound)),
+    Endpoint("GET", "/v1/jobs/{id}/runs/{n}/output", "A finished run's kept output", GATEWAY, (READ,),
+             answer=RunOutput, errors=_errs(e.NotFound)),
+    Endpoint("GET", "/v1/jobs/{id}/runs/{n}/files", "A file kept from a finished run", GATEWAY, (READ,),
+             answers="raw", query=(Query("path", "a path of the job's keep.files", required=True),),
+             errors=_errs(e.NotFound)),
     Endpoint("POST", "/v1/agent-runs", "Start an agent run (a job of one run)", GATEWAY, (CREATE,), status=201,
-             body="json", errors=_errs(e.InvalidRequest, e.Refused, e.Unsupported)),
+             body="json", request=AgentRunRequest, answer=Job,
+             errors=_errs(e.InvalidRequest, e.Refused, e.Unsupported)),
     Endpoint("PUT", "/v1/secrets/{name}", "Set a tenant secret", GATEWAY, ("secrets:write",), status=204,
              body="json", request=SecretRequest, answers="empty", errors=_errs(e.InvalidRequest, e.Unsupported)),
     Endpoint("GET", "/v1/secrets", "The tenant's secrets (names only)", GATEWAY, (READ,), answer=SecretList,

@@ -17,7 +17,19 @@ import sys
 import click
 
 from sbx.api.errors import InvalidRequest
-from sbx.cli import files, forward, gateway, images, network, node, processes, sandboxes, shell, state
+from sbx.cli import (
+    files,
+    forward,
+    gateway,
+    images,
+    network,
+    node,
+    processes,
+    sandboxes,
+    shell,
+    state,
+    workloads,
+)
 from sbx.cli._common import Options
 from sbx.client import resolve_endpoint
 
@@ -63,6 +75,9 @@ for command in (
     state.volumes,
     network.network,
     gateway.gateway,
+    workloads.services,
+    workloads.jobs,
+    workloads.secrets,
 ):
     main.add_command(command)
 

@@ -33,6 +33,7 @@ from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._streams import Attachment, Tunnel
+from sbx.client._workloads import Jobs, Secrets, Services
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -49,6 +50,7 @@ __all__ = [
     "Images",
     "Internal",
     "InvalidRequest",
+    "Jobs",
     "NotFound",
     "NotServed",
     "OutputEvent",
@@ -59,6 +61,8 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "Sandboxes",
+    "Secrets",
+    "Services",
     "Snapshots",
     "Tunnel",
     "Unauthorized",

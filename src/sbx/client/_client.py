@@ -25,6 +25,7 @@ from sbx.client._sandbox import Sandboxes
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
 from sbx.client._upgrade import Upgraded
+from sbx.client._workloads import Jobs, Secrets, Services
 
 T = TypeVar("T")
 
@@ -38,7 +39,8 @@ class AsyncClient:
     connected). ``transport`` replaces the network (tests).
 
     Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``,
-    ``client.volumes`` and, on a gateway, ``client.admin``. Answers are the wire types of ``sbx.api``.
+    ``client.volumes`` and, on a gateway, ``client.admin``, ``client.services``, ``client.jobs`` and
+    ``client.secrets``. Answers are the wire types of ``sbx.api``.
     """
 
     def __init__(
@@ -55,6 +57,9 @@ class AsyncClient:
         self.snapshots = Snapshots(self)
         self.volumes = Volumes(self)
         self.admin = Admin(self)
+        self.services = Services(self)
+        self.jobs = Jobs(self)
+        self.secrets = Secrets(self)
 
     async def __aenter__(self) -> Self:
         return self

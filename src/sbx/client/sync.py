@@ -34,6 +34,7 @@ from sbx.client._sandbox import Files, Sandbox, Sandboxes
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._streams import Attachment, Tunnel
 from sbx.client._transport import Transport
+from sbx.client._workloads import Jobs, Secrets, Services
 
 __all__ = ["Client", "SyncProxy"]
 
@@ -49,6 +50,9 @@ _WRAPPED: tuple[type, ...] = (
     Process,
     Attachment,
     Tunnel,
+    Services,
+    Jobs,
+    Secrets,
     asyncio.StreamReader,
     asyncio.StreamWriter,
 )

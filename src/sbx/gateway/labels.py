@@ -3,6 +3,7 @@ send on a create or a PATCH."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from msgspec import UNSET
@@ -37,11 +38,14 @@ def check_client_labels(labels: dict[str, str]) -> None:
     validate_labels(labels)
 
 
-def patch_request(gw: Gateway, principal: Principal, rec: SandboxRecord, req: PatchRequest) -> PatchRequest:
+def patch_request(
+    gw: Gateway, principal: Principal, rec: SandboxRecord, req: PatchRequest, stamped: Mapping[str, str] = {}
+) -> PatchRequest:
     """A PATCH as the node gets it: ``gateway.*`` labels sent back unchanged are kept, others are 400; a new name
-    must be free among the caller's sandboxes on every node."""
+    must be free among the caller's sandboxes on every node. ``stamped``: the ``gateway.*`` labels the sandbox
+    carries besides owner and tenant (a service's replica, a job's run), kept too."""
     if req.labels is not UNSET:
-        ours = {OWNER_LABEL: rec.user, **({TENANT_LABEL: rec.tenant} if rec.tenant else {})}
+        ours = {**stamped, OWNER_LABEL: rec.user, **({TENANT_LABEL: rec.tenant} if rec.tenant else {})}
         client = {}
         for key, value in req.labels.items():
             if key.startswith("gateway."):

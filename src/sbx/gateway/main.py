@@ -28,6 +28,9 @@ from sbx.api.errors import SandboxError
 from sbx.api.gateway import NodeAddRequest
 from sbx.gateway import keys as keymod
 from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.jobs.agents import AgentsFileError, load_agents
+from sbx.gateway.jobs.controller import JobOptions
+from sbx.gateway.jobs.notify import NotifyPolicy
 from sbx.gateway.middlewares import make_middlewares
 from sbx.gateway.nodes import (
     DEFAULT_FAILURES_UNHEALTHY,
@@ -38,6 +41,7 @@ from sbx.gateway.nodes import (
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
 from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
+from sbx.gateway.secrets import SecretsKeyError, load_key, new_key_file
 from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.state import (
     NodeDef,
@@ -55,16 +59,16 @@ from sbx.web.serve import Listen, metrics_server, run, server_tls
 from sbx.web.serve import parse_host_port as serve_address
 
 DEFAULT_LISTEN = "127.0.0.1:7443"
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
 
 
 def parse_duration(value: str, flag: str) -> float:
-    """``300``, ``30s``, ``5m``, ``1h``, ``500ms`` as seconds."""
+    """``300``, ``30s``, ``5m``, ``1h``, ``7d``, ``500ms`` as seconds."""
     match = _DURATION.match(value.strip())
     if not match:
         raise click.BadParameter(f"{value!r} is not a duration like 30s, 5m or 1h", param_hint=flag)
     number = float(match.group(1))
-    return number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
+    return number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}[match.group(2)]
 
 
 def load_node_file(path: Path) -> list[NodeDef]:
@@ -151,6 +155,26 @@ def offline_store(state_path: Path) -> Iterator[Store]:
               help="Close a connection with no whole request head this long after opening or its last answer.")  # fmt: skip
 @click.option("--max-unauthenticated", default=MAX_UNAUTHENTICATED, show_default=True, type=click.IntRange(min=1),
               help="TCP connections not yet authenticated kept at most (a new one closes the oldest).")  # fmt: skip
+@click.option("--secrets-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="32 random bytes (raw or 64 hex characters) sealing tenant secrets; without it secrets are 501. "
+                   "Make one with: sandbox-gateway secrets-key new FILE.")  # fmt: skip
+@click.option("--agents-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="TOML file of [[agent]] tables for POST /v1/agent-runs (docs/jobs.md).")  # fmt: skip
+@click.option("--notify-allow-private", is_flag=True,
+              help="Let job notifications go to private and loopback addresses (and http to loopback).")  # fmt: skip
+@click.option(
+    "--no-notify", is_flag=True, help="Send no job notifications: a job naming notify is refused (501)."
+)
+@click.option(
+    "--rollout-timeout", default="300", show_default=True, help="A service rollout fails after this long."
+)
+@click.option("--services-domain", default=None,
+              help="Serve service traffic on <service>[--<tenant>].DOMAIN (wildcard DNS to the gateway); "
+                   "/svc/<label>/ on the gateway's address always works.")  # fmt: skip
+@click.option("--jobs-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where jobs' output and kept files are stored. Default: jobs/ beside the state file.")  # fmt: skip
+@click.option("--job-retention", default="7d", show_default=True,
+              help="Finished jobs (and their output) are forgotten after this long.")  # fmt: skip
 @click.option("--poll-interval", default=str(DEFAULT_POLL_INTERVAL_SECS), hidden=True)
 @click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
 @click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
@@ -160,7 +184,8 @@ def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
     metrics_listen: str | None, max_orgs_per_user: int, idle_timeout: str, max_unauthenticated: int,
-    poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
+    secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
+    rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
     socket_path: Path | None = None
@@ -188,7 +213,23 @@ def serve(
         if audit_log
         else state_path.parent / "audit" / "gateway.jsonl"
     )
+    if no_notify and notify_allow_private:
+        raise click.UsageError("--no-notify and --notify-allow-private contradict each other: give one")
+    try:
+        secrets_key = load_key(secrets_key_file) if secrets_key_file is not None else None
+        agents = load_agents(agents_file) if agents_file is not None else {}
+    except (SecretsKeyError, AgentsFileError) as exc:
+        raise click.UsageError(str(exc)) from None
+    jobs = JobOptions(
+        outputs_dir=jobs_dir if jobs_dir is not None else state_path.parent / "jobs",
+        retention_secs=parse_duration(job_retention, "--job-retention"),
+        notify=NotifyPolicy(enabled=not no_notify, allow_private=notify_allow_private), agents=agents,
+    )  # fmt: skip
     options = GatewayOptions(
+        secrets_key=secrets_key,
+        jobs=jobs,
+        rollout_timeout_secs=parse_duration(rollout_timeout, "--rollout-timeout"),
+        services_domain=services_domain,
         cors_origins=frozenset(cors_origin),
         node_files_dir=node_files_dir,
         max_orgs_per_user=max_orgs_per_user,
@@ -265,7 +306,10 @@ async def _serve(
 def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.Application:
     """The gateway's application: the gateway's loops and the audit log run while it serves; at a stop, open
     relays (followed streams, attach, tunnel) are cut before the server waits for handlers to end."""
-    app = web.Application(middlewares=make_middlewares(gateway), client_max_size=JSON_BODY_CAP)
+    front = gateway.service_front
+    app = web.Application(
+        middlewares=make_middlewares(gateway, front.middleware), client_max_size=JSON_BODY_CAP
+    )
     install(app, gateway)
 
     async def run_gateway(app: web.Application) -> AsyncIterator[None]:
@@ -275,10 +319,21 @@ def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.App
         if gateway.audit is not None:
             gateway.audit.close()
 
+    async def run_workloads(app: web.Application) -> AsyncIterator[None]:
+        # After the gateway's loops (nodes polled once), before serving; stopped before them.
+        await gateway.services.start()
+        await gateway.jobs.start()
+        gateway.watchers += [gateway.services, front, gateway.jobs]
+        yield
+        await gateway.jobs.close()
+        await gateway.services.close()
+
     async def cut_open_relays(app: web.Application) -> None:
         gateway.open.cancel_all()
+        await front.close()
 
     app.cleanup_ctx.append(run_gateway)
+    app.cleanup_ctx.append(run_workloads)
     app.on_shutdown.append(cut_open_relays)
     if metrics_addr is not None:
         app.cleanup_ctx.append(metrics_server(gateway.metrics, metrics_addr))
@@ -411,6 +466,31 @@ def nodes_remove(state_path: Path, name: str) -> None:
         if not store.remove_node(name):
             raise click.ClickException(f"no admin-managed node {name!r}: see sandbox-gateway nodes list")
     click.echo(f"removed {name}")
+
+
+# -- offline: the secrets key ----------------------------------------------------------------------
+
+
+@main.group("secrets-key")
+def secrets_key() -> None:
+    """Make the key that seals tenant secrets (give it to serve --secrets-key-file)."""
+
+
+@secrets_key.command("new")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+def secrets_key_new(path: Path) -> None:
+    """Write a new random key (64 hex characters, mode 0600) to PATH; never overwrites a file.
+
+    Keep it with the state file's backups: without it the secrets stored cannot be read."""
+    try:
+        new_key_file(path)
+    except FileExistsError:
+        raise click.ClickException(
+            f"{path} exists: a key is never overwritten (secrets sealed with it would be lost)"
+        ) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    click.echo(f"wrote a new secrets key to {path}")
 
 
 # -- offline: quotas --------------------------------------------------------------------------------

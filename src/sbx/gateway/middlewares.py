@@ -30,7 +30,11 @@ def preflight(origin: str) -> web.Response:
     })  # fmt: skip
 
 
-def make_middlewares(gw: Gateway) -> list[Any]:
+def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
+    """The pipeline; ``front`` (the services' traffic front) runs after the error middleware and before
+    authentication: it answers what it recognises by itself (its own keys, no Origin check) and passes the rest
+    on."""
+
     @web.middleware
     async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
         status = 500
@@ -75,4 +79,4 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         auth.check_scopes(principal, row.scope or ())
         return await handler(request)
 
-    return [record, error_middleware, authenticate]
+    return [record, error_middleware, *([front] if front is not None else []), authenticate]

@@ -12,17 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 import aiohttp
+import msgspec
 
 from sbx.api.codec import decode_answer, encode
 from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
 from sbx.api.node import CordonRequest, NodeStatus
+from sbx.api.processes import (
+    OutputChunk,
+    OutputExit,
+    Process,
+    ProcessList,
+    ProcessRequest,
+    RunRequest,
+    RunResult,
+    SignalRequest,
+)
 from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
 from sbx.api.snapshots import Snapshot, SnapshotList
 from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
@@ -204,6 +215,100 @@ class NodeClient:
         """``POST /v1/volumes``."""
         return await self._expect("POST", "/v1/volumes", Volume, request)
 
+    async def sandbox(self, sandbox_id: str) -> Sandbox:
+        """``GET /v1/sandboxes/{id}``."""
+        return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}", Sandbox)
+
+    async def start_process(self, sandbox_id: str, request: ProcessRequest) -> Process:
+        """``POST /v1/sandboxes/{id}/processes``: a background process."""
+        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/processes", Process, request)
+
+    async def processes(self, sandbox_id: str) -> list[Process]:
+        """``GET /v1/sandboxes/{id}/processes``."""
+        return (await self._expect("GET", f"/v1/sandboxes/{sandbox_id}/processes", ProcessList)).processes
+
+    async def process(self, sandbox_id: str, pid: int) -> Process:
+        """``GET /v1/sandboxes/{id}/processes/{pid}``."""
+        return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}/processes/{pid}", Process)
+
+    async def signal(self, sandbox_id: str, pid: int, signal: str) -> None:
+        """``POST .../processes/{pid}/signal``."""
+        await self.call(
+            "POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", None, SignalRequest(signal)
+        )
+
+    async def run(self, sandbox_id: str, request: RunRequest, timeout_secs: float) -> RunResult:
+        """``POST /v1/sandboxes/{id}/run``, waiting at most ``timeout_secs`` for the node's answer."""
+        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/run", RunResult, request, timeout_secs)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """``PUT /v1/sandboxes/{id}/files?path=``: ``data`` written, parents made."""
+        await self._raw_call("PUT", f"/v1/sandboxes/{sandbox_id}/files?{urlencode({'path': path})}", data)
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int) -> bytes | None:
+        """``GET /v1/sandboxes/{id}/files?path=``: the contents, or None when longer than ``max_bytes`` (read
+        no further). A node's 404 (absent) is raised as ``NotFound``."""
+        url = self.url(f"/v1/sandboxes/{sandbox_id}/files?{urlencode({'path': path})}")
+        try:
+            async with self.session.get(url, headers=self.auth_headers, timeout=RELAY_TIMEOUT) as resp:
+                if resp.status >= 300:
+                    raise error_from_answer(resp.status, await resp.read())
+                if resp.content_length is not None and resp.content_length > max_bytes:
+                    return None
+                data = bytearray()
+                async for chunk in resp.content.iter_any():
+                    data += chunk
+                    if len(data) > max_bytes:
+                        return None
+                return bytes(data)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+
+    async def follow_output(self, sandbox_id: str, pid: int) -> AsyncIterator[OutputChunk | OutputExit]:
+        """``GET .../processes/{pid}/output``: the output from the start, chunk by chunk, ending with the exit.
+
+        A node's error answer raises its ``SandboxError``; a stream cut before the exit raises ``BadGateway``."""
+        url = self.url(f"/v1/sandboxes/{sandbox_id}/processes/{pid}/output")
+        try:
+            async with self.session.get(url, headers=self.auth_headers, timeout=RELAY_TIMEOUT) as resp:
+                if resp.status >= 300:
+                    raise error_from_answer(resp.status, await resp.read())
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line:
+                        continue
+                    try:
+                        event = _OUTPUT_LINE.decode(line)
+                    except msgspec.DecodeError as exc:
+                        raise BadGateway(f"node {self.name} sent a malformed output line: {exc}") from None
+                    if isinstance(event.exit_code, int):
+                        yield OutputExit(event.exit_code, event.truncated)
+                        return
+                    if event.stream is not None and event.data is not None:
+                        yield OutputChunk(event.stream, event.data)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not finish the output stream: {describe(exc)}") from exc
+        raise BadGateway(f"node {self.name} ended the output stream of process {pid} before its exit")
+
+    async def open_tunnel(self, sandbox_id: str, port: int) -> Upgraded | Refusal:
+        """``GET /v1/sandboxes/{id}/tunnel?port=N`` switched to ``sbx-tunnel/1``: a TCP stream to the guest's
+        127.0.0.1:N on 101, else the node's answer."""
+        return await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/tunnel?port={port}", "sbx-tunnel/1")
+
+    async def _raw_call(self, method: str, path: str, data: bytes) -> None:
+        headers = {**self.auth_headers, "Content-Type": "application/octet-stream"}
+        try:
+            async with self.session.request(
+                method, self.url(path), data=data, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_SECS, connect=CONNECT_TIMEOUT_SECS),
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        if status >= 300:
+            raise error_from_answer(status, raw)
+
     # -- the relay's primitives --------------------------------------------------------------------
 
     def request(
@@ -245,6 +350,18 @@ class NodeClient:
                     raise
         except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise BadGateway(f"node {self.name} did not answer the upgrade: {describe(exc)}") from exc
+
+
+class _OutputLine(msgspec.Struct):
+    """One line of an output stream: a chunk ``{stream, data}`` or the exit ``{exit_code, truncated?}``."""
+
+    stream: Literal["stdout", "stderr"] | None = None
+    data: bytes | None = None
+    exit_code: int | None = None
+    truncated: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+_OUTPUT_LINE = msgspec.json.Decoder(_OutputLine)
 
 
 def read_token_file(path: str | None) -> str | None:

@@ -38,13 +38,15 @@ ROLES = ("owner", "member")
 
 
 def tenant_in_use(gw: Gateway, name: str) -> bool:
-    """Whether ``name`` is a tenant in use by a key, sandbox, volume or snapshot (compared without case)."""
+    """Whether ``name`` is a tenant in use by a key, sandbox, volume, snapshot, secret, job or service (compared
+    without case)."""
     lowered = name.lower()
     store = gw.store
     tenants = {k.tenant for k in list(store.keys.values())}
     tenants |= {r.tenant for r in list(store.sandboxes.values())}
     tenants |= {r.tenant for r in list(store.volumes.values())}
     tenants |= {r.tenant for r in list(store.snapshots.values())}
+    tenants |= gw.secrets.tenants() | gw.services.tenants() | gw.jobs.tenants()
     return any(t.lower() == lowered for t in tenants if t)
 
 

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sbx.api.errors import Refused
+
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
+
+
+class OverQuota(Refused):
+    """A create would take the tenant past its quota (403 ``refused`` on the wire; a job's run waits instead)."""
 
 
 def quota_problem(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: int) -> str | None:

@@ -154,14 +154,14 @@ async def relay_upgrade(
     op.closers.append(client.writer.close)
     op.answered = True
     try:
-        await asyncio.gather(_copy(client.reader, node_writer), _copy(node_reader, client.writer))
+        await asyncio.gather(copy_stream(client.reader, node_writer), copy_stream(node_reader, client.writer))
     finally:
         node_writer.close()
         await client.close()
     return finished_response()
 
 
-async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def copy_stream(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
     """Copy until EOF, then pass the half-close on; a broken side closes the other."""
     try:
         while True:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from msgspec import UNSET
@@ -39,7 +39,7 @@ from sbx.gateway.auth import Principal
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL, check_client_labels
 from sbx.gateway.nodes import Node
 from sbx.gateway.placement import Candidate, Requested, choose_node
-from sbx.gateway.quotas import quota_problem
+from sbx.gateway.quotas import OverQuota, quota_problem
 from sbx.gateway.state import SandboxRecord
 
 if TYPE_CHECKING:
@@ -131,14 +131,27 @@ class Sandboxes:
 
     # -- create ------------------------------------------------------------------------------------------
 
-    async def create(self, principal: Principal, req: CreateRequest) -> tuple[Sandbox, str]:
-        """Make a sandbox for ``principal`` (see the module's steps); returns it and its node's name."""
+    async def create(
+        self,
+        principal: Principal,
+        req: CreateRequest,
+        *,
+        gateway_labels: Mapping[str, str] | None = None,
+        avoid: Collection[str] = (),
+    ) -> tuple[Sandbox, str]:
+        """Make a sandbox for ``principal`` (see the module's steps); returns it and its node's name.
+
+        For what the gateway makes by itself (a service's replica, a job's run): ``gateway_labels`` are stamped
+        besides the owner's (every key begins ``gateway.``; a client can never set one), and placement prefers
+        nodes not in ``avoid`` while one of them can take the sandbox (a service's spread)."""
         gw = self.gw
         started = time.monotonic()
         labels = req.labels if req.labels is not UNSET else {}
         check_client_labels(labels)
         check_create(req)
-        stamped = {**labels, OWNER_LABEL: principal.user}
+        ours = dict(gateway_labels or {})
+        assert all(k.startswith("gateway.") and k not in (OWNER_LABEL, TENANT_LABEL) for k in ours), ours
+        stamped = {**labels, **ours, OWNER_LABEL: principal.user}
         if principal.tenant:
             stamped[TENANT_LABEL] = principal.tenant
         req = replace(req, labels=stamped)
@@ -152,7 +165,7 @@ class Sandboxes:
                 raise Conflict(
                     f"you already have a live sandbox named {name!r}: pick another name or delete it"
                 )
-            sandbox, node, given = await self._place(principal, req, requested, pinned)
+            sandbox, node, given = await self._place(principal, req, requested, pinned, frozenset(avoid))
             await gw.write(
                 gw.store.put_sandbox, gw.record_from(sandbox, node.name, principal.user, principal.tenant)
             )
@@ -162,23 +175,27 @@ class Sandboxes:
         return sandbox, node.name
 
     async def _place(
-        self, principal: Principal, req: CreateRequest, requested: Requested, pinned: str | None
-    ) -> tuple[Sandbox, Node, Resources]:
+        self, principal: Principal, req: CreateRequest, requested: Requested, pinned: str | None,
+        avoid: frozenset[str] = frozenset(),
+    ) -> tuple[Sandbox, Node, Resources]:  # fmt: skip
         gw = self.gw
-        excluded: set[str] = set()
+        tried: set[str] = set()
         over_quota: Refused | None = None
         while True:
             candidates = gw.registry.candidates()
             if pinned is not None:
                 candidates = [c for c in candidates if c.name == pinned]
-            choice = choose_node(candidates, excluded, requested)
+            # Nodes to avoid are asked only once every other node has been.
+            choice = choose_node(candidates, tried | avoid, requested) or choose_node(
+                candidates, tried, requested
+            )
             if choice is None:
                 break
-            excluded.add(choice.name)
+            tried.add(choice.name)
             given = requested.on(choice)
             problem = quota_problem(gw, principal.tenant, 1, given.cpus, given.memory_mb)
             if problem is not None:
-                over_quota = Refused(problem)
+                over_quota = OverQuota(problem)
                 continue
             node = gw.registry.nodes[choice.name]
             gw.metrics.scheduled.labels(node.name).inc()

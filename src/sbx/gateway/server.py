@@ -24,11 +24,15 @@ from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
 from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.jobs.controller import JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.sandboxes import Sandboxes
+from sbx.gateway.secrets import SecretBox, Secrets
+from sbx.gateway.services.controller import DEFAULT_ROLLOUT_TIMEOUT_SECS, ServiceController
+from sbx.gateway.services.proxy import ServiceFront
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
 
@@ -47,6 +51,12 @@ class GatewayOptions:
     forget_interval_secs: float = 60.0
     recheck_secs: float = DEFAULT_RECHECK_SECS
     file_nodes: list[NodeDef] = field(default_factory=list)
+    #: Services, jobs and secrets: ``--secrets-key-file`` (None: no secrets), the jobs' options (None: kept output
+    #: in ``jobs/`` beside the state file), ``--rollout-timeout``, ``--services-domain``.
+    secrets_key: bytes | None = None
+    jobs: JobOptions | None = None
+    rollout_timeout_secs: float = DEFAULT_ROLLOUT_TIMEOUT_SECS
+    services_domain: str | None = None
 
 
 class AccessWatcher(Protocol):
@@ -80,6 +90,12 @@ class Gateway:
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
         self.watchers: list[AccessWatcher] = []
         self.snapshots = Snapshots(self)
+        #: Tenant secrets, services (controller and traffic front) and jobs; their controllers are started by the
+        #: serving application (``main.build_app``), after the gateway's own loops.
+        self.secrets = Secrets(self, store, SecretBox(options.secrets_key) if options.secrets_key else None)
+        self.services = ServiceController(self, options.rollout_timeout_secs)
+        self.service_front = ServiceFront(self, self.services, options.services_domain)
+        self.jobs = JobController(self, options.jobs or JobOptions(store.path.parent / "jobs"))
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
 

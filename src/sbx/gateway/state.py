@@ -12,7 +12,11 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
     members     org, user, tenant, role, added
     quotas      tenant, max_cpus, max_memory_mb, max_sandboxes   (NULL = no limit)
 
-Later issues (services, jobs, secrets, SSH keys) add tables through new migrations.
+    services, service_revisions, service_replicas     (gateway/services/store.py)
+    jobs, job_runs, notifications                     (gateway/jobs/store.py)
+    secrets     tenant, name, nonce, ciphertext (AES-GCM), updated   (gateway/secrets.py)
+
+Later issues (SSH keys) add tables through new migrations.
 
 Durability: WAL mode; every commit is in the WAL file before a call returns, so a SIGKILL at any moment loses
 nothing acknowledged. Keys, nodes, orgs and quotas are also fsynced (``synchronous=FULL``) so a power cut keeps
@@ -75,6 +79,39 @@ MIGRATIONS: tuple[str, ...] = (
         tenant TEXT PRIMARY KEY, max_cpus INTEGER, max_memory_mb INTEGER, max_sandboxes INTEGER
     );
     """,
+    # Services, jobs and agent runs, tenant secrets, job notifications (gateway/services, gateway/jobs,
+    # gateway/secrets.py): each module reads and writes its own tables through Store.execute and Store.query.
+    """
+    CREATE TABLE services (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL, user TEXT NOT NULL, spec TEXT NOT NULL,
+        revision INTEGER NOT NULL, serving INTEGER NOT NULL, desired INTEGER NOT NULL, restarts INTEGER NOT NULL,
+        rollout TEXT, created TEXT NOT NULL, updated TEXT NOT NULL, UNIQUE (tenant, name)
+    );
+    CREATE TABLE service_revisions (
+        service TEXT NOT NULL, revision INTEGER NOT NULL, spec TEXT NOT NULL, PRIMARY KEY (service, revision)
+    );
+    CREATE TABLE service_replicas (
+        sandbox TEXT PRIMARY KEY, service TEXT NOT NULL, node TEXT NOT NULL, revision INTEGER NOT NULL,
+        pid INTEGER, restarts INTEGER NOT NULL, ever_healthy INTEGER NOT NULL, created TEXT NOT NULL
+    );
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, agent TEXT, spec TEXT NOT NULL,
+        prompt TEXT, state TEXT NOT NULL, error TEXT, created TEXT NOT NULL, updated TEXT NOT NULL
+    );
+    CREATE TABLE job_runs (
+        job TEXT NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL, sandbox TEXT, node TEXT, pid INTEGER,
+        exit_code INTEGER, started TEXT, finished TEXT, error TEXT, truncated INTEGER NOT NULL, files TEXT,
+        PRIMARY KEY (job, n)
+    );
+    CREATE TABLE secrets (
+        tenant TEXT NOT NULL, name TEXT NOT NULL, nonce BLOB NOT NULL, ciphertext BLOB NOT NULL,
+        updated TEXT NOT NULL, PRIMARY KEY (tenant, name)
+    );
+    CREATE TABLE notifications (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, url TEXT NOT NULL, body TEXT NOT NULL,
+        attempts INTEGER NOT NULL, first_try REAL NOT NULL, next_try REAL NOT NULL
+    );
+    """,
 )
 
 
@@ -89,6 +126,14 @@ class StateError(Exception):
 def now_rfc3339() -> str:
     """Current UTC time, RFC 3339 with seconds and ``Z``."""
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def seconds_since(stamp: str) -> float | None:
+    """Seconds from the RFC 3339 time ``stamp`` to now; None when it is not one."""
+    try:
+        return datetime.now(UTC).timestamp() - datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -312,6 +357,18 @@ class Store:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    # -- tables of other modules (services, jobs, secrets) ----------------------------------------
+
+    def execute(self, statements: list[tuple[str, tuple[Any, ...]]], full: bool = True) -> None:
+        """Run ``statements`` in one transaction (``full``: fsynced; see ``_write``). For modules that keep
+        their own tables and in-memory copies (services, jobs, secrets): call it off the event loop."""
+        self._write_many(statements, full)
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one ``SELECT`` (at start-up, when a module loads its tables)."""
+        with self._lock:
+            return list(self._conn.execute(sql, params))
 
     # -- keys ------------------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from sbx.images.media_types import (
 from sbx.images.reference import DEFAULT_REGISTRY, Reference
 from sbx.images.remote_text import failure_reason, shown_host, shown_media_type, shown_platform, status_line
 from sbx.images.store import ImageConfig
+from sbx.net.dial_guard import refusal_behind
 from sbx.net.loopback import host_header_name, is_loopback
 
 log = logging.getLogger(__name__)
@@ -787,12 +788,5 @@ class RegistryClient:
 
 def _address_refusal(exc: BaseException) -> RegistryAddressRefused | None:
     """The address guard's refusal behind ``exc`` (aiohttp wraps it in a connector error), if any."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return None
-        if isinstance(seen, RegistryAddressRefused):
-            return seen
-        inner = getattr(seen, "os_error", None)
-        seen = inner if isinstance(inner, BaseException) else (seen.__cause__ or seen.__context__)
-    return None
+    found = refusal_behind(exc)
+    return found if isinstance(found, RegistryAddressRefused) else None

@@ -53,6 +53,15 @@ def check_upgrade(request: web.Request, protocol: str) -> None:
 
 async def upgrade(request: web.Request, protocol: str) -> RawStream:
     """Answer 101 and return the raw stream; the handler then owns the connection until it closes it."""
+    return await take_over(
+        request,
+        f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: {protocol}\r\n\r\n".encode(),
+    )
+
+
+async def take_over(request: web.Request, head: bytes) -> RawStream:
+    """Take the connection away from aiohttp, send ``head`` (an answer's status line and headers, through the
+    blank line: a 101 another server gave, passed on as it gave it) and return the raw stream."""
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the upgrade")
@@ -65,9 +74,7 @@ async def upgrade(request: web.Request, protocol: str) -> RawStream:
     stream_protocol.connection_made(transport)
     transport.resume_reading()
     writer = asyncio.StreamWriter(transport, stream_protocol, reader, loop)
-    writer.write(
-        f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: {protocol}\r\n\r\n".encode()
-    )
+    writer.write(head)
     await writer.drain()
     return RawStream(reader, writer)
 

@@ -20,8 +20,11 @@ from aiohttp import web
 from sbx.api.endpoints import Endpoint, find, served_by
 from sbx.gateway.orgs import OrgRoutes
 from sbx.gateway.routes.admin import AdminRoutes
+from sbx.gateway.routes.jobs import JobRoutes
 from sbx.gateway.routes.meta import MetaRoutes
 from sbx.gateway.routes.sandboxes import SandboxRoutes
+from sbx.gateway.routes.secrets import SecretRoutes
+from sbx.gateway.routes.services import ServiceRoutes
 from sbx.gateway.routes.snapshots import SnapshotRoutes
 from sbx.gateway.routes.volumes import VolumeRoutes
 
@@ -59,6 +62,7 @@ def table(gw: Gateway) -> list[Route]:
     """Every route the gateway serves."""
     meta, sbx, vol, snap = MetaRoutes(gw), SandboxRoutes(gw), VolumeRoutes(gw), SnapshotRoutes(gw)
     admin, orgs = AdminRoutes(gw), OrgRoutes(gw)
+    svc, jobs, secrets = ServiceRoutes(gw), JobRoutes(gw), SecretRoutes(gw)
     rows: list[tuple[str, str, Handler | RelayPolicy]] = [
         ("GET", "/openapi.json", meta.openapi),
         ("GET", "/v1/health", meta.health),
@@ -99,7 +103,7 @@ def table(gw: Gateway) -> list[Route]:
         ("POST", "/v1/volumes", vol.create),
         ("GET", "/v1/volumes", vol.list),
         ("DELETE", "/v1/volumes/{name}", vol.delete),
-        # SSH, services, jobs, agent runs and secrets: not served yet.
+        # SSH: not served yet.
         ("GET", "/v1/ssh", meta.no_ssh),
         ("POST", "/v1/ssh-keys", meta.no_ssh),
         ("GET", "/v1/ssh-keys", meta.no_ssh),
@@ -107,22 +111,23 @@ def table(gw: Gateway) -> list[Route]:
         ("POST", "/v1/sandboxes/{ref}/ssh-access", meta.no_ssh),
         ("GET", "/v1/admin/ssh-keys", meta.no_ssh),
         ("DELETE", "/v1/admin/ssh-keys/{id}", meta.no_ssh),
-        ("POST", "/v1/services", meta.later),
-        ("GET", "/v1/services", meta.later),
-        ("GET", "/v1/services/{name}", meta.later),
-        ("PUT", "/v1/services/{name}", meta.later),
-        ("POST", "/v1/services/{name}/scale", meta.later),
-        ("DELETE", "/v1/services/{name}", meta.later),
-        ("POST", "/v1/jobs", meta.later),
-        ("GET", "/v1/jobs", meta.later),
-        ("GET", "/v1/jobs/{id}", meta.later),
-        ("DELETE", "/v1/jobs/{id}", meta.later),
-        ("GET", "/v1/jobs/{id}/runs/{n}/output", meta.later),
-        ("GET", "/v1/jobs/{id}/runs/{n}/files", meta.later),
-        ("POST", "/v1/agent-runs", meta.later),
-        ("PUT", "/v1/secrets/{name}", meta.later),
-        ("GET", "/v1/secrets", meta.later),
-        ("DELETE", "/v1/secrets/{name}", meta.later),
+        # Services, jobs, agent runs and secrets (their controllers: sbx.gateway.services, sbx.gateway.jobs).
+        ("POST", "/v1/services", svc.create),
+        ("GET", "/v1/services", svc.list),
+        ("GET", "/v1/services/{name}", svc.get),
+        ("PUT", "/v1/services/{name}", svc.put),
+        ("POST", "/v1/services/{name}/scale", svc.scale),
+        ("DELETE", "/v1/services/{name}", svc.delete),
+        ("POST", "/v1/jobs", jobs.create),
+        ("GET", "/v1/jobs", jobs.list),
+        ("GET", "/v1/jobs/{id}", jobs.get),
+        ("DELETE", "/v1/jobs/{id}", jobs.delete),
+        ("GET", "/v1/jobs/{id}/runs/{n}/output", jobs.output),
+        ("GET", "/v1/jobs/{id}/runs/{n}/files", jobs.file),
+        ("POST", "/v1/agent-runs", jobs.agent_run),
+        ("PUT", "/v1/secrets/{name}", secrets.put),
+        ("GET", "/v1/secrets", secrets.list),
+        ("DELETE", "/v1/secrets/{name}", secrets.delete),
         # Organisations and admin.
         ("GET", "/v1/orgs", orgs.list),
         ("POST", "/v1/orgs", orgs.create),

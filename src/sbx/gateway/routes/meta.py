@@ -1,5 +1,5 @@
 """What the gateway answers itself: health, whoami, capabilities, and the refusals of what it does not serve
-(``/v1/node`` 404, images 501, SSH 404 ``unsupported``, services, jobs, agent runs and secrets 501)."""
+(``/v1/node`` 404, images 501, SSH 404 ``unsupported``)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,3 @@ class MetaRoutes:
 
     async def no_ssh(self, request: web.Request) -> web.Response:
         raise NotServed("this gateway serves no SSH")
-
-    async def later(self, request: web.Request) -> web.Response:
-        raise Unsupported(f"this gateway does not serve {request.path.split('/')[2]} yet")

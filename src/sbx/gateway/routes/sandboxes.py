@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from msgspec import UNSET
 
 from sbx.api.codec import decode_answer, decode_request, encode
 from sbx.api.endpoints import Endpoint
@@ -57,8 +58,12 @@ class SandboxRoutes:
         rec = self._target(request)
         req = decode_request(await read_json_body(request), PatchRequest)
         # Renames of one user run one at a time with their creates, so two cannot take one name together.
+        stamped: dict[str, str] = {}
+        if req.labels is not UNSET:  # the gateway's own labels beyond owner and tenant are kept as they are
+            current = await self.gw.node_for(rec.node, f"sandbox {rec.id}").client.sandbox(rec.id)
+            stamped = {k: v for k, v in current.labels.items() if k.startswith("gateway.")}
         async with self.gw.user_locks[(principal.user, principal.tenant)]:
-            body = encode(patch_request(self.gw, principal, rec, req))
+            body = encode(patch_request(self.gw, principal, rec, req, stamped))
             response = await self._relay(request, principal, rec, body)
             if isinstance(response, web.Response) and response.status < 300 and response.body:
                 answer = decode_answer(bytes(response.body), Sandbox, "Sandbox")  # type: ignore[arg-type]

@@ -1,0 +1,2 @@
+"""Jobs and agent runs: commands run to completion in sandboxes of their own, their kept output and files, and
+notifications (docs/jobs.md)."""

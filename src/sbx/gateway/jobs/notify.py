@@ -1,0 +1,243 @@
+"""Job notifications (spec: Job notifications, Notification URL; docs/jobs.md): a POST to the job's ``notify`` URL
+after each run (``run.finished``) and once when the job ends (``job.finished``), body exactly
+``{event, job, name?, job_state, run?, state?, exit_code?}``, never output or a value.
+
+Where: ``https`` to a public address. ``--notify-allow-private`` also allows private and loopback addresses, and
+plain ``http`` to loopback. Link-local and metadata addresses never. The URL is checked when the job is given
+(its form, and an address literal's kind) and again when the gateway connects, against the address actually
+dialled (``sbx.net.dial_guard``: a name that resolves elsewhere the second time is refused). Redirects are not
+followed. ``--no-notify`` refuses any ``notify`` (501): the gateway then never posts anywhere.
+
+Delivery: from an outbox in the state file, written in the same transaction as the state change it reports, so a
+gateway restart loses none; a job's notifications are delivered one after the other, in order. A 2xx answer delivers; a refused address, a 4xx other than 408 and 429, or
+:data:`GIVE_UP_SECS` of failures gives up (logged, counted); anything else is tried again after 1, 2, 4 ... 60 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+
+from sbx.api.errors import InvalidRequest, Unsupported
+from sbx.api.jobs import JobNotification
+from sbx.gateway.state import Store
+from sbx.net.dial_guard import AddressRefused, DialGuard, is_loopback_address, refusal_behind
+from sbx.net.loopback import is_loopback
+from sbx.net.ranges import Address, HostAddresses
+
+if TYPE_CHECKING:
+    from sbx.gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+MAX_URL_CHARS: Final = 2048
+#: Seconds one POST may take.
+POST_TIMEOUT_SECS: Final = 10.0
+#: Seconds after the first try when a notification is given up.
+GIVE_UP_SECS: Final = 15 * 60.0
+FIRST_RETRY_SECS: Final = 1.0
+MAX_RETRY_SECS: Final = 60.0
+#: Notifications posted at once.
+CONCURRENT_POSTS: Final = 8
+
+
+@dataclass(frozen=True)
+class NotifyPolicy:
+    """Where notifications may go: ``enabled`` (false with ``--no-notify``), ``allow_private``
+    (``--notify-allow-private``)."""
+
+    enabled: bool = True
+    allow_private: bool = False
+
+
+class NotifyRefused(AddressRefused):
+    """A notification may not go to this address."""
+
+
+class NotifyAddresses(DialGuard):
+    """The connect-time rule: public addresses always; private and loopback ones with ``allow_private``; over
+    plain http (``loopback_only``) loopback only."""
+
+    refusal = NotifyRefused
+
+    def __init__(
+        self, allow_private: bool, loopback_only: bool, host_addresses: HostAddresses | None = None
+    ) -> None:
+        super().__init__(host_addresses)
+        self.allow_private = allow_private
+        self.loopback_only = loopback_only
+
+    def check(self, host: str, port: int, address: Address) -> None:
+        if self.loopback_only:
+            if not is_loopback_address(address):
+                raise NotifyRefused(f"{host} is at {address}: plain http notifications go to loopback only")
+            return
+        kind = self.kind(address)
+        if kind == "forbidden":
+            raise NotifyRefused(f"{host} is at {address}, a link-local, metadata or reserved address")
+        if kind == "private" and not self.allow_private:
+            raise NotifyRefused(
+                f"{host} is at {address}, a private or loopback address (allowed only with --notify-allow-private)"
+            )
+
+
+def check_url(url: str, policy: NotifyPolicy, field: str = "notify") -> str:
+    """400 unless ``url`` is one notifications may go to (see the module docstring); 501 with ``--no-notify``."""
+    if len(url) > MAX_URL_CHARS or any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise InvalidRequest(f"{field}: not a URL (at most {MAX_URL_CHARS} printable characters, no spaces)")
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        parts.port  # noqa: B018 - raises for a malformed port
+    except ValueError:
+        raise InvalidRequest(f"{field}: {url!r} is not a URL") from None
+    if not policy.enabled:
+        raise Unsupported(f"{field}: this gateway sends no notifications (it was started with --no-notify)")
+    if parts.scheme not in ("https", "http") or not host:
+        raise InvalidRequest(f"{field}: give an https URL such as https://hooks.example.com/jobs")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidRequest(
+            f"{field}: a URL with a user or password is not accepted; put a token in its path"
+        )
+    if parts.fragment:
+        raise InvalidRequest(f"{field}: a URL with a #fragment is not accepted")
+    if parts.scheme == "http" and not (policy.allow_private and is_loopback(host)):
+        raise InvalidRequest(
+            f"{field}: use https (plain http is accepted only to loopback on a gateway started with "
+            "--notify-allow-private)"
+        )
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return url  # a name: judged by the addresses it resolves to, when connecting
+    guard = NotifyAddresses(policy.allow_private, parts.scheme == "http")
+    try:
+        guard.check(host, parts.port or 443, address)
+    except NotifyRefused as exc:
+        raise InvalidRequest(f"{field}: {exc}") from None
+    return url
+
+
+def body_of(note: JobNotification) -> bytes:
+    return msgspec.json.encode(note)
+
+
+class Notifier:
+    """The outbox and its delivery task."""
+
+    def __init__(self, gw: Gateway, store: Store, policy: NotifyPolicy,
+                 count: Callable[[str], None] = lambda result: None) -> None:  # fmt: skip
+        self.gw = gw
+        self.store = store
+        self.policy = policy
+        self._count = count
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._slots = asyncio.Semaphore(CONCURRENT_POSTS)
+
+    def statement(self, job: str, url: str, note: JobNotification) -> tuple[str, tuple[object, ...]]:
+        """The outbox row of ``note`` (written by the caller in the transaction of the change it reports)."""
+        now = time.time()
+        return (
+            "INSERT INTO notifications (job, url, body, attempts, first_try, next_try) VALUES (?,?,?,?,?,?)",
+            (job, url, body_of(note).decode(), 0, now, now),
+        )
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="job-notifications")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for session in self._sessions.values():
+            await session.close()
+
+    def _session(self, plain_http: bool) -> aiohttp.ClientSession:
+        session = self._sessions.get(plain_http)
+        if session is None:
+            guard = NotifyAddresses(self.policy.allow_private, loopback_only=plain_http)
+            connector = aiohttp.TCPConnector(resolver=guard.resolver(), socket_factory=guard.socket_factory)
+            session = self._sessions[plain_http] = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_SECS), trust_env=False
+            )
+        return session
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            rows = await asyncio.to_thread(
+                self.store.query,
+                "SELECT id, url, body, attempts, first_try, next_try, job FROM notifications ORDER BY id",
+            )
+            # A job's notifications go in the order they were written: only its oldest is up for delivery.
+            heads: dict[str, tuple[Any, ...]] = {}
+            for row in rows:
+                heads.setdefault(row[6], row[:6])
+            rows = sorted(heads.values(), key=lambda r: r[5])
+            now = time.time()
+            due = [r for r in rows if r[5] <= now]
+            if due:
+                await asyncio.gather(*(self._deliver(*row) for row in due))
+                continue
+            wait = rows[0][5] - now if rows else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+
+    async def _deliver(self, row_id: int, url: str, body: str, attempts: int, first_try: float,
+                       next_try: float) -> None:  # fmt: skip
+        async with self._slots:
+            outcome = await self._post(url, body.encode())
+        if outcome is None:
+            self._count("delivered")
+            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            return
+        final, why = outcome
+        if final or time.time() - first_try > GIVE_UP_SECS:
+            log.warning("job notification given up", extra={"url_host": urlsplit(url).hostname, "error": why,
+                                                             "attempts": attempts + 1})  # fmt: skip
+            self._count("failed")
+            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            return
+        delay = min(FIRST_RETRY_SECS * 2**attempts, MAX_RETRY_SECS)
+        await self.gw.write(self.store.execute, [(
+            "UPDATE notifications SET attempts = ?, next_try = ? WHERE id = ?", (attempts + 1, time.time() + delay,
+                                                                                 row_id),
+        )])  # fmt: skip
+
+    async def _post(self, url: str, body: bytes) -> tuple[bool, str] | None:
+        """None when delivered; else (whether to give up now, why)."""
+        session = self._session(url.startswith("http://"))
+        try:
+            async with session.post(
+                url, data=body, headers={"Content-Type": "application/json", "User-Agent": "sbx-gateway"},
+                allow_redirects=False,
+            ) as resp:  # fmt: skip
+                await resp.read()
+                if 200 <= resp.status < 300:
+                    return None
+                final = 400 <= resp.status < 500 and resp.status not in (408, 429)
+                return final, f"HTTP {resp.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            refused = refusal_behind(exc)
+            if refused is not None:
+                return True, str(refused)
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                return False, f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+            return False, type(exc).__name__

@@ -1,0 +1,76 @@
+"""Handlers of ``/v1/jobs`` and ``/v1/agent-runs``: a job belongs to the user and tenant that started it (admin: any);
+the work is the controller's (``sbx.gateway.jobs``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from sbx.api.codec import decode_request
+from sbx.api.errors import InvalidRequest
+from sbx.api.jobs import AgentRunRequest, JobList, JobSpec
+from sbx.gateway import auth
+from sbx.gateway.http import principal_of
+from sbx.gateway.jobs.spec import agent_job, check_job
+from sbx.gateway.jobs.store import JobRecord
+from sbx.web.http import json_response, read_json_body
+
+if TYPE_CHECKING:
+    from sbx.gateway.server import Gateway
+
+
+class JobRoutes:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def _target(self, request: web.Request) -> JobRecord:
+        job = self.gw.jobs.find(principal_of(request), request.match_info["id"])
+        request[auth.TARGET_KEY] = job.id
+        return job
+
+    def _answer(self, request: web.Request, job: JobRecord, status: int = 200) -> web.Response:
+        request[auth.TARGET_KEY] = job.id
+        return json_response(self.gw.jobs.wire(job, with_runs=True), status=status)
+
+    async def create(self, request: web.Request) -> web.Response:
+        principal = principal_of(request)
+        spec = decode_request(await read_json_body(request), JobSpec)
+        spec = check_job(self.gw, principal, spec, self.gw.jobs.options.notify)
+        return self._answer(request, await self.gw.jobs.submit(principal, spec), 201)
+
+    async def agent_run(self, request: web.Request) -> web.Response:
+        principal = principal_of(request)
+        req = decode_request(await read_json_body(request), AgentRunRequest)
+        agents = self.gw.jobs.options.agents
+        agent = agents.get(req.agent)
+        if agent is None:
+            known = ", ".join(sorted(agents)) if agents else "none (start the gateway with --agents-file)"
+            raise InvalidRequest(f"agent: this gateway defines no agent {req.agent!r}; it defines {known}")
+        spec = check_job(self.gw, principal, agent_job(agent, req), self.gw.jobs.options.notify)
+        job = await self.gw.jobs.submit(principal, spec, agent=agent.name, prompt=req.prompt)
+        return self._answer(request, job, 201)
+
+    async def list(self, request: web.Request) -> web.Response:
+        jobs = self.gw.jobs.listing(principal_of(request))
+        return json_response(JobList([self.gw.jobs.wire(j, with_runs=False) for j in jobs]))
+
+    async def get(self, request: web.Request) -> web.Response:
+        return self._answer(request, self._target(request))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        return self._answer(request, await self.gw.jobs.cancel(self._target(request)))
+
+    async def output(self, request: web.Request) -> web.Response:
+        job = self._target(request)
+        return json_response(await self.gw.jobs.output(job, request.match_info["n"]))
+
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        job = self._target(request)
+        paths = request.query.getall("path", [])
+        if len(paths) != 1:
+            raise InvalidRequest(
+                "path: give one path of the job's keep.files, e.g. ?path=/sandbox/home/out.txt"
+            )
+        found = self.gw.jobs.kept_file(job, request.match_info["n"], paths[0])
+        return web.FileResponse(found, headers={"Content-Type": "application/octet-stream"})

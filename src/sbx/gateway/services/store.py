@@ -1,0 +1,175 @@
+"""Services in the state file: the service rows, each revision's spec, the replicas (tables ``services``,
+``service_revisions``, ``service_replicas``; see ``sbx.gateway.state``).
+
+Everything is also held in memory (the controller and the traffic front read memory only); a write commits
+first and changes memory after, through the gateway's writer thread. A replica is recorded as soon as its
+sandbox exists, before its command starts, so a gateway stopped in between finds it again (and a sandbox made
+but never recorded is found by its labels; see ``controller``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from sbx.api.services import RolloutState, ServiceSpec
+from sbx.gateway.state import Store
+
+Writer = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """The latest rollout: ``started`` (Unix time) bounds it by ``--rollout-timeout``; ``failures`` counts
+    new-revision replicas replaced before they were ever healthy."""
+
+    state: RolloutState
+    from_: int
+    to: int
+    started: float
+    failures: int = 0
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """A service as kept: ``spec`` the latest one asked for (env included, defaults filled in)."""
+
+    id: str
+    tenant: str
+    name: str
+    user: str
+    spec: ServiceSpec
+    revision: int
+    serving: int
+    desired: int
+    restarts: int
+    rollout: RolloutRecord | None
+    created: str
+    updated: str
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """One replica: its sandbox, node and revision; ``pid`` of its command once started; ``restarts`` of its
+    slot; ``ever_healthy`` once a health check passed (a rollout counts replicas replaced before that)."""
+
+    sandbox: str
+    service: str
+    node: str
+    revision: int
+    pid: int | None
+    restarts: int
+    ever_healthy: bool
+    created: str
+
+
+_ROLLOUT = msgspec.json.Decoder(dict[str, Any])
+
+
+def _rollout_json(rollout: RolloutRecord | None) -> str | None:
+    return None if rollout is None else msgspec.json.encode(dataclasses.asdict(rollout)).decode()
+
+
+def _rollout_of(text: str | None) -> RolloutRecord | None:
+    return None if text is None else RolloutRecord(**_ROLLOUT.decode(text))
+
+
+class ServiceStore:
+    """The three tables and their in-memory copies."""
+
+    def __init__(self, store: Store, write: Writer) -> None:
+        self.store = store
+        self._write = write
+        self.services: dict[str, ServiceRecord] = {}
+        self.revisions: dict[tuple[str, int], ServiceSpec] = {}
+        self.replicas: dict[str, ReplicaRecord] = {}
+        rows = store.query(
+            "SELECT id, tenant, name, user, spec, revision, serving, desired, restarts, rollout, created, updated "
+            "FROM services"
+        )
+        for row in rows:
+            self.services[row[0]] = ServiceRecord(
+                id=row[0], tenant=row[1], name=row[2], user=row[3], spec=msgspec.json.decode(row[4], type=ServiceSpec),
+                revision=row[5], serving=row[6], desired=row[7], restarts=row[8], rollout=_rollout_of(row[9]),
+                created=row[10], updated=row[11],
+            )  # fmt: skip
+        for service, revision, spec in store.query("SELECT service, revision, spec FROM service_revisions"):
+            self.revisions[(service, revision)] = msgspec.json.decode(spec, type=ServiceSpec)
+        for row in store.query(
+            "SELECT sandbox, service, node, revision, pid, restarts, ever_healthy, created FROM service_replicas"
+        ):
+            self.replicas[row[0]] = ReplicaRecord(
+                sandbox=row[0], service=row[1], node=row[2], revision=row[3], pid=row[4], restarts=row[5],
+                ever_healthy=bool(row[6]), created=row[7],
+            )  # fmt: skip
+
+    def by_name(self, tenant: str, name: str) -> ServiceRecord | None:
+        for svc in list(self.services.values()):
+            if svc.tenant == tenant and svc.name == name:
+                return svc
+        return None
+
+    def replicas_of(self, service_id: str) -> list[ReplicaRecord]:
+        return [r for r in list(self.replicas.values()) if r.service == service_id]
+
+    @staticmethod
+    def _service_row(svc: ServiceRecord) -> tuple[str, tuple[Any, ...]]:
+        return (
+            ("INSERT OR REPLACE INTO services (id, tenant, name, user, spec, revision, serving, desired, restarts, "
+            "rollout, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"),
+            (svc.id, svc.tenant, svc.name, svc.user, msgspec.json.encode(svc.spec).decode(), svc.revision,
+             svc.serving, svc.desired, svc.restarts, _rollout_json(svc.rollout), svc.created, svc.updated),
+        )  # fmt: skip
+
+    async def put_service(self, svc: ServiceRecord, new_revision: ServiceSpec | None = None) -> None:
+        """Write ``svc`` (and the spec of its new revision ``svc.revision``)."""
+        statements = [self._service_row(svc)]
+        if new_revision is not None:
+            statements.append((
+                "INSERT OR REPLACE INTO service_revisions (service, revision, spec) VALUES (?,?,?)",
+                (svc.id, svc.revision, msgspec.json.encode(new_revision).decode()),
+            ))  # fmt: skip
+        await self._write(self.store.execute, statements)
+        self.services[svc.id] = svc
+        if new_revision is not None:
+            self.revisions[(svc.id, svc.revision)] = new_revision
+
+    async def forget_revisions_before(self, service_id: str, revision: int) -> None:
+        """Drop the specs of revisions older than ``revision`` (no replica runs them any more)."""
+        await self._write(self.store.execute, [(
+            "DELETE FROM service_revisions WHERE service = ? AND revision < ?", (service_id, revision)
+        )])  # fmt: skip
+        for key in [k for k in list(self.revisions) if k[0] == service_id and k[1] < revision]:
+            self.revisions.pop(key, None)
+
+    async def delete_service(self, service_id: str) -> None:
+        await self._write(self.store.execute, [
+            ("DELETE FROM services WHERE id = ?", (service_id,)),
+            ("DELETE FROM service_revisions WHERE service = ?", (service_id,)),
+            ("DELETE FROM service_replicas WHERE service = ?", (service_id,)),
+        ])  # fmt: skip
+        self.services.pop(service_id, None)
+        for key in [k for k in list(self.revisions) if k[0] == service_id]:
+            self.revisions.pop(key, None)
+        for sandbox in [r.sandbox for r in self.replicas_of(service_id)]:
+            self.replicas.pop(sandbox, None)
+
+    async def put_replica(self, rep: ReplicaRecord) -> None:
+        await self._write(self.store.execute, [(
+            ("INSERT OR REPLACE INTO service_replicas (sandbox, service, node, revision, pid, restarts, "
+            "ever_healthy, created) VALUES (?,?,?,?,?,?,?,?)"),
+            (rep.sandbox, rep.service, rep.node, rep.revision, rep.pid, rep.restarts, int(rep.ever_healthy),
+             rep.created),
+        )], False)  # fmt: skip
+        self.replicas[rep.sandbox] = rep
+
+    async def forget_replica(self, sandbox: str) -> None:
+        await self._write(
+            self.store.execute, [("DELETE FROM service_replicas WHERE sandbox = ?", (sandbox,))], False
+        )
+        self.replicas.pop(sandbox, None)
