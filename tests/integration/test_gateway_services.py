@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from gateway_harness import wait_for
-from services_world import SERVE, World, raw_upgrade, start_world
+from services_world import SERVE, World, raw_upgrade, start_world, world
 
 HEALTH = {"http": "/", "every_secs": 1, "failures": 2}
 
@@ -341,3 +341,19 @@ def test_changes_are_checked_and_a_hostile_replica_leaves_the_gateway_well(w: Wo
     assert w.gw.request("GET", "/v1/health").status == 200
     assert w.service("evil")["ready"] == 1
     gone(w, "evil")
+
+
+def test_a_rollout_that_outlasts_the_rollout_timeout_fails_and_the_old_revision_serves() -> None:
+    """A gateway of its own with --rollout-timeout 4s: a new revision that is neither healthy nor failing yet
+    (a health check every 10 s, three failures to be unhealthy) fails its rollout at the timeout."""
+    slow = {"http": "/", "every_secs": 10, "failures": 3}
+    with world(["--rollout-timeout", "4s"]) as w:
+        w.ok("POST", "/v1/services", web(replicas=1, health=slow, public=True), status=201)
+        first = w.wait_ready("web", 1)
+        w.ok("PUT", "/v1/services/web", web(replicas=1, health=slow, public=True, command=["sleep", "3600"]))
+        failed = wait_for(lambda: (s := w.service("web"))["rollout"]["state"] == "failed" and s, 60)
+        assert failed["rollout"]["reason"] == "the rollout did not finish within 4 s", failed["rollout"]
+        assert (failed["revision"], failed["serving"]) == (2, 1)
+        after = w.wait_ready("web", 1)
+        assert [r["sandbox"] for r in after["replicas"]] == [r["sandbox"] for r in first["replicas"]]
+        assert w.traffic("/svc/web--acme/", key=None).status == 200
