@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 
+from sbx.api import frames
 from sbx.api.codec import decode_answer, encode
 from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
+from sbx.api.files import DirListing
 from sbx.api.node import CordonRequest, NodeStatus
+from sbx.api.processes import Process, ProcessRequest, RunRequest, RunResult, SignalRequest
 from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
 from sbx.api.snapshots import Snapshot, SnapshotList
 from sbx.api.volumes import Volume, VolumeCreateRequest, VolumeList
@@ -204,6 +207,72 @@ class NodeClient:
         """``POST /v1/volumes``."""
         return await self._expect("POST", "/v1/volumes", Volume, request)
 
+    # -- processes, files and tunnels of one sandbox (what SSH sessions use) ------------------------
+
+    async def run(
+        self, sandbox_id: str, request: RunRequest, timeout_secs: float = CALL_TIMEOUT_SECS
+    ) -> RunResult:
+        """``POST /v1/sandboxes/{id}/run``: a command to completion."""
+        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/run", RunResult, request, timeout_secs)
+
+    async def start_process(self, sandbox_id: str, request: ProcessRequest) -> Process:
+        """``POST /v1/sandboxes/{id}/processes``: a background process (on a terminal with ``tty``)."""
+        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/processes", Process, request)
+
+    async def signal(
+        self, sandbox_id: str, pid: int, name: str, timeout_secs: float = CALL_TIMEOUT_SECS
+    ) -> None:
+        """``POST /v1/sandboxes/{id}/processes/{pid}/signal``: INT, TERM, KILL or HUP."""
+        path = f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal"
+        await self.call("POST", path, None, SignalRequest(name), timeout_secs)
+
+    async def attach(self, sandbox_id: str, pid: int) -> Upgraded:
+        """``GET .../processes/{pid}/attach`` switched to ``sbx-stream/1``; a refusal raises its error."""
+        return _opened(await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/processes/{pid}/attach",
+                                               frames.PROTOCOL))  # fmt: skip
+
+    async def tunnel(self, sandbox_id: str, port: int) -> Upgraded:
+        """``GET .../tunnel?port=N`` switched to ``sbx-tunnel/1``: a TCP connection to the guest's 127.0.0.1:N."""
+        return _opened(
+            await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/tunnel?port={port}", "sbx-tunnel/1")
+        )
+
+    async def list_dir(self, sandbox_id: str, path: str) -> DirListing:
+        """``GET /v1/sandboxes/{id}/dirs?path=``."""
+        return await self._expect("GET", _file_path(sandbox_id, "dirs", path), DirListing)
+
+    async def read_file(self, sandbox_id: str, path: str) -> aiohttp.ClientResponse:
+        """``GET /v1/sandboxes/{id}/files?path=``: the answer, its body not yet read (``content`` streams it;
+        release it when done). A node's refusal raises its error."""
+        try:
+            resp = await self.session.get(
+                self.url(_file_path(sandbox_id, "files", path)),
+                headers=self.auth_headers,
+                timeout=RELAY_TIMEOUT,
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        if resp.status >= 300:
+            try:
+                raise error_from_answer(resp.status, await resp.read())
+            finally:
+                resp.release()
+        return resp
+
+    async def write_file(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes]) -> None:
+        """``PUT /v1/sandboxes/{id}/files?path=`` with the body streamed from ``chunks`` (at most 64 MiB)."""
+        headers = {**self.auth_headers, "Content-Type": "application/octet-stream"}
+        try:
+            async with self.session.put(
+                self.url(_file_path(sandbox_id, "files", path)), data=chunks, headers=headers, timeout=RELAY_TIMEOUT
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        if status >= 300:
+            raise error_from_answer(status, raw)
+
     # -- the relay's primitives --------------------------------------------------------------------
 
     def request(
@@ -245,6 +314,17 @@ class NodeClient:
                     raise
         except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise BadGateway(f"node {self.name} did not answer the upgrade: {describe(exc)}") from exc
+
+
+def _file_path(sandbox_id: str, what: str, path: str) -> str:
+    return f"/v1/sandboxes/{sandbox_id}/{what}?path={quote(path, safe='/')}"
+
+
+def _opened(answer: Upgraded | Refusal) -> Upgraded:
+    """The stream of an upgrade, or the node's refusal raised as its error."""
+    if isinstance(answer, Refusal):
+        raise error_from_answer(answer.status, answer.body)
+    return answer
 
 
 def read_token_file(path: str | None) -> str | None:
