@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sbx.api.errors import SandboxError, Unavailable
 from sbx.api.node import Resources
@@ -31,6 +31,9 @@ from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenReques
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
+
+if TYPE_CHECKING:
+    from sbx.gateway.ssh.server import SshServer
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ class Gateway:
         self.sandboxes = Sandboxes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
         self.watchers: list[AccessWatcher] = []
+        #: The SSH server, while one is served (``--ssh-listen``).
+        self.ssh: SshServer | None = None
         self.snapshots = Snapshots(self)
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
