@@ -194,23 +194,33 @@ async def open_for_write(
     """A writer of ``path`` after the checks ``open(2)`` makes: the parent is a directory, a file that must not
     exist does not, one that must does, and it is not a directory. A symlink is written through."""
     parent = posixpath.dirname(path) or "/"
+    # The parent's and the file's attributes, then whether each is writable (w or r).
     script = (
-        'find -L "$1" -maxdepth 0 -printf "$3" && { find "$2" -maxdepth 0 -printf "$3" 2>/dev/null || :; }'
+        'find -L "$1" -maxdepth 0 -printf "$3" || exit 1; find "$2" -maxdepth 0 -printf "$3" 2>/dev/null; '
+        '[ -w "$1" ] && printf w || printf r; [ -w "$2" ] && printf w || printf r'
     )
-    found = parse_records(await fs.command(["sh", "-c", script, "sh", parent, path, FIND_FORMAT]))
+    out = await fs.command(["sh", "-c", script, "sh", parent, path, FIND_FORMAT])
+    records, _, flags = out.rpartition(b"\0")
+    found = parse_records(records)
     if not found or not stat.S_ISDIR(found[0].mode):
         raise GuestError(errno.ENOTDIR, f"{parent}: Not a directory")
+    parent_writable, file_writable = flags[:1] == b"w", flags[1:2] == b"w"
     if len(found) < 2:
         if not create:
             raise GuestError(errno.ENOENT, f"{path}: No such file or directory")
+        if not parent_writable:
+            raise GuestError(errno.EACCES, f"{path}: Permission denied")
         return Writer(fs, path, fresh=True, append=append, restore_mode=permissions)
     attrs = found[1]
-    kind = stat.S_IFMT(attrs.mode)
     if exclusive:
         raise GuestError(errno.EEXIST, f"{path}: File exists")
-    if kind == stat.S_IFDIR:
+    if stat.S_ISDIR(attrs.mode):
         raise GuestError(errno.EISDIR, f"{path}: Is a directory")
-    if truncate and kind == stat.S_IFLNK:  # a PUT would replace the link itself: truncate what it points to
+    if not file_writable:
+        raise GuestError(errno.EACCES, f"{path}: Permission denied")
+    if truncate and (stat.S_ISLNK(attrs.mode) or not parent_writable):
+        # A PUT replaces the file through a new one beside it: a link would be replaced, not written through,
+        # and an unwritable directory takes no new file. Truncate in place instead, then write in place.
         await fs.command(["truncate", "-s", "0", "--", path])
         truncate = False
     mode = attrs.mode & 0o7777 if truncate else None

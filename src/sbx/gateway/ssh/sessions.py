@@ -4,7 +4,8 @@ Each session starts one process through the node's API (``POST .../processes``, 
 asked for a PTY) and attaches to it (``sbx-stream/1``): the channel's bytes become ``i`` frames, its EOF an
 ``e`` frame, window changes ``r`` frames and the client's INT, TERM, KILL or HUP signal requests ``s`` frames;
 the process's ``o`` and ``E`` frames become the channel's stdout and stderr, and its ``x`` frame the exit status
-(a process killed by a signal is reported as that signal, as sshd does).
+(as the node reports it: a process killed by signal N exits 128+N; a negative code, which the frame format
+allows for a death by signal, is reported as that signal).
 
 - A shell is a login shell, bash when the image has it, else sh (what ``sandbox-cli shell`` runs).
 - ``ssh host COMMAND`` runs ``bash -c COMMAND`` (sh when there is no bash), as sshd runs the user's shell.
