@@ -23,7 +23,6 @@ import aiohttp
 from sbx.api import frames
 from sbx.api.codec import decode_answer, encode
 from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
-from sbx.api.files import DirListing
 from sbx.api.node import CordonRequest, NodeStatus
 from sbx.api.processes import Process, ProcessRequest, RunRequest, RunResult, SignalRequest
 from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
@@ -236,10 +235,6 @@ class NodeClient:
         return _opened(
             await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/tunnel?port={port}", "sbx-tunnel/1")
         )
-
-    async def list_dir(self, sandbox_id: str, path: str) -> DirListing:
-        """``GET /v1/sandboxes/{id}/dirs?path=``."""
-        return await self._expect("GET", _file_path(sandbox_id, "dirs", path), DirListing)
 
     async def read_file(self, sandbox_id: str, path: str) -> aiohttp.ClientResponse:
         """``GET /v1/sandboxes/{id}/files?path=``: the answer, its body not yet read (``content`` streams it;

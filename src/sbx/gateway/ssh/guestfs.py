@@ -129,6 +129,8 @@ def node_error(exc: SandboxError, path: str) -> GuestError:
     if isinstance(exc, Refused):
         return GuestError(errno.EACCES, message)
     if isinstance(exc, Conflict):
+        if " exists" in message:  # "PATH exists and is not a directory"
+            return GuestError(errno.EEXIST, message)
         for text, code in _MESSAGES:
             if text.lower() in message.lower():
                 return GuestError(code, message)

@@ -4,8 +4,9 @@
 SFTP reads and writes name an offset each; clients send them in order (OpenSSH's ``sftp`` and ``scp`` keep up
 to 64 requests in flight, in increasing offsets, and the server answers them one at a time), so:
 
-- **Reads** are served from a stream of the whole file, opened with the file. A read at an offset behind the
-  stream, or more than :data:`SKIP_AHEAD_BYTES` ahead of it, is served on its own by ``dd`` (random access).
+- **Reads** are served from a stream of the whole file, opened with the file; a read ahead of the stream (a
+  resumed download) skips forward in it. A read behind the stream, or more than :data:`SKIP_AHEAD_BYTES` ahead
+  of it, is served on its own by ``dd`` (random access: one command per read).
 - **Writes** to a file that is new or opened with truncation, from offset 0 on, stream into one ``PUT``: an
   upload is one request, whatever its size up to the node's 64 MiB body cap. Past the cap, and for any write
   that does not continue the last one (or to a file opened without truncation, or in append mode), a ``dd`` is
@@ -29,8 +30,11 @@ import aiohttp
 from sbx.gateway.ssh.guestfs import FIND_FORMAT, DdWriter, GuestError, GuestFs, SetAttrs, parse_records
 from sbx.web.http import FILE_BODY_CAP
 
-#: A read this far ahead of the stream skips forward in it; farther, it is a ``dd`` of its own.
-SKIP_AHEAD_BYTES = 1 << 20
+#: A read at most this far ahead of the stream skips forward in it (a resumed download); farther, or behind
+#: it, it is a ``dd`` of its own.
+SKIP_AHEAD_BYTES = 64 << 20
+#: Bytes read from the stream at once.
+_CHUNK_BYTES = 1 << 20
 #: Bytes a ``PUT`` takes at most (the node's body cap); the rest of a longer upload goes through ``dd``.
 PUT_CAP_BYTES = FILE_BODY_CAP
 #: Chunks queued for a ``PUT`` before a write waits for the node to take them.
@@ -56,24 +60,35 @@ class Reader:
 
     async def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``offset``; ``b""`` at or past the end."""
-        if self._resp is None or not self._pos <= offset <= self._pos + len(self._buf) + SKIP_AHEAD_BYTES:
+        end = self._pos + len(self._buf)
+        if self._resp is None or not self._pos <= offset <= end + SKIP_AHEAD_BYTES:
             return await self.fs.read_range(self.path, offset, size)
-        want = offset - self._pos + size
         try:
-            while len(self._buf) < want and not self._eof:
-                chunk = await self._resp.content.read(max(want - len(self._buf), 64 * 1024))
-                if not chunk:
-                    self._eof = True
-                self._buf += chunk
+            while self._pos + len(self._buf) < offset and not self._eof:  # skip ahead, keeping nothing
+                self._pos += len(self._buf)
+                self._buf.clear()
+                await self._fill(offset - self._pos)
+            skip = min(offset - self._pos, len(self._buf))
+            del self._buf[:skip]
+            self._pos += skip
+            while len(self._buf) < size and not self._eof:
+                await self._fill(size - len(self._buf))
         except (aiohttp.ClientError, OSError) as exc:
             raise GuestError(errno.EIO, f"the read of {self.path} stopped: {exc}") from None
-        skip = min(offset - self._pos, len(self._buf))
-        del self._buf[:skip]
-        self._pos += skip
+        if self._pos < offset:  # past the end
+            return b""
         data = bytes(self._buf[:size])
         del self._buf[: len(data)]
         self._pos += len(data)
         return data
+
+    async def _fill(self, wanted: int) -> None:
+        """Read one chunk of the stream (at most ``_CHUNK_BYTES``) into the buffer."""
+        assert self._resp is not None
+        chunk = await self._resp.content.read(min(max(wanted, 64 * 1024), _CHUNK_BYTES))
+        if not chunk:
+            self._eof = True
+        self._buf += chunk
 
     def close(self) -> None:
         if self._resp is not None:
@@ -95,6 +110,9 @@ class _Put:
 
     async def _offer(self, item: bytes | None) -> None:
         """Queue ``item`` unless the PUT ended (then its error is raised)."""
+        if self._task.done():
+            await self._task  # raises the node's refusal
+            raise GuestError(errno.EIO, "the upload ended early")
         put = asyncio.create_task(self._queue.put(item))
         await asyncio.wait({put, self._task}, return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
@@ -135,7 +153,7 @@ class Writer:
         while view:
             segment = self._segment
             if segment is not None and (self.append or offset == self._end):
-                room = len(view) if isinstance(segment, DdWriter) else PUT_CAP_BYTES - segment.sent
+                room = PUT_CAP_BYTES - segment.sent if isinstance(segment, _Put) else len(view)
                 if room > 0:
                     part = bytes(view[:room])
                     await segment.write(part)

@@ -34,7 +34,7 @@ from sbx.api.ssh import SshInfo
 from sbx.gateway.ssh import auth
 from sbx.gateway.ssh.forwarding import Forward, check_destination
 from sbx.gateway.ssh.hostkeys import HostKeys
-from sbx.gateway.ssh.keys import is_token
+from sbx.gateway.ssh.keys import fingerprint, is_token
 from sbx.gateway.ssh.sessions import Session
 from sbx.gateway.ssh.sftp import SandboxSftp
 
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 DEFAULT_LOGIN_TIMEOUT_SECS = 30.0
 #: Connections logging in at once, at most; one more closes the oldest.
 MAX_UNAUTHENTICATED = 64
+#: Shell and command sessions open at once on one connection (sshd's MaxSessions); each runs a process.
+MAX_SESSIONS = 10
+#: Forwarded connections open at once on one connection; each holds a tunnel to the node.
+MAX_FORWARDS = 64
 #: Seconds between keepalives to a silent client; three unanswered close the connection.
 KEEPALIVE_SECS = 30.0
 #: Seconds a revoked or stopping connection's processes and channels get to end.
@@ -111,6 +115,8 @@ class SshServer:
     def _session(self, process: asyncssh.SSHServerProcess[bytes]) -> Awaitable[None]:
         conn = _owner(process.channel)
         session = Session(conn, process)
+        if len(conn.sessions) >= MAX_SESSIONS:
+            return session.refuse(f"at most {MAX_SESSIONS} sessions may be open on one connection")
         conn.sessions.add(session)
 
         async def serve() -> None:
@@ -124,6 +130,7 @@ class SshServer:
     def _sftp(self, chan: asyncssh.SSHServerChannel[bytes]) -> SandboxSftp:
         conn = _owner(chan)
         sftp = SandboxSftp(conn, chan)
+        conn.file_sessions.add(sftp)
         conn.audit_session("scp" if chan.get_command() else "sftp")
         return sftp
 
@@ -153,7 +160,7 @@ class SshServer:
     def counts(self) -> tuple[int, int]:
         """(open connections, open sessions) for the metrics."""
         connections = list(self.connections)
-        return len(connections), sum(len(c.sessions) for c in connections)
+        return len(connections), sum(len(c.sessions) + len(c.file_sessions) for c in connections)
 
     # -- revocation ----------------------------------------------------------------------------
 
@@ -194,6 +201,8 @@ class SshConnection(asyncssh.SSHServer):
         #: Set once the client has logged in.
         self.login: auth.Login | None = None
         self.sessions: set[Session] = set()
+        #: sftp and scp sessions (no process of their own: each operation is a short one).
+        self.file_sessions: set[SandboxSftp] = set()
         self.forwards: set[Forward] = set()
         self._candidate: auth.Login | None = None
         self._refusal: auth.LoginRefused | None = None
@@ -216,9 +225,7 @@ class SshConnection(asyncssh.SSHServer):
             if self._refused_credential is not None:
                 self.server.gw.record_audit(kind="ssh", type="ssh.login", key_id=self._refused_credential,
                                             result="refused", reason=reason)  # fmt: skip
-        for session in list(self.sessions):
-            asyncio.get_running_loop().create_task(session.hangup())
-        self._closed.set()
+        self._closed.set()  # each session hangs its process up as its channel closes
 
     def begin_auth(self, username: str) -> bool:
         self._tried = True
@@ -241,7 +248,8 @@ class SshConnection(asyncssh.SSHServer):
                 self.server.gw.store, self.server.gw.sandboxes, username, key.public_data
             )
         except auth.LoginRefused as refusal:
-            known = [k.id for k in self.server.gw.store.ssh_keys.values() if k.fingerprint == _fp(key)]
+            found = fingerprint(key.public_data)
+            known = [k.id for k in list(self.server.gw.store.ssh_keys.values()) if k.fingerprint == found]
             self._refuse(refusal, known[0] if known else None)
             return False
         self._candidate = login  # asyncssh checks the signature next; success follows only for this key
@@ -263,6 +271,10 @@ class SshConnection(asyncssh.SSHServer):
         self, dest_host: str, dest_port: int, orig_host: str, orig_port: int
     ) -> Awaitable[Any]:
         check_destination(dest_host, dest_port)
+        if len(self.forwards) >= MAX_FORWARDS:
+            raise asyncssh.ChannelOpenError(
+                asyncssh.OPEN_RESOURCE_SHORTAGE, f"at most {MAX_FORWARDS} forwarded connections at once"
+            )
         return Forward(self, dest_port).open()
 
     def server_requested(self, listen_host: str, listen_port: int) -> bool:
@@ -321,9 +333,3 @@ def _owner(chan: asyncssh.SSHServerChannel[bytes]) -> SshConnection:
     owner = chan.get_connection().get_owner()
     assert isinstance(owner, SshConnection)
     return owner
-
-
-def _fp(key: asyncssh.SSHKey) -> str:
-    from sbx.gateway.ssh.keys import fingerprint
-
-    return fingerprint(key.public_data)

@@ -186,6 +186,10 @@ class Session:
             writer.write(frames.encode_chunks(frames.STDIN, data))
             await writer.drain()
 
+    async def refuse(self, message: str) -> None:
+        """End the channel at once with ``message`` (no process is started)."""
+        self._fail(message)
+
     def _finish(self, exit_code: int | None) -> None:
         process = self.process
         if exit_code is None:

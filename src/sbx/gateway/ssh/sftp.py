@@ -273,6 +273,7 @@ class SandboxSftp(asyncssh.SFTPServer):
         """The session ended (asyncssh has closed every handle still open): report exit status 0, as sshd does
         when its sftp-server exits; scp in its sftp mode fails without one. (The legacy scp server has already
         reported its own.)"""
+        self.conn.file_sessions.discard(self)
         with contextlib.suppress(OSError):
             self.channel.exit(0)
 
