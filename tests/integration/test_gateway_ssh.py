@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import struct
 import subprocess
+import sys
 import tempfile
 import termios
 import time
@@ -47,6 +48,8 @@ class World:
     #: Sandbox ids by name.
     boxes: dict[str, str]
     metrics_port: int
+    #: The gateway's GET /v1/ssh answer.
+    ssh_info: dict[str, Any]
 
     def api(self, method: str, path: str, body: Any = None, key: str = "alice") -> Any:
         return self.gw.request(method, path, body, key=self.keys[key])
@@ -107,7 +110,7 @@ def world() -> Iterator[World]:
         client = SshClient(workdir, "127.0.0.1", info["port"], info["host_keys"])
         ids = {name: keygen(workdir / "keys", name, "ed25519")
                for name in ("alice", "alice_box", "bob", "spare", "stranger")}  # fmt: skip
-        world = World(workdir, node, gw, client, keys, ids, {}, metrics_port)
+        world = World(workdir, node, gw, client, keys, ids, {}, metrics_port, info)
         for owner, name in (("alice", "box"), ("alice", "other"), ("bob", "bobs")):
             world.boxes[name] = gw.create(keys[owner], name=name)["id"]
         world.register("alice")
@@ -344,6 +347,52 @@ def test_scp_50_mb_both_ways_with_checksums(world: World) -> None:
         assert hashlib.sha256(back.read_bytes()).hexdigest() == digest
         back.unlink()
     world.run("box", "rm -f /tmp/scp-*.bin")
+
+
+def test_sftp_past_the_put_cap_and_resumed_transfers(world: World) -> None:
+    data = os.urandom(70 * 1024 * 1024 + 17)  # past the node's 64 MiB PUT body: the rest goes through dd
+    digest = hashlib.sha256(data).hexdigest()
+    local = world.workdir / "big70.bin"
+    local.write_bytes(data)
+    done = world.ssh.sftp("box", f"put {local} /tmp/big70\n", identity=world.ids["alice"])
+    assert done.returncode == 0, done.stderr
+    assert world.run("box", "sha256sum /tmp/big70")["stdout"].split()[0] == digest
+    world.run("box", "head -c 10485760 /tmp/big70 > /tmp/part70")  # an upload cut at 10 MiB, resumed
+    done = world.ssh.sftp("box", f"reput {local} /tmp/part70\n", identity=world.ids["alice"])
+    assert done.returncode == 0, done.stderr
+    assert world.run("box", "sha256sum /tmp/part70")["stdout"].split()[0] == digest
+    partial = world.workdir / "part70.bin"
+    partial.write_bytes(data[: 20 * 1024 * 1024])  # a download cut at 20 MiB, resumed
+    done = world.ssh.sftp("box", f"reget /tmp/big70 {partial}\n", identity=world.ids["alice"])
+    assert done.returncode == 0, done.stderr
+    assert hashlib.sha256(partial.read_bytes()).hexdigest() == digest
+    world.run("box", "rm -f /tmp/big70 /tmp/part70")
+    local.unlink()
+    partial.unlink()
+
+
+def test_sandbox_cli_ssh(world: World) -> None:
+    env = {
+        **os.environ,
+        "SANDBOX_URL": f"http://127.0.0.1:{world.gw.port}",
+        "SANDBOX_TOKEN": world.keys["alice"],
+    }
+    cli = [sys.executable, "-m", "sbx.cli.main"]
+    done = subprocess.run([*cli, "ssh", "box", "--", "echo", "hi;", "exit", "4"], env=env, capture_output=True,
+                          stdin=subprocess.DEVNULL, timeout=60, check=False)  # fmt: skip
+    assert (done.returncode, done.stdout) == (4, b"hi\n"), done.stderr
+    shown = subprocess.run(
+        [*cli, "--json", "ssh", "box"], env=env, capture_output=True, timeout=60, check=True
+    )
+    answer = json.loads(shown.stdout)
+    assert (
+        answer["access"]["user"].startswith("sgt_")
+        and answer["info"]["host_keys"] == world.ssh_info["host_keys"]
+    )
+    missing = subprocess.run(
+        [*cli, "ssh", "nope"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (missing.returncode, missing.stderr.strip()) == (1, "not_found: no sandbox 'nope' among yours")
 
 
 def test_sftp_lists_and_changes_files_as_the_sandbox_user(world: World) -> None:

@@ -1,12 +1,12 @@
 """``sandbox-cli``: the command line of the sandbox service, over the async SDK.
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
-``shell``, ``files`` (cp), ``forward``, ``node`` (node, capabilities, events), ``images``, ``state``
-(suspend, resume, snapshot, snapshots, volumes), ``gateway``.
+``shell``, ``ssh`` (through a gateway's SSH server), ``files`` (cp), ``forward``, ``node`` (node, capabilities,
+events), ``images``, ``state`` (suspend, resume, snapshot, snapshots, volumes), ``gateway``.
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
 Errors are printed as ``code: message`` on stderr. Exit status: 0 on success, 1 for a failed
-request (including an unreachable server), 2 for bad usage; ``run``, ``exec`` and ``shell``
+request (including an unreachable server), 2 for bad usage; ``run``, ``exec``, ``shell`` and ``ssh``
 exit with the command's own status.
 """
 
@@ -17,7 +17,7 @@ import sys
 import click
 
 from sbx.api.errors import InvalidRequest
-from sbx.cli import files, forward, gateway, images, network, node, processes, sandboxes, shell, state
+from sbx.cli import files, forward, gateway, images, network, node, processes, sandboxes, shell, ssh, state
 from sbx.cli._common import Options
 from sbx.client import resolve_endpoint
 
@@ -50,6 +50,7 @@ for command in (
     processes.run,
     processes.exec_,
     shell.shell,
+    ssh.ssh,
     files.cp,
     forward.forward,
     node.events,

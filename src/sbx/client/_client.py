@@ -22,6 +22,7 @@ from sbx.client._admin import Admin
 from sbx.client._endpoint import Params, resolve_endpoint
 from sbx.client._images import Images
 from sbx.client._sandbox import Sandboxes
+from sbx.client._ssh import Ssh
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
 from sbx.client._upgrade import Upgraded
@@ -38,7 +39,8 @@ class AsyncClient:
     connected). ``transport`` replaces the network (tests).
 
     Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``,
-    ``client.volumes`` and, on a gateway, ``client.admin``. Answers are the wire types of ``sbx.api``.
+    ``client.volumes`` and, on a gateway, ``client.admin`` and ``client.ssh``. Answers are the wire types of
+    ``sbx.api``.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class AsyncClient:
         self.snapshots = Snapshots(self)
         self.volumes = Volumes(self)
         self.admin = Admin(self)
+        self.ssh = Ssh(self)
 
     async def __aenter__(self) -> Self:
         return self
