@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncssh
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
 from sandboxd_harness import Sandboxd, free_port
@@ -283,6 +284,34 @@ def test_pty_shell_follows_the_window_and_exits_with_its_status(world: World) ->
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def test_a_shell_without_a_terminal_reads_commands_from_stdin(world: World) -> None:
+    done = world.ssh.ssh("box", identity=world.ids["alice"], extra=["-T"], input=b"echo from-stdin\nexit 6\n")
+    assert (done.returncode, done.stdout) == (6, b"from-stdin\n")
+
+
+async def test_signals_subsystems_and_the_session_cap(world: World) -> None:
+    # OpenSSH's client sends no signals and opens one session per connection: asyncssh's client does both.
+    async with asyncssh.connect(
+        "127.0.0.1", world.ssh.port, username="box", client_keys=[str(world.ids["alice"])],
+        known_hosts=str(world.ssh.known_hosts), agent_path=None, config=None,
+    ) as conn:  # fmt: skip
+        proc = await conn.create_process("echo up; exec sleep 1007", encoding=None)
+        assert await proc.stdout.readline() == b"up\n"
+        proc.send_signal("TERM")
+        assert (await proc.wait(timeout=30)).exit_status == 128 + signal.SIGTERM
+        other = await conn.run(subsystem="foo", encoding=None, timeout=30)
+        assert (
+            other.exit_status == 1 and b"the subsystem 'foo' is not offered here; only sftp" in other.stderr
+        )
+        held = [await conn.create_process("exec sleep 1008", encoding=None) for _ in range(10)]
+        refused = await conn.run("echo eleventh", encoding=None, timeout=30)
+        assert refused.exit_status == 255 and refused.stdout == b""
+        assert b"at most 10 sessions may be open on one connection" in refused.stderr
+        for held_proc in held:
+            held_proc.close()
+    wait_for(lambda: not _sleeping(world, world.boxes["box"], "1008"), timeout_secs=15)
 
 
 def test_environment_is_limited_to_safe_names(world: World) -> None:
