@@ -146,7 +146,8 @@ def gateway(gateway_node: Target, tmp_path_factory: pytest.TempPathFactory) -> I
     workdir = tmp_path_factory.mktemp("fuzz-gateway", numbered=True)
     token_file = workdir / "node-token"
     token_file.write_text(node.token)
-    gw = GatewayProcess(workdir, [])
+    # SSH served (on loopback), so its endpoints take the fuzzed key lines and tokens, not only 404 unsupported.
+    gw = GatewayProcess(workdir, [], ["--ssh-listen", f"127.0.0.1:{free_port()}"])
     gw.node_file.write_text(
         f'[[node]]\nname = "n1"\nendpoint = "{node.base_url}"\ntoken_file = "{token_file}"\n',
         encoding="utf-8",
