@@ -487,7 +487,8 @@ def _open_session(world: World, user: str, identity: str, marker: str) -> subpro
 
 
 def _sleeping(world: World, box: str, marker: str) -> bool:
-    return f"sleep {marker}" in world.run(box, "ps -eo args")["stdout"]
+    """Whether ``sleep MARKER`` runs in ``box`` (asked of the node: the sandbox may be another gateway's)."""
+    return f"sleep {marker}".encode() in world.node.run(box, ["ps", "-eo", "args"])["stdout"]
 
 
 def test_revocation_cuts_an_open_session_before_the_call_returns(world: World) -> None:
@@ -517,6 +518,64 @@ def test_revocation_cuts_an_open_session_before_the_call_returns(world: World) -
     assert all(e["fingerprint"].startswith("SHA256:") for e in entries)
     other.terminate()
     other.wait(timeout=30)
+
+
+def test_removing_an_org_member_cuts_their_sessions_in_the_org(world: World) -> None:
+    frank, _ = user_with_key(world, "frank", *ALL, "org:create")
+    erin, _ = user_with_key(world, "erin", *ALL)
+    assert world.gw.request("POST", "/v1/orgs", {"name": "sshorg"}, key=frank).status == 201
+    added = world.gw.request("POST", "/v1/orgs/sshorg/members", {"user": "erin"}, key=frank)
+    assert added.status == 201, added.body
+    in_org = {"X-Sandbox-Org": "sshorg"}
+    box = world.gw.request("POST", "/v1/sandboxes", {"name": "orgbox"}, key=erin, headers=in_org).json()["id"]
+    own = world.gw.request("POST", "/v1/sandboxes", {"name": "erins"}, key=erin).json()["id"]
+    erin_id = world.identity("erin")
+    for headers in (in_org, {}):
+        resp = world.gw.request(
+            "POST", "/v1/ssh-keys", {"key": public_line(erin_id)}, key=erin, headers=headers
+        )
+        assert resp.status == 201, resp.body
+    with pytest.raises(AssertionError):  # the key of the org's tenant reaches the org's sandboxes only
+        world.register("erin", key="alice")
+    in_the_org = _open_session(world, "orgbox", "erin", "1009")
+    at_home = world.ssh.popen("erins", "echo started; exec sleep 1010", identity=erin_id, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert at_home.stdout is not None and at_home.stdout.readline() == b"started\n"
+    resp = world.gw.request("DELETE", "/v1/orgs/sshorg/members/erin?tenant=acme", key=frank)
+    assert resp.status == 204, resp.body
+    in_the_org.wait(timeout=5)
+    wait_for(lambda: not _sleeping(world, box, "1009"), timeout_secs=10)
+    assert at_home.poll() is None and _sleeping(world, own, "1010")
+    at_home.terminate()
+    at_home.wait(timeout=30)
+
+
+def test_a_gateway_stop_hangs_up_and_a_restart_keeps_the_host_keys(world: World) -> None:
+    workdir = world.workdir / "gw2"
+    workdir.mkdir()
+    port = free_port()
+    gw = GatewayProcess(workdir, [("n1", world.node)], [*FAST_ARGS, "--ssh-listen", f"127.0.0.1:{port}"])
+    key = gw.create_key("gina", *ALL)
+    gw.start()
+    try:
+        box = gw.create(key, name="ginas")["id"]
+        ident = world.identity("gina")
+        assert gw.request("POST", "/v1/ssh-keys", {"key": public_line(ident)}, key=key).status == 201
+        info = gw.request("GET", "/v1/ssh", key=key).json()
+        client = SshClient(workdir, "127.0.0.1", port, info["host_keys"])
+        session = client.popen("ginas", "echo started; exec sleep 1011", identity=ident, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        assert session.stdout is not None and session.stdout.readline() == b"started\n"
+        started = time.monotonic()
+        gw.stop()
+        assert session.wait(timeout=15) == 255 and time.monotonic() - started < 15
+        wait_for(lambda: not _sleeping(world, box, "1011"), timeout_secs=10)
+        gw.start()
+        assert gw.request("GET", "/v1/ssh", key=key).json() == info
+        again = client.ssh("ginas", "echo back", identity=ident)  # the known_hosts written before still holds
+        assert (again.returncode, again.stdout) == (0, b"back\n"), again.stderr
+    finally:
+        gw.stop()
 
 
 def test_deleting_an_ssh_key_closes_only_the_connections_it_logged_in(world: World) -> None:
@@ -653,7 +712,7 @@ def test_key_conflicts_and_sandbox_resolution(world: World) -> None:
     again = world.api("POST", "/v1/ssh-keys", {"key": alice})
     assert (again.status, again.error[0]) == (409, "conflict")
     assert again.error[1].startswith(
-        f"the key {fp} is already registered for every sandbox of yours (as ssh_"
+        f"the key {fp} is already registered for every sandbox of yours in this tenant (as ssh_"
     )
     bobs = world.api("POST", "/v1/ssh-keys", {"key": alice}, key="bob")
     assert (bobs.status, bobs.error) == (409, ("conflict", (f"the key {fp} is registered by another user: each key "

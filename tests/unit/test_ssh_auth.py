@@ -15,7 +15,7 @@ from sbx.gateway.metrics import SSH_AUTH_FAILURE_REASONS
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.ssh import auth
 from sbx.gateway.ssh.keys import fingerprint, hash_token
-from sbx.gateway.state import SandboxRecord, SshKeyRecord, SshTokenRecord, Store
+from sbx.gateway.state import MemberRecord, OrgRecord, SandboxRecord, SshKeyRecord, SshTokenRecord, Store
 
 NOW = 1_800_000_000.0
 
@@ -51,7 +51,7 @@ def store(tmp_path: Path) -> Store:
         ("ssh_root", "root", "", _ROOT, None),
         ("ssh_nora", "nora", "acme", _NORA, None),
     ]:
-        s.add_ssh_key(SshKeyRecord(kid, user, tenant, fingerprint(blob), "k", sandbox, "t"))
+        s.add_ssh_key(SshKeyRecord(kid, user, tenant, tenant, fingerprint(blob), "k", sandbox, "t"))
     for token, user, tenant, sandbox, expires in [
         ("sgt_alice", "alice", "acme", "sbx_a1", NOW + 60),
         ("sgt_old", "alice", "acme", "sbx_a1", NOW - 1),
@@ -95,6 +95,34 @@ def test_key_logins(store: Store, blob: bytes, username: str, expected: Any) -> 
     login = auth.login_by_key(store, _sandboxes(store), username, blob)
     assert (login.user, login.sandbox.id, login.key_id) == expected
     assert login.fingerprint == fingerprint(blob) and login.credential == expected[2]
+
+
+def test_one_key_for_the_own_tenant_and_an_organisation(store: Store) -> None:
+    both = _blob()
+    store.add_org(
+        OrgRecord("rocket", "t", "alice", "acme"), MemberRecord("rocket", "alice", "acme", "owner", "t")
+    )
+    for sid, name in [("sbx_r1", "box"), ("sbx_r2", "orgonly")]:
+        store.put_sandbox(SandboxRecord(sid, "alice", "rocket", "n1", name, 1, 512, "2026-01-01T00:00:00Z"))
+    for kid, tenant in [("ssh_home", "acme"), ("ssh_org", "rocket")]:
+        store.add_ssh_key(SshKeyRecord(kid, "alice", "acme", tenant, fingerprint(both), "k", None, "t"))
+    sandboxes = _sandboxes(store)
+    org = auth.login_by_key(store, sandboxes, "orgonly", both)
+    assert (org.tenant, org.sandbox.id, org.key_id) == ("rocket", "sbx_r2", "ssh_org")
+    home = auth.login_by_key(store, sandboxes, "other", both)
+    assert (home.tenant, home.sandbox.id, home.key_id) == ("acme", "sbx_a2", "ssh_home")
+    with pytest.raises(auth.LoginRefused) as caught:
+        auth.login_by_key(store, sandboxes, "box", both)  # a name in both tenants: by id only
+    assert caught.value.reason == "wrong_sandbox" and "log in as the sandbox's id" in (
+        caught.value.message or ""
+    )
+    assert auth.login_by_key(store, sandboxes, "sbx_r1", both).tenant == "rocket"
+    store.remove_member("rocket", "alice")
+    assert not auth.still_allowed(store, org) and auth.still_allowed(store, home)
+    assert auth.login_by_key(store, sandboxes, "box", both).sandbox.id == "sbx_a1"  # no longer ambiguous
+    with pytest.raises(auth.LoginRefused) as caught:
+        auth.login_by_key(store, sandboxes, "orgonly", both)
+    assert caught.value.reason == "wrong_sandbox"
 
 
 def test_refusal_messages_say_no_more_than_the_name_asked_for(store: Store) -> None:

@@ -11,7 +11,9 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
     orgs        name, created, created_by, created_by_tenant
     members     org, user, tenant, role, added
     quotas      tenant, max_cpus, max_memory_mb, max_sandboxes   (NULL = no limit)
-    ssh_keys    id, user, tenant, fingerprint, key (the OpenSSH line), sandbox (NULL = any of the owner's), created
+    ssh_keys    id, user, home_tenant (the user's own: with user, who registered it), tenant (whose sandboxes it
+                reaches: the one the registration acted in), fingerprint, key (the OpenSSH line), sandbox (NULL =
+                any of that tenant's the user may reach), created
     ssh_tokens  token_sha256, user, tenant, sandbox, expires_at, created   (short-lived SSH logins)
 
 Later issues (services, jobs, secrets) add tables through new migrations.
@@ -81,8 +83,8 @@ MIGRATIONS: tuple[str, ...] = (
     # SSH keys and access tokens (docs/ssh.md).
     """
     CREATE TABLE ssh_keys (
-        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, fingerprint TEXT NOT NULL,
-        key TEXT NOT NULL, sandbox TEXT, created TEXT NOT NULL
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, home_tenant TEXT NOT NULL, tenant TEXT NOT NULL,
+        fingerprint TEXT NOT NULL, key TEXT NOT NULL, sandbox TEXT, created TEXT NOT NULL
     );
     CREATE INDEX ssh_keys_fingerprint ON ssh_keys (fingerprint);
     CREATE TABLE ssh_tokens (
@@ -202,10 +204,12 @@ class Quota:
 
 @dataclass(frozen=True)
 class SshKeyRecord:
-    """A registered SSH public key of (user, tenant); ``sandbox`` (an id) limits it to that sandbox."""
+    """A registered SSH public key: of ``user`` of ``home_tenant`` (a person), reaching the sandboxes of ``tenant``
+    (their own, or an organisation's); ``sandbox`` (an id) limits it to that sandbox."""
 
     id: str
     user: str
+    home_tenant: str
     tenant: str
     fingerprint: str
     key: str
@@ -329,7 +333,9 @@ class Store:
             self.members[(row[0], row[1])] = MemberRecord(*row)
         for row in c.execute("SELECT tenant, max_cpus, max_memory_mb, max_sandboxes FROM quotas"):
             self.quotas[row[0]] = Quota(row[1], row[2], row[3])
-        for row in c.execute("SELECT id, user, tenant, fingerprint, key, sandbox, created FROM ssh_keys"):
+        for row in c.execute(
+            "SELECT id, user, home_tenant, tenant, fingerprint, key, sandbox, created FROM ssh_keys"
+        ):
             self.ssh_keys[row[0]] = SshKeyRecord(*row)
         for row in c.execute(
             "SELECT token_sha256, user, tenant, sandbox, expires_at, created FROM ssh_tokens"
@@ -504,8 +510,18 @@ class Store:
 
     def add_ssh_key(self, key: SshKeyRecord) -> None:
         self._write(
-            "INSERT INTO ssh_keys (id, user, tenant, fingerprint, key, sandbox, created) VALUES (?,?,?,?,?,?,?)",
-            (key.id, key.user, key.tenant, key.fingerprint, key.key, key.sandbox, key.created),
+            "INSERT INTO ssh_keys (id, user, home_tenant, tenant, fingerprint, key, sandbox, created) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (
+                key.id,
+                key.user,
+                key.home_tenant,
+                key.tenant,
+                key.fingerprint,
+                key.key,
+                key.sandbox,
+                key.created,
+            ),
         )
         self.ssh_keys[key.id] = key
 

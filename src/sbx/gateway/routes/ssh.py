@@ -70,30 +70,29 @@ class SshRoutes:
         return json_response(record.wire(), status=201)
 
     def _new_key(self, principal: auth.Principal, parsed: ParsedKey, sandbox: str | None) -> SshKeyRecord:
-        """The record of a key being registered; 409 when another user has it, or the caller has it for the
-        same sandbox."""
+        """The record of a key being registered by the caller for the tenant they act in; 409 when another user
+        has it, or the caller has it for the same tenant and sandbox already."""
+        person = (principal.user, principal.key_tenant)
         for other in list(self.store.ssh_keys.values()):
             if other.fingerprint != parsed.fingerprint:
                 continue
-            if (other.user, other.tenant) != (principal.user, principal.tenant):
+            if (other.user, other.home_tenant) != person:
                 raise Conflict(f"the key {parsed.fingerprint} is registered by another user: each key belongs to "
                                "one user; make a key of your own (ssh-keygen -t ed25519)")  # fmt: skip
-            if other.sandbox == sandbox:
-                where = f"for sandbox {sandbox}" if sandbox else "for every sandbox of yours"
+            if other.tenant == principal.tenant and other.sandbox == sandbox:
+                where = f"for sandbox {sandbox}" if sandbox else "for every sandbox of yours in this tenant"
                 raise Conflict(f"the key {parsed.fingerprint} is already registered {where} (as {other.id})")
         return SshKeyRecord(
-            id=SSH_KEY_ID_PREFIX + secrets.token_hex(8), user=principal.user, tenant=principal.tenant,
-            fingerprint=parsed.fingerprint, key=parsed.line, sandbox=sandbox, created=now_rfc3339(),
+            id=SSH_KEY_ID_PREFIX + secrets.token_hex(8), user=principal.user, home_tenant=principal.key_tenant,
+            tenant=principal.tenant, fingerprint=parsed.fingerprint, key=parsed.line, sandbox=sandbox,
+            created=now_rfc3339(),
         )  # fmt: skip
 
     async def list_keys(self, request: web.Request) -> web.Response:
         self._served()
         principal = principal_of(request)
-        mine = [
-            k
-            for k in list(self.store.ssh_keys.values())
-            if (k.user, k.tenant) == (principal.user, principal.tenant)
-        ]
+        here = (principal.user, principal.key_tenant, principal.tenant)
+        mine = [k for k in list(self.store.ssh_keys.values()) if (k.user, k.home_tenant, k.tenant) == here]
         return json_response(SshKeyList([k.wire() for k in sorted(mine, key=lambda k: (k.created, k.id))]))
 
     async def delete_key(self, request: web.Request) -> web.Response:
@@ -102,7 +101,7 @@ class SshRoutes:
         key_id = request.match_info["id"]
         request[auth.TARGET_KEY] = key_id
         key = self.store.ssh_keys.get(key_id)
-        if key is None or (key.user, key.tenant) != (principal.user, principal.tenant):
+        if key is None or (key.user, key.home_tenant) != (principal.user, principal.key_tenant):
             raise NotFound(f"no SSH key {key_id!r} among yours: see GET /v1/ssh-keys")
         await self._remove(key_id)
         return web.Response(status=204)

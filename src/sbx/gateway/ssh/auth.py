@@ -2,9 +2,9 @@
 
 Two ways in:
 
-- **A registered key**: the SSH user name is a sandbox's id or name, looked up among the sandboxes of the
-  key's owner (the user and tenant that registered it; an owner holding an ``admin`` key in that tenant reaches
-  every sandbox, as through the API). A key registered with a ``sandbox`` reaches only that one.
+- **A registered key**: the SSH user name is a sandbox's id or name, looked up among the sandboxes the key's
+  owner has in each tenant they registered it for (their own, an organisation's; an owner holding an ``admin``
+  key reaches every sandbox, as through the API). A key registered with a ``sandbox`` reaches only that one.
 - **A token** (``sgt_...``) as the SSH user name, with no other credential: it names its sandbox and is good
   for logins until ``expires_at``.
 
@@ -87,25 +87,41 @@ def login_by_token(store: Store, sandboxes: Sandboxes, token: str, now: float | 
 
 
 def login_by_key(store: Store, sandboxes: Sandboxes, username: str, blob: bytes) -> Login:
-    """The login of key ``blob`` as ``username`` (a sandbox id or name); ``LoginRefused`` otherwise."""
+    """The login of key ``blob`` as ``username`` (a sandbox id or name); ``LoginRefused`` otherwise.
+
+    One key belongs to one person, who may have registered it for several tenants (their own, organisations):
+    the name is looked up in each tenant the key reaches and the person still has SSH access in. A name
+    matching sandboxes in several is refused (log in by id)."""
     found = fingerprint(blob)
     records = [k for k in list(store.ssh_keys.values()) if k.fingerprint == found]
     if not records or is_token(username):
         raise LoginRefused("unknown_key")
-    owner = records[0]  # one key has one owner: registering it for another is refused (409)
-    _check_access(store, owner.user, owner.tenant, found)
-    try:
-        sandbox = sandboxes.resolve(_principal(store, owner.user, owner.tenant), username)
-    except (NotFound, Conflict):
-        sandbox = None
-    chosen = _reaching(records, sandbox)
-    if sandbox is None or chosen is None:
+    user = records[0].user  # one person: registering it for another is refused (409)
+    allowed = sorted({r.tenant for r in records if has_access(store, user, r.tenant, SSH_SCOPE)})
+    if not allowed:
+        _check_access(store, user, records[0].tenant, found)
+    reached: dict[str, Login] = {}
+    for tenant in allowed:
+        try:
+            sandbox = sandboxes.resolve(_principal(store, user, tenant), username)
+        except (NotFound, Conflict):
+            continue
+        chosen = _reaching([r for r in records if r.tenant == tenant], sandbox)
+        if chosen is not None:
+            reached.setdefault(sandbox.id, Login(user, tenant, sandbox, chosen.id, found))
+    if len(reached) > 1:
+        raise LoginRefused(
+            "wrong_sandbox",
+            f"the name {username[:64]!r} matches sandboxes in several tenants the SSH key {found} is registered for: "
+            "log in as the sandbox's id",
+        )
+    if not reached:
         raise LoginRefused(
             "wrong_sandbox",
             f"the SSH key {found} reaches no sandbox {username[:64]!r}: log in as the id or name of a sandbox of "
             "yours the key is registered for (sandbox-cli ls lists them)",
         )
-    return Login(owner.user, owner.tenant, sandbox, chosen.id, found)
+    return next(iter(reached.values()))
 
 
 def still_allowed(store: Store, login: Login) -> bool:
@@ -133,10 +149,8 @@ def _principal(store: Store, user: str, tenant: str) -> Principal:
     return Principal(user=user, tenant=tenant, key_tenant=tenant, admin=admin)
 
 
-def _reaching(records: list[SshKeyRecord], sandbox: SandboxRecord | None) -> SshKeyRecord | None:
+def _reaching(records: list[SshKeyRecord], sandbox: SandboxRecord) -> SshKeyRecord | None:
     """The record of the key that reaches ``sandbox``: one registered for it, else one for any sandbox."""
-    if sandbox is None:
-        return None
     for record in records:
         if record.sandbox == sandbox.id:
             return record
