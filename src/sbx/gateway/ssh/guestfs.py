@@ -298,8 +298,9 @@ class GuestFs:
 
     async def read_range(self, path: str, offset: int, size: int) -> bytes:
         """``size`` bytes (fewer at the end) from ``offset``, by ``dd`` (a read out of order)."""
-        return await self.command(["dd", f"if={path}", f"skip={offset}", f"count={size}", "bs=64K",
-                                   "iflag=skip_bytes,count_bytes", "status=none"])  # fmt: skip
+        out = await self.command(["dd", f"if={path}", f"skip={offset}", f"count={size}", "bs=64K",
+                                  "iflag=skip_bytes,count_bytes", "status=none"])  # fmt: skip
+        return out[:size]  # what the guest's dd printed, never more than was asked
 
     async def put(self, path: str, chunks: AsyncIterable[bytes]) -> None:
         """Replace ``path`` with ``chunks`` (``PUT .../files``; at most the node's 64 MiB body cap)."""
