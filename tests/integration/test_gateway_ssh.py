@@ -737,9 +737,17 @@ def test_admin_ssh_keys(world: World) -> None:
     ]
     missing = world.api("GET", "/v1/admin/ssh-keys", key="admin")
     assert (missing.status, missing.error) == (400, ("invalid_request", "query parameter 'user' is required"))
+    bad = world.api("GET", "/v1/admin/ssh-keys?user=no%20such", key="admin")
+    assert (bad.status, bad.error[0]) == (400, "invalid_request") and bad.error[1].startswith(
+        "user must be 1 to 64"
+    )
     assert world.api("GET", "/v1/admin/ssh-keys?user=bob", key="alice").status == 403
     other = world.api("DELETE", f"/v1/ssh-keys/{bobs[0]['id']}")  # alice cannot delete bob's
-    assert (other.status, other.error[0]) == (404, "not_found")
+    assert (other.status, other.error) == (
+        404,
+        ("not_found", f"no SSH key '{bobs[0]['id']}' among yours: see GET /v1/ssh-keys"),
+    )
+    assert world.api("GET", "/v1/admin/ssh-keys?user=bob", key="admin").json()["keys"] == bobs
     gone = world.api("DELETE", "/v1/admin/ssh-keys/ssh_nope", key="admin")
     assert (gone.status, gone.error) == (
         404,
