@@ -400,6 +400,25 @@ def test_sftp_past_the_put_cap_and_resumed_transfers(world: World) -> None:
     partial.unlink()
 
 
+def test_a_cut_upload_leaves_the_file_as_it_was(world: World) -> None:
+    world.run("box", "echo old > /tmp/cut.bin")
+    local = world.workdir / "cut.bin"
+    local.write_bytes(os.urandom(8 * 1024 * 1024))
+    upload = subprocess.Popen(  # sftp's put truncates (one PUT); at 1 MB/s it is cut well before its end
+        ["sftp", "-l", "8000", *world.ssh.options(world.ids["alice"]), "-P", str(world.ssh.port), "-b", "-",
+         "box@127.0.0.1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert upload.stdin is not None
+    upload.stdin.write(f"put {local} /tmp/cut.bin\n".encode())
+    upload.stdin.flush()
+    time.sleep(2)
+    assert upload.poll() is None
+    upload.kill()
+    upload.wait()
+    time.sleep(1)
+    assert world.run("box", "cat /tmp/cut.bin")["stdout"] == "old\n"
+
+
 def test_sandbox_cli_ssh(world: World) -> None:
     env = {
         **os.environ,
