@@ -417,6 +417,21 @@ def test_a_cut_upload_leaves_the_file_as_it_was(world: World) -> None:
     upload.wait()
     time.sleep(1)
     assert world.run("box", "cat /tmp/cut.bin")["stdout"] == "old\n"
+    # scp over an existing file writes in place (dd): cut, what was written stays and no dd is left waiting.
+    upload = subprocess.Popen(
+        ["scp", "-l", "8000", *world.ssh.options(world.ids["alice"]), "-P", str(world.ssh.port), str(local),
+         "box@127.0.0.1:/tmp/cut.bin"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(
+        lambda: b"dd of=/tmp/cut.bin" in world.node.run(world.boxes["box"], ["ps", "-eo", "args"])["stdout"]
+    )
+    time.sleep(1)
+    upload.kill()
+    upload.wait()
+    wait_for(lambda: b"dd of=" not in world.node.run(world.boxes["box"], ["ps", "-eo", "args"])["stdout"])
+    written = int(world.run("box", "wc -c < /tmp/cut.bin")["stdout"])
+    assert 0 < written < len(local.read_bytes())
+    world.run("box", "rm /tmp/cut.bin")
 
 
 def test_sandbox_cli_ssh(world: World) -> None:

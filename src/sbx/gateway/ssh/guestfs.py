@@ -17,6 +17,7 @@ and a message safe to show.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import posixpath
 import stat
@@ -366,6 +367,10 @@ class DdWriter:
         raise GuestError(errno.EIO, "the write stopped: the node's stream ended without dd's exit")
 
     def abort(self) -> None:
+        """Stop writing: end dd's input (so it exits with what it has; a detached process would wait for its
+        stdin forever) and close the stream."""
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            self.writer.write(frames.encode_frame(frames.END_OF_INPUT))
         self.writer.close()
 
 
