@@ -7,8 +7,9 @@ with --ssh-listen in front, Debian's OpenSSH client):
   API path through the same gateway (``POST .../processes`` of the same login shell on a terminal, then the
   attach upgrade, until the prompt appears: what ``sandbox-cli shell`` does), alternating; and ``ssh box true``
   (log in, run, exit);
-- scp throughput, both ways, of a ``--mib`` MiB file: ``scp`` (its sftp mode) and ``scp -O`` (the legacy
-  protocol) vs the files API through the same gateway (``PUT``/``GET .../files``), alternating, MB/s.
+- scp throughput, both ways, of a ``--mib`` MiB file (uploads make a new file): ``scp`` (its sftp mode) and
+  ``scp -O`` (the legacy protocol) vs the files API through the same gateway (``PUT``/``GET .../files``),
+  alternating, MB/s.
 
 Results go in docs/benchmarks.md.
 """
@@ -184,6 +185,9 @@ def main() -> None:
         back = workdir / "back.bin"
 
         def scp_up(legacy: bool) -> float:
+            # A new file each time (what an upload usually makes): one PUT; scp over an existing file writes in
+            # place through dd instead (docs/ssh.md).
+            gw.request("DELETE", "/v1/sandboxes/box/files?path=/tmp/scp.bin", key=key)
             return _timed(
                 lambda: _ok(client.scp(str(local), "box@:/tmp/scp.bin", identity=identity, legacy=legacy))
             )

@@ -434,6 +434,23 @@ def test_a_cut_upload_leaves_the_file_as_it_was(world: World) -> None:
     world.run("box", "rm /tmp/cut.bin")
 
 
+async def test_an_in_place_write_that_fails_says_why(world: World) -> None:
+    local = world.workdir / "full.bin"
+    local.write_bytes(os.urandom(4 * 1024 * 1024))
+    done = world.ssh.scp(str(local), "box@:/dev/full", identity=world.ids["alice"])  # in place: dd, ENOSPC
+    assert done.returncode == 1 and b'remote "/dev/full": Failure' in done.stderr, done.stderr
+    async with asyncssh.connect(  # asyncssh's client shows the server's reason, which OpenSSH's does not print
+        "127.0.0.1", world.ssh.port, username="box", client_keys=[str(world.ids["alice"])],
+        known_hosts=str(world.ssh.known_hosts), agent_path=None, config=None,
+    ) as conn, conn.start_sftp_client() as sftp:  # fmt: skip
+        with pytest.raises(asyncssh.SFTPError) as caught:
+            async with sftp.open("/dev/full", asyncssh.FXF_WRITE, encoding=None) as remote:  # in place
+                for _ in range(16):
+                    await remote.write(os.urandom(256 * 1024))
+    assert "No space left on device" in caught.value.reason
+    assert b"dd of=/dev/full" not in world.node.run(world.boxes["box"], ["ps", "-eo", "args"])["stdout"]
+
+
 def test_sandbox_cli_ssh(world: World) -> None:
     env = {
         **os.environ,

@@ -444,3 +444,104 @@ def test_process_requests() -> None:
     assert unknown.env == {"TERM": "xterm-256color"} and (unknown.rows, unknown.cols) == (24, 80)
     huge = process_request(None, "vt100", (100000, 100000), {})
     assert (huge.rows, huge.cols) == (65535, 65535)
+
+
+async def test_a_failed_in_place_write_fails_every_later_call() -> None:
+    class FailingDd(_Dd):
+        async def close(self) -> None:
+            raise GuestError(errno.ENOSPC, "dd: error writing '/f': No space left on device")
+
+    class FullFs(FileFs):
+        async def open_writer(self, path: str, offset: int | None) -> Any:
+            return FailingDd(self, offset)
+
+    writer = Writer(FullFs(b"x"), "/f", fresh=False, append=False)
+    await writer.write(0, b"data")
+    for call in (writer.flush(), writer.write(4, b"more"), writer.close()):
+        with pytest.raises(GuestError) as caught:
+            await call
+        assert caught.value.errno == errno.ENOSPC  # the close fails too: the data did not all get in
+
+
+# -- a session whose attach stream breaks --------------------------------------------------------------------
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    def is_closing(self) -> bool:
+        return self.closed.is_set()
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+class _In:
+    async def read(self, n: int) -> bytes:
+        await asyncio.sleep(3600)
+        return b""
+
+
+class _Process:
+    def __init__(self) -> None:
+        self.channel, self.stdout, self.stderr, self.stdin = _Channel(), _Out(), _Out(), _In()
+        self.status: int | None = None
+
+    def exit(self, status: int) -> None:
+        self.status = status
+        self.channel.closed.set()
+
+
+def _stream(data: bytes, then: BaseException | None = None) -> tuple[asyncio.StreamReader, Any]:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if then is None:
+        reader.feed_eof()
+    else:
+        reader.set_exception(then)
+    writer = cast(
+        Any, type("W", (), {"write": lambda self, d: None, "drain": _noop, "close": lambda self: None})()
+    )
+    return reader, writer
+
+
+async def _noop(self: Any) -> None:
+    pass
+
+
+async def test_a_broken_attach_stream_is_attached_again_without_repeating_output() -> None:
+    from sbx.api import frames
+    from sbx.gateway.ssh.sessions import Session
+
+    replay = frames.encode_frame(frames.STDOUT, b"hello ") + frames.encode_frame(frames.STDOUT, b"world\n")
+    replay += frames.encode_frame(frames.STDERR, b"warn\n") + frames.exit_frame(3)
+    streams = [
+        _stream(frames.encode_frame(frames.STDOUT, b"hello "), BrokenPipeError()),  # cut: the exit frame lost
+        _stream(replay),  # the node replays everything from the start
+    ]
+
+    class Client:
+        attached = 0
+
+        async def attach(self, sandbox_id: str, pid: int) -> Any:
+            Client.attached += 1
+            return streams.pop(0)
+
+    process = _Process()
+    session = Session(cast(Any, None), cast(Any, process))
+    session.node = cast(Any, type("N", (), {"client": Client()})())
+    await asyncio.wait_for(session._relay("sbx_x", 7), 10)
+    assert Client.attached == 2 and process.status == 3
+    assert process.stdout.data == b"hello world\n" and process.stderr.data == b"warn\n"

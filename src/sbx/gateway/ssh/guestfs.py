@@ -327,13 +327,17 @@ class GuestFs:
             raise node_error(exc, path) from None
         except SandboxError as exc:
             raise node_error(exc, path) from None
-        return DdWriter(reader, writer)
+        return DdWriter(self, started.pid, reader, writer)
 
 
 class DdWriter:
     """A running ``dd`` fed through its stdin (attach frames)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, fs: GuestFs, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.fs = fs
+        self.pid = pid
         self.reader = reader
         self.writer = writer
 
@@ -341,17 +345,33 @@ class DdWriter:
         try:
             self.writer.write(frames.encode_chunks(frames.STDIN, data))
             await self.writer.drain()
-        except (ConnectionError, OSError) as exc:
-            raise GuestError(errno.EIO, f"the write stopped: {exc}") from None
+        except (ConnectionError, OSError):
+            # dd stopped reading (it failed: no space, no permission...): its reason, from a second attach.
+            await self._outcome(again=True)
+            raise GuestError(errno.EIO, "the write stopped: dd exited before its input ended") from None
 
     async def close(self) -> None:
         """End the input and wait for ``dd`` to exit; ``GuestError`` with its message when it failed."""
-        decoder = frames.FrameDecoder(frames.SERVER_TYPES)
-        errors = bytearray()
         try:
             self.writer.write(frames.encode_frame(frames.END_OF_INPUT))
             await self.writer.drain()
-            while data := await self.reader.read(64 * 1024):
+        except (ConnectionError, OSError):
+            await self._outcome(again=True)
+            return
+        await self._outcome(again=False)
+
+    async def _outcome(self, again: bool) -> None:
+        """Read dd's stderr and exit (attaching again when this stream broke: the node replays a process's
+        output); ``GuestError`` unless it exited 0."""
+        reader, writer = self.reader, self.writer
+        try:
+            if again:
+                writer.close()
+                reader, writer = await self.fs.client.attach(self.fs.sandbox_id, self.pid)
+                writer.write_eof()  # nothing more to send; a half-closed client still gets the output and exit
+            decoder = frames.FrameDecoder(frames.SERVER_TYPES)
+            errors = bytearray()
+            while data := await reader.read(64 * 1024):
                 for frame in decoder.feed(data):
                     if frame.type == frames.STDERR:
                         errors += frame.payload[: 4096 - len(errors)]
@@ -360,10 +380,10 @@ class DdWriter:
                         if code != 0:
                             raise command_error("dd", code, bytes(errors))
                         return
-        except (ConnectionError, OSError, InvalidRequest) as exc:
+        except (ConnectionError, OSError, InvalidRequest, SandboxError) as exc:
             raise GuestError(errno.EIO, f"the write stopped: {exc}") from None
         finally:
-            self.writer.close()
+            writer.close()
         raise GuestError(errno.EIO, "the write stopped: the node's stream ended without dd's exit")
 
     def abort(self) -> None:

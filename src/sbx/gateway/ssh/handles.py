@@ -147,8 +147,11 @@ class Writer:
         self.restore_mode = restore_mode
         self._segment: _Put | DdWriter | None = None
         self._end = 0  # file offset after the segment's last byte
+        self._failure: GuestError | None = None
 
     async def write(self, offset: int, data: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
         view = memoryview(data)
         while view:
             segment = self._segment
@@ -176,10 +179,17 @@ class Writer:
         self._end = offset
 
     async def flush(self) -> None:
-        """Make what was written so far the file's (``fsync``, ``fstat``, and before a new segment)."""
+        """Make what was written so far the file's (``fsync``, ``fstat``, and before a new segment). A failure
+        is kept: every later write, flush and the close fail with it too (the data did not all get in)."""
+        if self._failure is not None:
+            raise self._failure
         segment, self._segment = self._segment, None
         if segment is not None:
-            await segment.close()
+            try:
+                await segment.close()
+            except GuestError as exc:
+                self._failure = exc
+                raise
 
     async def close(self) -> None:
         """Finish the file: end the last segment, create or truncate a file nothing was written to, then set

@@ -49,6 +49,8 @@ _TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
 _MAX_ENV_VALUE = 256
 #: Exit status reported when the session could not run its process (as ssh reports its own failures).
 FAILED_STATUS = 255
+#: Attach streams one session opens at most (the first, then again when one ends without the exit frame).
+ATTACH_ATTEMPTS = 3
 #: Seconds a hang-up may take (the node is asked to send HUP).
 HANGUP_TIMEOUT_SECS = 5.0
 _READ_BYTES = 64 * 1024
@@ -92,6 +94,8 @@ class Session:
         self.node: Node | None = None
         self.pid: int | None = None
         self.exited = False
+        #: Output bytes passed on to the client so far, by frame type (``o``, ``E``).
+        self._sent = {frames.STDOUT: 0, frames.STDERR: 0}
 
     @property
     def kind(self) -> str:
@@ -117,21 +121,43 @@ class Session:
             self._fail(f"cannot start a process in {login.sandbox.id}: {exc.message}")
             return
         self.pid = started.pid
+        log.debug("SSH session started its process", extra={"sandbox": login.sandbox.id, "pid": started.pid})
         self.conn.audit_session(self.kind)
         try:
-            reader, writer = await self.node.client.attach(login.sandbox.id, started.pid)
-        except SandboxError as exc:
-            await self.hangup()
-            self._fail(f"cannot attach to the process in {login.sandbox.id}: {exc.message}")
-            return
-        try:
-            await self._relay(reader, writer)
+            await self._relay(login.sandbox.id, started.pid)
         finally:
-            writer.close()
             if not self.exited:
                 await self.hangup()
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _relay(self, sandbox_id: str, pid: int) -> None:
+        """Attach and pump until the exit frame, or the client goes away. A stream that ends without the exit
+        frame (the node closed it and our next write to it, an EOF from the client, failed with EPIPE: asyncio
+        then drops what was still unread) is attached again, skipping the output already passed on: the node
+        replays a process's output from its start."""
+        assert self.node is not None
+        for attempt in range(ATTACH_ATTEMPTS):
+            try:
+                reader, writer = await self.node.client.attach(sandbox_id, pid)
+            except SandboxError as exc:
+                self._fail(f"cannot attach to the process in {sandbox_id}: {exc.message}")
+                return
+            try:
+                exit_code, client_gone = await self._pump(reader, writer)
+            finally:
+                writer.close()
+            if client_gone:
+                return
+            if exit_code is not None:
+                self._finish(exit_code)
+                return
+            log.info("an SSH session's attach stream ended early; attaching again",
+                     extra={"sandbox": sandbox_id, "pid": pid, "attempt": attempt + 1})  # fmt: skip
+        self._finish(None)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int | None, bool]:
+        """One attach stream: (the exit code or None, whether the client went away)."""
         output = asyncio.create_task(self._output(reader))
         keys = asyncio.create_task(self._input(writer))
         closed = asyncio.create_task(self.process.channel.wait_closed())
@@ -141,27 +167,39 @@ class Session:
             for task in (output, keys, closed):
                 task.cancel()
             await asyncio.gather(output, keys, closed, return_exceptions=True)
-        if not output.cancelled() and output.exception() is None:
-            self._finish(output.result())
+        if output.cancelled():
+            return None, True
+        failure = output.exception()
+        if failure is not None:
+            if not isinstance(failure, OSError):  # a bug: say so, and end the session rather than hang it
+                log.error("an SSH session's output failed", exc_info=failure)
+            return None, self.process.channel.is_closing()
+        return output.result(), False
 
     async def _output(self, reader: asyncio.StreamReader) -> int | None:
-        """The process's frames to the channel; its exit code, or None when the node's stream ended without."""
+        """The process's frames to the channel (skipping what an earlier stream passed on); its exit code, or
+        None when the node's stream ended without."""
         decoder = frames.FrameDecoder(frames.SERVER_TYPES)
-        stdout, stderr = self.process.stdout, self.process.stderr
+        skip = dict(self._sent)
+        writers = {frames.STDOUT: self.process.stdout, frames.STDERR: self.process.stderr}
         while data := await reader.read(_READ_BYTES):
             try:
                 received = decoder.feed(data)
             except InvalidRequest:
                 return None
             for frame in received:
-                if frame.type == frames.STDOUT:
-                    stdout.write(frame.payload)
-                elif frame.type == frames.STDERR:
-                    stderr.write(frame.payload)
-                else:
+                if frame.type == frames.EXIT:
                     self.exited = True
                     return frames.decode_exit(frame.payload)
-            await stdout.drain()
+                payload = frame.payload
+                if skip[frame.type]:
+                    cut = min(skip[frame.type], len(payload))
+                    skip[frame.type] -= cut
+                    payload = payload[cut:]
+                if payload:
+                    writers[frame.type].write(payload)
+                    self._sent[frame.type] += len(payload)
+            await self.process.stdout.drain()
         return None
 
     async def _input(self, writer: asyncio.StreamWriter) -> None:
@@ -191,6 +229,7 @@ class Session:
         self._fail(message)
 
     def _finish(self, exit_code: int | None) -> None:
+        log.debug("SSH session's process ended", extra={"pid": self.pid, "exit_code": exit_code})
         process = self.process
         if exit_code is None:
             self._fail("the connection to the sandbox's node was lost; the process may still run")
