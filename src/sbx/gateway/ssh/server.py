@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import shlex
+import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,7 @@ class SshServer:
 
     def _session(self, process: asyncssh.SSHServerProcess[bytes]) -> Awaitable[None]:
         conn = _owner(process.channel)
+        conn.session_started()
         session = Session(conn, process)
         if len(conn.sessions) >= MAX_SESSIONS:
             return session.refuse(f"at most {MAX_SESSIONS} sessions may be open on one connection")
@@ -129,6 +131,7 @@ class SshServer:
 
     def _sftp(self, chan: asyncssh.SSHServerChannel[bytes]) -> SandboxSftp:
         conn = _owner(chan)
+        conn.session_started()
         sftp = SandboxSftp(conn, chan)
         conn.file_sessions.add(sftp)
         conn.audit_session("scp" if chan.get_command() else "sftp")
@@ -216,6 +219,7 @@ class SshConnection(asyncssh.SSHServer):
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
         self.server.connected(self)
+        self._quick_acks(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.disconnected(self)
@@ -271,6 +275,7 @@ class SshConnection(asyncssh.SSHServer):
         self, dest_host: str, dest_port: int, orig_host: str, orig_port: int
     ) -> Awaitable[Any]:
         check_destination(dest_host, dest_port)
+        self.session_started()
         if len(self.forwards) >= MAX_FORWARDS:
             raise asyncssh.ChannelOpenError(
                 asyncssh.OPEN_RESOURCE_SHORTAGE, f"at most {MAX_FORWARDS} forwarded connections at once"
@@ -281,6 +286,30 @@ class SshConnection(asyncssh.SSHServer):
         return False  # remote forwarding (ssh -R) is not offered
 
     # -- the gateway's side --------------------------------------------------------------------
+
+    def _quick_acks(self, conn: asyncssh.SSHServerConnection) -> None:
+        """Acknowledge every packet of the client's at once until its first session starts.
+
+        OpenSSH's client turns Nagle's algorithm off only once a session starts: before, it holds a packet back
+        until its previous one is acknowledged, and Linux delays an acknowledgement by up to 40 ms when it has
+        nothing to send. A login waits on that about twice (measured: 120 ms to run ``true``, 35 ms with this).
+        TCP_QUICKACK is one-shot, so it is set again on every read of the handshake."""
+        sock = conn.get_extra_info("socket")
+        if sock is None or not hasattr(socket, "TCP_QUICKACK"):
+            return
+        received = conn.data_received
+
+        def data_received(data: bytes, datatype: int | None = None) -> None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            received(data, datatype)
+
+        conn.data_received = data_received  # type: ignore[method-assign]
+
+    def session_started(self) -> None:
+        """A session or forward began: the client has turned Nagle's algorithm off (see ``_quick_acks``)."""
+        if self.conn is not None and "data_received" in vars(self.conn):
+            del self.conn.data_received
 
     def audit_session(self, kind: str, port: int | None = None) -> None:
         login = self.login
