@@ -12,6 +12,8 @@ to 64 requests in flight, in increasing offsets, and the server answers them one
   that does not continue the last one (or to a file opened without truncation, or in append mode), a ``dd`` is
   started at that offset and fed through its stdin; it writes in place without truncating. The file is
   complete when the handle is closed (or ``fsync`` is asked): a ``PUT`` replaces the file when its body ends.
+  A segment that fails fails every later write and the close (the data did not all get in); a file still open
+  when the session ends is abandoned (``Writer.abort``): a ``PUT`` is dropped, a ``dd`` ends with what it has.
 
 A new file gets the permissions the client asked for; an overwritten one keeps its own (as ``open(2)`` with
 ``O_TRUNC`` would), though a ``PUT`` gives a new inode: its hard links to the old contents are not updated.

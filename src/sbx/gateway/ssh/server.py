@@ -9,7 +9,7 @@ hung up, and ``ssh.revoked`` audited, before the call that changed access return
 
 What a connection may not do: password, keyboard-interactive or host-based logins (keys and tokens only),
 remote forwarding (``ssh -R``), agent and X11 forwarding, forwarding to anything but the sandbox's loopback.
-A connection has ``--ssh-login-timeout`` (30 s) to log in; at most :data:`MAX_UNAUTHENTICATED` connections may be
+A connection has 30 s to log in (:data:`DEFAULT_LOGIN_TIMEOUT_SECS`); at most :data:`MAX_UNAUTHENTICATED` may be
 logging in at once (one more closes the oldest), so idle connections cannot hold the server's memory.
 
 The audit log gets ``ssh.login`` (accepted, or refused when the credential was one the gateway knows),
@@ -124,6 +124,10 @@ class SshServer:
         async def serve() -> None:
             try:
                 await session.run()
+            except Exception:  # a bug: end the session with a word rather than leave the client waiting
+                log.exception("an SSH session failed")
+                await session.hangup()
+                await session.refuse("the gateway failed this session (see its log)")
             finally:
                 conn.sessions.discard(session)
 
