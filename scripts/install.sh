@@ -50,6 +50,7 @@ TEST_APT_PACKAGES=(
     docker-registry apache2-utils openssl  # a loopback registry to pull from, htpasswd, token certs
     skopeo                  # bench/bench_pull.py compares our pull with it
     prometheus              # promtool: the tests lint both servers' metrics with it
+    openssh-client          # ssh, scp and sftp: the tests log in through the gateway's SSH server
 )
 
 ARGS="$*"

@@ -158,11 +158,16 @@ def gateway(gateway_node: Target, tmp_path_factory: pytest.TempPathFactory) -> I
     token_file = workdir / "node-token"
     token_file.write_text(node.token)
     # Job notifications are refused outright (--no-notify): a fuzzed notify URL must never make the gateway
-    # connect anywhere. A secrets key, so the secrets endpoints are driven past their 501.
+    # connect anywhere. A secrets key, so the secrets endpoints are driven past their 501. SSH served (on
+    # loopback), so its endpoints take the fuzzed key lines and tokens, not only 404 unsupported.
     key_file = workdir / "secrets.key"
     key_file.write_text("ab" * 32)
     key_file.chmod(0o600)
-    gw = GatewayProcess(workdir, [], ["--no-notify", "--secrets-key-file", str(key_file)])
+    gw = GatewayProcess(
+        workdir,
+        [],
+        ["--no-notify", "--secrets-key-file", str(key_file), "--ssh-listen", f"127.0.0.1:{free_port()}"],
+    )
     gw.node_file.write_text(
         f'[[node]]\nname = "n1"\nendpoint = "{node.base_url}"\ntoken_file = "{token_file}"\n',
         encoding="utf-8",

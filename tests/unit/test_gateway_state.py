@@ -189,6 +189,8 @@ def test_offline_nodes_and_quotas(tmp_path: Path) -> None:
         (["--metrics-listen", "0.0.0.0:9464"], "--metrics-listen must be loopback"),
         (["--tls-cert", __file__], "--tls-cert and --tls-key go together"),
         (["--node-lost-after", "soon"], "is not a duration"),
+        (["--ssh-listen", "nowhere"], "--ssh-listen"),
+        (["--ssh-advertise", "gw.example:22"], "--ssh-advertise needs --ssh-listen"),
     ],
 )
 def test_serve_refuses_bad_options(tmp_path: Path, args: list[str], message: str) -> None:

@@ -9,6 +9,12 @@ from msgspec import UNSET, UnsetType
 
 _ARGV_REQUIRED = 'missing command: argv is required, e.g. {"argv": ["ls", "-l"]}'
 
+#: The argv of an interactive login shell in any image: bash when the image has it, else sh (what
+#: ``sandbox-cli shell`` and an SSH shell session run).
+LOGIN_SHELL: tuple[str, ...] = (
+    "/bin/sh", "-c", "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi",
+)  # fmt: skip
+
 
 class RunRequest(msgspec.Struct, kw_only=True):
     """``POST .../run``: ``stdin`` base64; ``timeout_secs`` omitted waits for the exit."""

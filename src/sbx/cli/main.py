@@ -1,12 +1,12 @@
 """``sandbox-cli``: the command line of the sandbox service, over the async SDK.
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
-``shell``, ``files`` (cp), ``forward``, ``node`` (node, capabilities, events), ``images``, ``state``
-(suspend, resume, snapshot, snapshots, volumes), ``gateway``.
+``shell``, ``ssh`` (through a gateway's SSH server), ``files`` (cp), ``forward``, ``node`` (node, capabilities,
+events), ``images``, ``state`` (suspend, resume, snapshot, snapshots, volumes), ``gateway``.
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
 Errors are printed as ``code: message`` on stderr. Exit status: 0 on success, 1 for a failed
-request (including an unreachable server), 2 for bad usage; ``run``, ``exec`` and ``shell``
+request (including an unreachable server), 2 for bad usage; ``run``, ``exec``, ``shell`` and ``ssh``
 exit with the command's own status.
 """
 
@@ -27,6 +27,7 @@ from sbx.cli import (
     processes,
     sandboxes,
     shell,
+    ssh,
     state,
     workloads,
 )
@@ -62,6 +63,7 @@ for command in (
     processes.run,
     processes.exec_,
     shell.shell,
+    ssh.ssh,
     files.cp,
     forward.forward,
     node.events,

@@ -12,13 +12,14 @@ import click
 
 from sbx.api import frames
 from sbx.api.errors import SandboxError
+from sbx.api.processes import LOGIN_SHELL
 from sbx.cli._common import Options, call, exit_status, pass_options
 from sbx.cli._stdin import stdin_chunks
 from sbx.cli._terminal import raw_mode, terminal_size
 from sbx.client import AsyncClient, Attachment
 
 #: What ``shell`` runs without ARGV: bash when the image has it, else sh, as a login shell.
-DEFAULT_SHELL = ("/bin/sh", "-c", "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi")
+DEFAULT_SHELL = LOGIN_SHELL
 
 
 @click.command()

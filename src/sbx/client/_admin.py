@@ -23,6 +23,7 @@ from sbx.api.gateway import (
     Whoami,
 )
 from sbx.api.node import CordonRequest
+from sbx.api.ssh import SshKey, SshKeyList
 
 if TYPE_CHECKING:
     from sbx.client._client import AsyncClient
@@ -73,3 +74,11 @@ class Admin:
     async def revoke_key(self, key_id: str) -> None:
         """``DELETE /v1/admin/keys/{id}``: revoke it; its open requests end before this returns."""
         await self._client.request("DELETE", f"/v1/admin/keys/{quote(key_id, safe='')}")
+
+    async def ssh_keys(self, user: str) -> list[SshKey]:
+        """``GET /v1/admin/ssh-keys?user=``: every SSH key ``user`` registered, in any tenant."""
+        return (await self._client.call("GET", "/v1/admin/ssh-keys", SshKeyList, params={"user": user})).keys
+
+    async def remove_ssh_key(self, key_id: str) -> None:
+        """``DELETE /v1/admin/ssh-keys/{id}``: forget anyone's SSH key; its connections are closed first."""
+        await self._client.request("DELETE", f"/v1/admin/ssh-keys/{quote(key_id, safe='')}")

@@ -22,6 +22,7 @@ from sbx.client._admin import Admin
 from sbx.client._endpoint import Params, resolve_endpoint
 from sbx.client._images import Images
 from sbx.client._sandbox import Sandboxes
+from sbx.client._ssh import Ssh
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._transport import AiohttpTransport, Response, Transport
 from sbx.client._upgrade import Upgraded
@@ -39,8 +40,8 @@ class AsyncClient:
     connected). ``transport`` replaces the network (tests).
 
     Namespaces: ``client.sandboxes`` (create, list, get, delete), ``client.images``, ``client.snapshots``,
-    ``client.volumes`` and, on a gateway, ``client.admin``, ``client.services``, ``client.jobs`` and
-    ``client.secrets``. Answers are the wire types of ``sbx.api``.
+    ``client.volumes`` and, on a gateway, ``client.admin``, ``client.services``, ``client.jobs``,
+    ``client.secrets`` and ``client.ssh``. Answers are the wire types of ``sbx.api``.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class AsyncClient:
         self.services = Services(self)
         self.jobs = Jobs(self)
         self.secrets = Secrets(self)
+        self.ssh = Ssh(self)
 
     async def __aenter__(self) -> Self:
         return self

@@ -31,6 +31,7 @@ from sbx.client._client import AsyncClient
 from sbx.client._images import Images
 from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
+from sbx.client._ssh import Ssh
 from sbx.client._storage import Snapshots, Volumes
 from sbx.client._streams import Attachment, Tunnel
 from sbx.client._transport import Transport
@@ -45,6 +46,7 @@ _WRAPPED: tuple[type, ...] = (
     Images,
     Snapshots,
     Volumes,
+    Ssh,
     Sandbox,
     Files,
     Process,

@@ -49,6 +49,11 @@ ALLOWED_FIELDS = frozenset(
         "target",
         "node",
         "result",
+        # SSH (docs/ssh.md): a login's key fingerprint, a session's kind and forwarded port, a refusal's reason.
+        "fingerprint",
+        "session",
+        "port",
+        "reason",
     }
 )
 

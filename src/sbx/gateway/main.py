@@ -43,6 +43,8 @@ from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
 from sbx.gateway.secrets import SecretsKeyError, load_key, new_key_file
 from sbx.gateway.server import Gateway, GatewayOptions
+from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create
+from sbx.gateway.ssh.server import SshOptions, SshServer
 from sbx.gateway.state import (
     NodeDef,
     Quota,
@@ -149,6 +151,10 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 @click.option(
     "--metrics-listen", default=None, help="127.0.0.1:PORT for Prometheus /metrics (loopback only)."
 )
+@click.option("--ssh-listen", default=None,
+              help="HOST:PORT for SSH into sandboxes (docs/ssh.md); without it the SSH endpoints answer 404.")  # fmt: skip
+@click.option("--ssh-advertise", default=None,
+              help="HOST:PORT clients reach the SSH server at, when not the --ssh-listen address.")  # fmt: skip
 @click.option("--max-orgs-per-user", default=10, show_default=True, type=click.IntRange(min=0),
               help="Organisations a user may make or own.")  # fmt: skip
 @click.option("--idle-timeout", default=str(IDLE_TIMEOUT_SECS), show_default=True,
@@ -183,9 +189,11 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
-    metrics_listen: str | None, max_orgs_per_user: int, idle_timeout: str, max_unauthenticated: int,
+    metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, max_orgs_per_user: int,
+    idle_timeout: str, max_unauthenticated: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
-    rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
+    rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
+    poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
     socket_path: Path | None = None
@@ -206,6 +214,12 @@ def serve(
         raise click.UsageError(f"--metrics-listen must be loopback (127.0.0.1:PORT), not {metrics_addr[0]}: "
                                "metrics take no credential")  # fmt: skip
     file_nodes = load_node_file(node_file) if node_file is not None else []
+    ssh_options = None
+    if ssh_listen is not None:
+        advertised = parse_host_port(ssh_advertise, "--ssh-advertise") if ssh_advertise else None
+        ssh_options = SshOptions(parse_host_port(ssh_listen, "--ssh-listen"), advertised)
+    elif ssh_advertise is not None:
+        raise click.UsageError("--ssh-advertise needs --ssh-listen")
     audit_path = (
         None
         if audit_log == "none"
@@ -250,6 +264,13 @@ def serve(
     except StateError as exc:
         click.echo(f"sandbox-gateway: {exc}", err=True)
         sys.exit(1)
+    ssh = None
+    if ssh_options is not None:
+        try:
+            ssh = (ssh_options, load_or_create(state_path))
+        except HostKeyError as exc:
+            click.echo(f"sandbox-gateway: {exc}", err=True)
+            sys.exit(1)
     for definition in file_nodes:
         if definition.name in store.nodes:
             click.echo(f"sandbox-gateway: node {definition.name!r} is both in the node file and added through the "
@@ -263,7 +284,7 @@ def serve(
     tls = server_tls(tls_cert, tls_key)
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
-        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits))
+        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh))
     finally:
         store.close()
         os.close(lock_fd)
@@ -287,12 +308,13 @@ class ConnectionLimits:
 
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
-    metrics_addr: tuple[str, int] | None, limits: ConnectionLimits,
+    metrics_addr: tuple[str, int] | None, limits: ConnectionLimits, ssh: tuple[SshOptions, HostKeys] | None = None,
 ) -> None:  # fmt: skip
-    app = build_app(gateway, metrics_addr)
+    app = build_app(gateway, metrics_addr, ssh)
 
     def ready() -> None:
-        print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
+        ssh_port = {"ssh_port": gateway.ssh.port} if gateway.ssh is not None else {}
+        print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes), **ssh_port}),
               file=sys.stderr, flush=True)  # fmt: skip
 
     # A client that goes away cancels its handler, and with it the relay to the node: a followed output stream
@@ -303,9 +325,13 @@ async def _serve(
     )  # fmt: skip
 
 
-def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.Application:
-    """The gateway's application: the gateway's loops and the audit log run while it serves; at a stop, open
-    relays (followed streams, attach, tunnel) are cut before the server waits for handlers to end."""
+def build_app(
+    gateway: Gateway, metrics_addr: tuple[str, int] | None, ssh: tuple[SshOptions, HostKeys] | None = None
+) -> web.Application:
+    """The gateway's application: the gateway's loops, its workloads (services, jobs) and the audit log run
+    while it serves, and the SSH server when ``ssh`` is given (started after the loops, stopped before them);
+    at a stop, open relays (followed streams, attach, tunnel) are cut before the server waits for handlers to
+    end."""
     front = gateway.service_front
     app = web.Application(
         middlewares=make_middlewares(gateway, front.middleware), client_max_size=JSON_BODY_CAP
@@ -334,10 +360,28 @@ def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.App
 
     app.cleanup_ctx.append(run_gateway)
     app.cleanup_ctx.append(run_workloads)
+    if ssh is not None:
+        app.cleanup_ctx.append(ssh_server(gateway, *ssh))
     app.on_shutdown.append(cut_open_relays)
     if metrics_addr is not None:
         app.cleanup_ctx.append(metrics_server(gateway.metrics, metrics_addr))
     return app
+
+
+def ssh_server(
+    gateway: Gateway, options: SshOptions, host_keys: HostKeys
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The SSH server as a cleanup_ctx: listening while the application serves."""
+
+    async def run_ssh(app: web.Application) -> AsyncIterator[None]:
+        server = SshServer(gateway, host_keys, options)
+        await server.start()
+        gateway.ssh = server
+        yield
+        gateway.ssh = None
+        await server.close()
+
+    return run_ssh
 
 
 # -- offline: keys ----------------------------------------------------------------------------------

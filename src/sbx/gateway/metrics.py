@@ -13,8 +13,9 @@ Series::
     sandbox_gateway_node_up|node_cordoned|node_running{node}               gauges
     sandbox_gateway_node_capacity_{cpus,memory_bytes,disk_bytes}{node}     gauges
     sandbox_gateway_node_free_{cpus,memory_bytes,disk_bytes}{node}         gauges
-    sandbox_gateway_ssh_connections_open, _ssh_sessions_open               gauges (0: no SSH served yet)
-    sandbox_gateway_ssh_auth_failures_total                                counter
+    sandbox_gateway_ssh_connections_open, _ssh_sessions_open               gauges (0 without --ssh-listen)
+    sandbox_gateway_ssh_auth_failures_total{reason}                        counter   connections that tried
+        to log in and closed without: unknown_key, unknown_token, expired_token, no_access, wrong_sandbox
 
 No label carries a user, tenant or sandbox name; node names are the operator's. Node gauges are read from the
 registry at scrape time.
@@ -32,6 +33,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sbx.api.node import Resources
 
+#: Why an SSH login failed (the label of sandbox_gateway_ssh_auth_failures_total; ``sbx.gateway.ssh.auth``).
+SSH_AUTH_FAILURE_REASONS = ("unknown_key", "unknown_token", "expired_token", "no_access", "wrong_sandbox")
 CREATE_SECONDS_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0)
 #: Bytes in a MiB: nodes report MiB (as the API does); metrics are in base units (Prometheus convention).
 MIB = 1024 * 1024
@@ -84,8 +87,12 @@ class GatewayMetrics:
             "sandbox_gateway_sandboxes_terminated", "Sandboxes terminated through the gateway.", registry=r
         )
         self.ssh_auth_failures = Counter(
-            "sandbox_gateway_ssh_auth_failures", "Failed SSH logins.", registry=r
+            "sandbox_gateway_ssh_auth_failures", "Failed SSH logins, by reason.", ["reason"], registry=r
         )
+        for reason in SSH_AUTH_FAILURE_REASONS:
+            self.ssh_auth_failures.labels(reason)  # every series from the start, at 0
+        #: (open SSH connections, open SSH sessions); the SSH server sets it while it serves.
+        self.ssh_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._snapshot = snapshot
         r.register(_Gauges(self))
 
@@ -104,8 +111,11 @@ class GatewayMetrics:
         yield GaugeMetricFamily("sandbox_gateway_sandboxes_recorded", "Sandboxes with recorded owners.",
                                 value=snap.recorded)  # fmt: skip
         yield GaugeMetricFamily("sandbox_gateway_sandboxes_lost", "Sandboxes on lost nodes.", value=snap.lost)
-        yield GaugeMetricFamily("sandbox_gateway_ssh_connections_open", "Open SSH connections.", value=0)
-        yield GaugeMetricFamily("sandbox_gateway_ssh_sessions_open", "Open SSH sessions.", value=0)
+        connections, sessions = self.ssh_counts()
+        yield GaugeMetricFamily(
+            "sandbox_gateway_ssh_connections_open", "Open SSH connections.", value=connections
+        )
+        yield GaugeMetricFamily("sandbox_gateway_ssh_sessions_open", "Open SSH sessions.", value=sessions)
         per_node: list[tuple[str, str, Callable[[NodeGauges], float]]] = [
             ("node_up", "1 while the node answers polls.", lambda n: 1 if n.up else 0),
             ("node_cordoned", "1 while the node is cordoned.", lambda n: 1 if n.cordoned else 0),

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 import msgspec
 
+from sbx.api import frames
 from sbx.api.codec import decode_answer, encode
 from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
 from sbx.api.node import CordonRequest, NodeStatus
@@ -215,12 +216,21 @@ class NodeClient:
         """``POST /v1/volumes``."""
         return await self._expect("POST", "/v1/volumes", Volume, request)
 
+    # -- processes, files and tunnels of one sandbox (what services, jobs and SSH sessions use) --------
+
     async def sandbox(self, sandbox_id: str) -> Sandbox:
         """``GET /v1/sandboxes/{id}``."""
         return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}", Sandbox)
 
+    async def run(
+        self, sandbox_id: str, request: RunRequest, timeout_secs: float = CALL_TIMEOUT_SECS
+    ) -> RunResult:
+        """``POST /v1/sandboxes/{id}/run``: a command to completion, waiting at most ``timeout_secs`` for the
+        node's answer."""
+        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/run", RunResult, request, timeout_secs)
+
     async def start_process(self, sandbox_id: str, request: ProcessRequest) -> Process:
-        """``POST /v1/sandboxes/{id}/processes``: a background process."""
+        """``POST /v1/sandboxes/{id}/processes``: a background process (on a terminal with ``tty``)."""
         return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/processes", Process, request)
 
     async def processes(self, sandbox_id: str) -> list[Process]:
@@ -231,38 +241,12 @@ class NodeClient:
         """``GET /v1/sandboxes/{id}/processes/{pid}``."""
         return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}/processes/{pid}", Process)
 
-    async def signal(self, sandbox_id: str, pid: int, signal: str) -> None:
-        """``POST .../processes/{pid}/signal``."""
-        await self.call(
-            "POST", f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", None, SignalRequest(signal)
-        )
-
-    async def run(self, sandbox_id: str, request: RunRequest, timeout_secs: float) -> RunResult:
-        """``POST /v1/sandboxes/{id}/run``, waiting at most ``timeout_secs`` for the node's answer."""
-        return await self._expect("POST", f"/v1/sandboxes/{sandbox_id}/run", RunResult, request, timeout_secs)
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> None:
-        """``PUT /v1/sandboxes/{id}/files?path=``: ``data`` written, parents made."""
-        await self._raw_call("PUT", f"/v1/sandboxes/{sandbox_id}/files?{urlencode({'path': path})}", data)
-
-    async def read_file(self, sandbox_id: str, path: str, max_bytes: int) -> bytes | None:
-        """``GET /v1/sandboxes/{id}/files?path=``: the contents, or None when longer than ``max_bytes`` (read
-        no further). A node's 404 (absent) is raised as ``NotFound``."""
-        url = self.url(f"/v1/sandboxes/{sandbox_id}/files?{urlencode({'path': path})}")
-        try:
-            async with self.session.get(url, headers=self.auth_headers, timeout=RELAY_TIMEOUT) as resp:
-                if resp.status >= 300:
-                    raise error_from_answer(resp.status, await resp.read())
-                if resp.content_length is not None and resp.content_length > max_bytes:
-                    return None
-                data = bytearray()
-                async for chunk in resp.content.iter_any():
-                    data += chunk
-                    if len(data) > max_bytes:
-                        return None
-                return bytes(data)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+    async def signal(
+        self, sandbox_id: str, pid: int, name: str, timeout_secs: float = CALL_TIMEOUT_SECS
+    ) -> None:
+        """``POST /v1/sandboxes/{id}/processes/{pid}/signal``: INT, TERM, KILL or HUP."""
+        path = f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal"
+        await self.call("POST", path, None, SignalRequest(name), timeout_secs)
 
     async def follow_output(self, sandbox_id: str, pid: int) -> AsyncIterator[OutputChunk | OutputExit]:
         """``GET .../processes/{pid}/output``: the output from the start, chunk by chunk, ending with the exit.
@@ -290,17 +274,63 @@ class NodeClient:
             raise BadGateway(f"node {self.name} did not finish the output stream: {describe(exc)}") from exc
         raise BadGateway(f"node {self.name} ended the output stream of process {pid} before its exit")
 
+    async def attach(self, sandbox_id: str, pid: int) -> Upgraded:
+        """``GET .../processes/{pid}/attach`` switched to ``sbx-stream/1``; a refusal raises its error."""
+        return _opened(await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/processes/{pid}/attach",
+                                               frames.PROTOCOL))  # fmt: skip
+
     async def open_tunnel(self, sandbox_id: str, port: int) -> Upgraded | Refusal:
         """``GET /v1/sandboxes/{id}/tunnel?port=N`` switched to ``sbx-tunnel/1``: a TCP stream to the guest's
         127.0.0.1:N on 101, else the node's answer."""
         return await self.open_upgrade(f"/v1/sandboxes/{sandbox_id}/tunnel?port={port}", "sbx-tunnel/1")
 
-    async def _raw_call(self, method: str, path: str, data: bytes) -> None:
+    async def tunnel(self, sandbox_id: str, port: int) -> Upgraded:
+        """:meth:`open_tunnel`, a refusal raised as its error."""
+        return _opened(await self.open_tunnel(sandbox_id, port))
+
+    async def read_file(self, sandbox_id: str, path: str) -> aiohttp.ClientResponse:
+        """``GET /v1/sandboxes/{id}/files?path=``: the answer, its body not yet read (``content`` streams it;
+        release it when done). A node's refusal raises its error."""
+        try:
+            resp = await self.session.get(
+                self.url(_file_path(sandbox_id, "files", path)),
+                headers=self.auth_headers,
+                timeout=RELAY_TIMEOUT,
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        if resp.status >= 300:
+            try:
+                raise error_from_answer(resp.status, await resp.read())
+            finally:
+                resp.release()
+        return resp
+
+    async def read_small_file(self, sandbox_id: str, path: str, max_bytes: int) -> bytes | None:
+        """The contents of a file, or None when longer than ``max_bytes`` (read no further). A node's 404
+        (absent) is raised as ``NotFound``."""
+        resp = await self.read_file(sandbox_id, path)
+        try:
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                return None
+            data = bytearray()
+            async for chunk in resp.content.iter_any():
+                data += chunk
+                if len(data) > max_bytes:
+                    return None
+            return bytes(data)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise BadGateway(f"node {self.name} did not answer: {describe(exc)}") from exc
+        finally:
+            resp.release()
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes | AsyncIterable[bytes]) -> None:
+        """``PUT /v1/sandboxes/{id}/files?path=`` of ``data``, or of the body streamed from it (at most 64 MiB);
+        parents are made."""
         headers = {**self.auth_headers, "Content-Type": "application/octet-stream"}
         try:
-            async with self.session.request(
-                method, self.url(path), data=data, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_SECS, connect=CONNECT_TIMEOUT_SECS),
+            async with self.session.put(
+                self.url(_file_path(sandbox_id, "files", path)), data=data, headers=headers, timeout=RELAY_TIMEOUT
             ) as resp:  # fmt: skip
                 raw = await resp.read()
                 status = resp.status
@@ -362,6 +392,17 @@ class _OutputLine(msgspec.Struct):
 
 
 _OUTPUT_LINE = msgspec.json.Decoder(_OutputLine)
+
+
+def _file_path(sandbox_id: str, what: str, path: str) -> str:
+    return f"/v1/sandboxes/{sandbox_id}/{what}?path={quote(path, safe='/')}"
+
+
+def _opened(answer: Upgraded | Refusal) -> Upgraded:
+    """The stream of an upgrade, or the node's refusal raised as its error."""
+    if isinstance(answer, Refusal):
+        raise error_from_answer(answer.status, answer.body)
+    return answer
 
 
 def read_token_file(path: str | None) -> str | None:

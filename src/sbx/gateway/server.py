@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sbx.api.errors import SandboxError, Unavailable
 from sbx.api.node import Resources
@@ -35,6 +35,9 @@ from sbx.gateway.services.controller import DEFAULT_ROLLOUT_TIMEOUT_SECS, Servic
 from sbx.gateway.services.proxy import ServiceFront
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
+
+if TYPE_CHECKING:
+    from sbx.gateway.ssh.server import SshServer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class Gateway:
         self.sandboxes = Sandboxes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
         self.watchers: list[AccessWatcher] = []
+        #: The SSH server, while one is served (``--ssh-listen``).
+        self.ssh: SshServer | None = None
         self.snapshots = Snapshots(self)
         #: Tenant secrets, services (controller and traffic front) and jobs; their controllers are started by the
         #: serving application (``main.build_app``), after the gateway's own loops.

@@ -11,12 +11,16 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
     orgs        name, created, created_by, created_by_tenant
     members     org, user, tenant, role, added
     quotas      tenant, max_cpus, max_memory_mb, max_sandboxes   (NULL = no limit)
+    ssh_keys    id, user, home_tenant (the user's own: with user, who registered it), tenant (whose sandboxes it
+                reaches: the one the registration acted in), fingerprint, key (the OpenSSH line), sandbox (NULL =
+                any of that tenant's the user may reach), created
+    ssh_tokens  token_sha256, user, tenant, sandbox, expires_at, created   (short-lived SSH logins)
 
     services, service_revisions, service_replicas     (gateway/services/store.py)
     jobs, job_runs, notifications                     (gateway/jobs/store.py)
     secrets     tenant, name, nonce, ciphertext (AES-GCM), updated   (gateway/secrets.py)
 
-Later issues (SSH keys) add tables through new migrations.
+Later issues add tables through new migrations.
 
 Durability: WAL mode; every commit is in the WAL file before a call returns, so a SIGKILL at any moment loses
 nothing acknowledged. Keys, nodes, orgs and quotas are also fsynced (``synchronous=FULL``) so a power cut keeps
@@ -41,6 +45,7 @@ from msgspec import UNSET
 
 from sbx.api.gateway import Key
 from sbx.api.orgs import Member, Role
+from sbx.api.ssh import SshKey
 from sbx.statefile import try_lock
 
 #: Tenant of a key issued without one, as stored (the API shows it as absent, or ``default`` in org calls).
@@ -110,6 +115,18 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE notifications (
         id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, url TEXT NOT NULL, body TEXT NOT NULL,
         attempts INTEGER NOT NULL, first_try REAL NOT NULL, next_try REAL NOT NULL
+    );
+    """,
+    # SSH keys and access tokens (docs/ssh.md).
+    """
+    CREATE TABLE ssh_keys (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, home_tenant TEXT NOT NULL, tenant TEXT NOT NULL,
+        fingerprint TEXT NOT NULL, key TEXT NOT NULL, sandbox TEXT, created TEXT NOT NULL
+    );
+    CREATE INDEX ssh_keys_fingerprint ON ssh_keys (fingerprint);
+    CREATE TABLE ssh_tokens (
+        token_sha256 TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
+        expires_at REAL NOT NULL, created TEXT NOT NULL
     );
     """,
 )
@@ -231,6 +248,38 @@ class Quota:
 
 
 @dataclass(frozen=True)
+class SshKeyRecord:
+    """A registered SSH public key: of ``user`` of ``home_tenant`` (a person), reaching the sandboxes of ``tenant``
+    (their own, or an organisation's); ``sandbox`` (an id) limits it to that sandbox."""
+
+    id: str
+    user: str
+    home_tenant: str
+    tenant: str
+    fingerprint: str
+    key: str
+    sandbox: str | None
+    created: str
+
+    def wire(self) -> SshKey:
+        return SshKey(id=self.id, fingerprint=self.fingerprint, key=self.key,
+                      sandbox=self.sandbox if self.sandbox is not None else UNSET, created=self.created)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SshTokenRecord:
+    """A short-lived SSH login (only the SHA-256 of its ``sgt_`` token is kept); ``expires_at`` in epoch
+    seconds."""
+
+    token_sha256: str
+    user: str
+    tenant: str
+    sandbox: str
+    expires_at: float
+    created: str
+
+
+@dataclass(frozen=True)
 class NodeFlags:
     cordoned: bool = False
     drained: bool = False
@@ -276,6 +325,8 @@ class Store:
         self.orgs: dict[str, OrgRecord] = {}
         self.members: dict[tuple[str, str], MemberRecord] = {}
         self.quotas: dict[str, Quota] = {}
+        self.ssh_keys: dict[str, SshKeyRecord] = {}
+        self.ssh_tokens: dict[str, SshTokenRecord] = {}
         self._load()
 
     @classmethod
@@ -327,6 +378,14 @@ class Store:
             self.members[(row[0], row[1])] = MemberRecord(*row)
         for row in c.execute("SELECT tenant, max_cpus, max_memory_mb, max_sandboxes FROM quotas"):
             self.quotas[row[0]] = Quota(row[1], row[2], row[3])
+        for row in c.execute(
+            "SELECT id, user, home_tenant, tenant, fingerprint, key, sandbox, created FROM ssh_keys"
+        ):
+            self.ssh_keys[row[0]] = SshKeyRecord(*row)
+        for row in c.execute(
+            "SELECT token_sha256, user, tenant, sandbox, expires_at, created FROM ssh_tokens"
+        ):
+            self.ssh_tokens[row[0]] = SshTokenRecord(*row)
 
     def _sync(self, full: bool) -> None:
         if full != self._full:
@@ -503,6 +562,46 @@ class Store:
             (tenant, quota.max_cpus, quota.max_memory_mb, quota.max_sandboxes),
         )
         self.quotas[tenant] = quota
+
+    # -- SSH keys and tokens -----------------------------------------------------------------------
+
+    def add_ssh_key(self, key: SshKeyRecord) -> None:
+        self._write(
+            "INSERT INTO ssh_keys (id, user, home_tenant, tenant, fingerprint, key, sandbox, created) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (
+                key.id,
+                key.user,
+                key.home_tenant,
+                key.tenant,
+                key.fingerprint,
+                key.key,
+                key.sandbox,
+                key.created,
+            ),
+        )
+        self.ssh_keys[key.id] = key
+
+    def remove_ssh_key(self, key_id: str) -> bool:
+        """Forget the key; False when there was none."""
+        changed = self._write("DELETE FROM ssh_keys WHERE id = ?", (key_id,))
+        self.ssh_keys.pop(key_id, None)
+        return changed > 0
+
+    def add_ssh_token(self, token: SshTokenRecord) -> None:
+        self._write(
+            "INSERT INTO ssh_tokens (token_sha256, user, tenant, sandbox, expires_at, created) VALUES (?,?,?,?,?,?)",
+            (token.token_sha256, token.user, token.tenant, token.sandbox, token.expires_at, token.created),
+        )
+        self.ssh_tokens[token.token_sha256] = token
+
+    def forget_ssh_tokens(self, hashes: list[str]) -> None:
+        """Drop tokens (the expired ones); an unknown hash is ignored."""
+        if not hashes:
+            return
+        self._write_many([("DELETE FROM ssh_tokens WHERE token_sha256 = ?", (h,)) for h in hashes])
+        for h in hashes:
+            self.ssh_tokens.pop(h, None)
 
 
 def _version(conn: sqlite3.Connection) -> int:

@@ -260,7 +260,9 @@ class Runner:
         kept = []
         for i, path in enumerate(job.spec.keep.files):
             try:
-                data = await client.read_file(run.sandbox, validate_guest_path(path), MAX_KEPT_FILE_BYTES)
+                data = await client.read_small_file(
+                    run.sandbox, validate_guest_path(path), MAX_KEPT_FILE_BYTES
+                )
             except NotFound:
                 kept.append(KeptFile(path=path, error="not found"))
                 continue

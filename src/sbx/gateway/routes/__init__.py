@@ -26,6 +26,7 @@ from sbx.gateway.routes.sandboxes import SandboxRoutes
 from sbx.gateway.routes.secrets import SecretRoutes
 from sbx.gateway.routes.services import ServiceRoutes
 from sbx.gateway.routes.snapshots import SnapshotRoutes
+from sbx.gateway.routes.ssh import SshRoutes
 from sbx.gateway.routes.volumes import VolumeRoutes
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ TABLE_KEY: web.AppKey[dict[web.AbstractRoute, Route]] = web.AppKey("routes", dic
 def table(gw: Gateway) -> list[Route]:
     """Every route the gateway serves."""
     meta, sbx, vol, snap = MetaRoutes(gw), SandboxRoutes(gw), VolumeRoutes(gw), SnapshotRoutes(gw)
-    admin, orgs = AdminRoutes(gw), OrgRoutes(gw)
+    admin, orgs, ssh = AdminRoutes(gw), OrgRoutes(gw), SshRoutes(gw)
     svc, jobs, secrets = ServiceRoutes(gw), JobRoutes(gw), SecretRoutes(gw)
     rows: list[tuple[str, str, Handler | RelayPolicy]] = [
         ("GET", "/openapi.json", meta.openapi),
@@ -103,14 +104,14 @@ def table(gw: Gateway) -> list[Route]:
         ("POST", "/v1/volumes", vol.create),
         ("GET", "/v1/volumes", vol.list),
         ("DELETE", "/v1/volumes/{name}", vol.delete),
-        # SSH: not served yet.
-        ("GET", "/v1/ssh", meta.no_ssh),
-        ("POST", "/v1/ssh-keys", meta.no_ssh),
-        ("GET", "/v1/ssh-keys", meta.no_ssh),
-        ("DELETE", "/v1/ssh-keys/{id}", meta.no_ssh),
-        ("POST", "/v1/sandboxes/{ref}/ssh-access", meta.no_ssh),
-        ("GET", "/v1/admin/ssh-keys", meta.no_ssh),
-        ("DELETE", "/v1/admin/ssh-keys/{id}", meta.no_ssh),
+        # SSH (404 unsupported when the gateway serves none).
+        ("GET", "/v1/ssh", ssh.info),
+        ("POST", "/v1/ssh-keys", ssh.add_key),
+        ("GET", "/v1/ssh-keys", ssh.list_keys),
+        ("DELETE", "/v1/ssh-keys/{id}", ssh.delete_key),
+        ("POST", "/v1/sandboxes/{ref}/ssh-access", ssh.access),
+        ("GET", "/v1/admin/ssh-keys", ssh.admin_list),
+        ("DELETE", "/v1/admin/ssh-keys/{id}", ssh.admin_delete),
         # Services, jobs, agent runs and secrets (their controllers: sbx.gateway.services, sbx.gateway.jobs).
         ("POST", "/v1/services", svc.create),
         ("GET", "/v1/services", svc.list),

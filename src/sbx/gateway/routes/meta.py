@@ -1,5 +1,5 @@
 """What the gateway answers itself: health, whoami, capabilities, and the refusals of what it does not serve
-(``/v1/node`` 404, images 501, SSH 404 ``unsupported``)."""
+(``/v1/node`` 404, images 501; SSH without ``--ssh-listen`` is ``ssh.py``'s)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from sbx.api.errors import NotFound, NotServed, Unavailable, Unsupported
+from sbx.api.errors import NotFound, Unavailable, Unsupported
 from sbx.api.gateway import Health
 from sbx.api.openapi import openapi_json
 from sbx.gateway.capabilities import intersect_capabilities
@@ -44,6 +44,3 @@ class MetaRoutes:
 
     async def no_images(self, request: web.Request) -> web.Response:
         raise Unsupported("a gateway does not manage images: install them on each node with its images API")
-
-    async def no_ssh(self, request: web.Request) -> web.Response:
-        raise NotServed("this gateway serves no SSH")
