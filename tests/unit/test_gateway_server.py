@@ -258,7 +258,13 @@ def test_capabilities_are_the_intersection() -> None:
         limits=Limits(max_cpus=4, max_memory_mb=8192), network=NetworkConfig(NetworkPolicy("none"), "allowlist", ("b.com",)),
     )  # fmt: skip
     merged = intersect_capabilities([a, b])
-    assert merged.capabilities == {"tunnel": True, "metrics": False, "images": False}
+    # The WebSocket attach is the gateway's own (over each node's plain attach), whatever the nodes say.
+    assert merged.capabilities == {
+        "tunnel": True,
+        "metrics": False,
+        "images": False,
+        "websocket_attach": True,
+    }
     assert (merged.limits.max_cpus, merged.limits.max_memory_mb) == (4, 4096)
     assert to_builtins(merged.network) == {
         "default": {"mode": "none", "deny": []},
@@ -570,7 +576,7 @@ async def test_org_errors_change_nothing(
 # up; one holding it is never refused for scope; a path no route serves is 404 once the key is good.
 def _concrete(path: str) -> str:
     return path.replace("{ref}", "nobody").replace("{pid}", "1").replace("{n}", "1").replace("{id}", "x_1") \
-        .replace("{name}", "nothing").replace("{user}", "nobody")  # fmt: skip
+        .replace("{name}", "nothing").replace("{user}", "nobody").replace("{tenant}", "acme")  # fmt: skip
 
 
 async def test_every_route_with_each_scope(setup: Setup) -> None:

@@ -13,6 +13,7 @@ from aiohttp import web
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL, ROUTE_SCOPES, UNMATCHED, label_of
 from sbx.gateway.routes import route_of
+from sbx.web import websocket
 from sbx.web.connections import mark_authenticated
 from sbx.web.http import Handler, error_middleware
 
@@ -61,11 +62,13 @@ def make_middlewares(gw: Gateway) -> list[Any]:
             return preflight(origin)
         if row is not None and row.scope is None:
             return await handler(request)  # no credential (GET /v1/health)
-        key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
+        # A WebSocket route may carry the key (and the organisation) as offered subprotocols (sbx.web.websocket).
+        key = auth.key_from_header(gw.store, websocket.authorization(request))
         mark_authenticated(request)
         # Known before the organisation is checked, so a refused X-Sandbox-Org still leaves an audit line.
         request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
-        tenant, org = auth.acting_tenant(gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
+        orgs = request.headers.getall(auth.ORG_HEADER, []) + websocket.offered_orgs(request)
+        tenant, org = auth.acting_tenant(gw.store, key, orgs)
         principal = auth.Principal.of_key(key, tenant, org)
         request[auth.PRINCIPAL_KEY] = principal
         if row is None:
