@@ -49,6 +49,7 @@ from sbx.gateway.state import (
 )
 from sbx.net.loopback import is_loopback
 from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED
+from sbx.web.console import Console
 from sbx.web.http import JSON_BODY_CAP
 from sbx.web.logs import setup_logging
 from sbx.web.serve import Listen, metrics_server, run, server_tls
@@ -151,6 +152,8 @@ def offline_store(state_path: Path) -> Iterator[Store]:
               help="Close a connection with no whole request head this long after opening or its last answer.")  # fmt: skip
 @click.option("--max-unauthenticated", default=MAX_UNAUTHENTICATED, show_default=True, type=click.IntRange(min=1),
               help="TCP connections not yet authenticated kept at most (a new one closes the oldest).")  # fmt: skip
+@click.option("--console/--no-console", "serve_console", default=True, show_default=True,
+              help="Serve the web console at /console/ (docs/console.md).")  # fmt: skip
 @click.option("--poll-interval", default=str(DEFAULT_POLL_INTERVAL_SECS), hidden=True)
 @click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
 @click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
@@ -160,7 +163,8 @@ def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
     metrics_listen: str | None, max_orgs_per_user: int, idle_timeout: str, max_unauthenticated: int,
-    poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
+    serve_console: bool, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str,
+    log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
     socket_path: Path | None = None
@@ -222,7 +226,8 @@ def serve(
     tls = server_tls(tls_cert, tls_key)
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
-        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits))
+        console = Console() if serve_console else None
+        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, console))
     finally:
         store.close()
         os.close(lock_fd)
@@ -246,9 +251,9 @@ class ConnectionLimits:
 
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
-    metrics_addr: tuple[str, int] | None, limits: ConnectionLimits,
+    metrics_addr: tuple[str, int] | None, limits: ConnectionLimits, console: Console | None,
 ) -> None:  # fmt: skip
-    app = build_app(gateway, metrics_addr)
+    app = build_app(gateway, metrics_addr, console)
 
     def ready() -> None:
         print(json.dumps({"msg": "sandbox-gateway serving", "nodes": sorted(gateway.registry.nodes)}),
@@ -262,11 +267,16 @@ async def _serve(
     )  # fmt: skip
 
 
-def build_app(gateway: Gateway, metrics_addr: tuple[str, int] | None) -> web.Application:
+def build_app(
+    gateway: Gateway, metrics_addr: tuple[str, int] | None, console: Console | None = None
+) -> web.Application:
     """The gateway's application: the gateway's loops and the audit log run while it serves; at a stop, open
-    relays (followed streams, attach, tunnel) are cut before the server waits for handlers to end."""
+    relays (followed streams, attach, tunnel) are cut before the server waits for handlers to end. ``console``:
+    the web console served at /console/ (None: not served)."""
     app = web.Application(middlewares=make_middlewares(gateway), client_max_size=JSON_BODY_CAP)
     install(app, gateway)
+    if console is not None:
+        app.add_routes(console.routes())
 
     async def run_gateway(app: web.Application) -> AsyncIterator[None]:
         await gateway.start()
