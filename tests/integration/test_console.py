@@ -332,3 +332,15 @@ def test_readable_at_phone_width(browser: Any, fleet: Fleet) -> None:
         assert overflow <= 0, f"the page is {overflow}px wider than a phone"
     finally:
         phone.close()
+
+
+def test_without_the_console_its_path_needs_a_key_like_any_other(tmp_path: Path, fleet: Fleet) -> None:
+    gw = GatewayProcess(tmp_path, [("n1", fleet.node)], ["--no-console"])
+    key = gw.create_key("root", "admin")
+    gw.start()
+    try:
+        assert gw.request("GET", "/console/").status == 401
+        resp = gw.request("GET", "/console/", key=key)
+        assert (resp.status, resp.error[0]) == (404, "not_found")
+    finally:
+        gw.stop()

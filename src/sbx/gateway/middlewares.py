@@ -63,7 +63,8 @@ def make_middlewares(gw: Gateway) -> list[Any]:
         auth.check_origin(origin, request.headers.get("Host", ""), gw.options.cors_origins)
         if request.method == "OPTIONS" and origin is not None:
             return preflight(origin)
-        if row is None and is_console_path(request.path):
+        resource = request.match_info.route.resource
+        if row is None and resource is not None and is_console_path(resource.canonical):
             request[ROUTE_LABEL] = CONSOLE_PREFIX
             return await handler(request)  # the web console's assets: no secret, no key (it signs in itself)
         if row is not None and row.scope is None:
