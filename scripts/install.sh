@@ -7,9 +7,9 @@
 #
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
 # Steps: apt packages (apt-get update only when one is missing; runsc from bookworm-backports, whose apt
-# source is added when the machine has none), the virtualenv .venv with this checkout
-# installed editable, the guest agent binary, the default image, then sandboxd under systemd (when systemd
-# is PID 1) or as a daemon with a pidfile. Paths and details: docs/install.md.
+# source is added when the machine has none), the virtualenv .venv with this checkout installed editable, the
+# web console (npm ci and its build, docs/console.md), the guest agent binary, the default image, then sandboxd
+# under systemd (when systemd is PID 1) or as a daemon with a pidfile. Paths and details: docs/install.md.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -51,7 +51,11 @@ TEST_APT_PACKAGES=(
     skopeo                  # bench/bench_pull.py compares our pull with it
     prometheus              # promtool: the tests lint both servers' metrics with it
     openssh-client          # ssh, scp and sftp: the tests log in through the gateway's SSH server
+    chromium fonts-dejavu-core  # the web console's tests drive Debian's Chromium (Playwright)
 )
+# Node.js and npm build the web console; Debian's, unless some node and npm are already installed (a packaged
+# node that bundles npm would conflict with Debian's npm package).
+NODE_APT_PACKAGES=(nodejs npm)
 
 ARGS="$*"
 START=1
@@ -68,6 +72,10 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    APT_PACKAGES+=("${NODE_APT_PACKAGES[@]}")
+fi
 
 T0=$SECONDS
 step() { printf '==> %s\n' "$*"; }
@@ -205,6 +213,29 @@ else
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[test]" ||
         die "pip install failed" "check access to PyPI (or a configured index) and run this again"
     printf '%s\n' "$want_stamp" >"$STAMP"
+fi
+
+# --- 2b. the web console ----------------------------------------------------------------------------------------
+# Its dependencies come from the npm registry pinned by console/package-lock.json (npm ci, no install scripts);
+# the build (esbuild, offline) writes src/sbx/web/console_assets, which sandbox-gateway serves at /console/.
+# Each part runs only when its inputs changed since the last run.
+CONSOLE=$REPO/console
+CONSOLE_OUT=$REPO/src/sbx/web/console_assets
+step "web console ($CONSOLE_OUT)"
+lock_sum=$(sha256sum "$CONSOLE/package-lock.json" | cut -d' ' -f1)
+if [ "$(cat "$CONSOLE/node_modules/.sbx-lock-stamp" 2>/dev/null)" != "$lock_sum" ]; then
+    note "npm ci"
+    (cd "$CONSOLE" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) ||
+        die "npm ci failed in $CONSOLE" "check access to the npm registry (or a configured one) and run this again"
+    printf '%s\n' "$lock_sum" >"$CONSOLE/node_modules/.sbx-lock-stamp"
+fi
+build_sum=$(cd "$CONSOLE" && find src build.mjs package-lock.json -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$CONSOLE_OUT/.sbx-build-stamp" 2>/dev/null)" = "$build_sum" ] && [ -f "$CONSOLE_OUT/index.html" ]; then
+    note "up to date"
+else
+    (cd "$CONSOLE" && node build.mjs "$CONSOLE_OUT") ||
+        die "building the web console failed" "see the messages above (node $(node --version 2>&1))"
+    printf '%s\n' "$build_sum" >"$CONSOLE_OUT/.sbx-build-stamp"
 fi
 
 # --- 3. data directories and the guest agent ----------------------------------------------------------------

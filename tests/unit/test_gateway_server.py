@@ -258,7 +258,13 @@ def test_capabilities_are_the_intersection() -> None:
         limits=Limits(max_cpus=4, max_memory_mb=8192), network=NetworkConfig(NetworkPolicy("none"), "allowlist", ("b.com",)),
     )  # fmt: skip
     merged = intersect_capabilities([a, b])
-    assert merged.capabilities == {"tunnel": True, "metrics": False, "images": False}
+    # The WebSocket attach is the gateway's own (over each node's plain attach), whatever the nodes say.
+    assert merged.capabilities == {
+        "tunnel": True,
+        "metrics": False,
+        "images": False,
+        "websocket_attach": True,
+    }
     assert (merged.limits.max_cpus, merged.limits.max_memory_mb) == (4, 4096)
     assert to_builtins(merged.network) == {
         "default": {"mode": "none", "deny": []},
@@ -570,7 +576,7 @@ async def test_org_errors_change_nothing(
 # up; one holding it is never refused for scope; a path no route serves is 404 once the key is good.
 def _concrete(path: str) -> str:
     return path.replace("{ref}", "nobody").replace("{pid}", "1").replace("{n}", "1").replace("{id}", "x_1") \
-        .replace("{name}", "nothing").replace("{user}", "nobody")  # fmt: skip
+        .replace("{name}", "nothing").replace("{user}", "nobody").replace("{tenant}", "acme")  # fmt: skip
 
 
 async def test_every_route_with_each_scope(setup: Setup) -> None:
@@ -627,3 +633,46 @@ async def test_a_relayed_path_stays_as_the_client_encoded_it(setup: Setup, pid: 
     )
     assert resp.status == 200, await resp.text()
     assert await resp.json() == {"pid": decoded, "query": {"a": "&b"}}
+
+
+async def test_quotas_are_listed_with_usage_and_set_while_serving(setup: Setup) -> None:
+    created = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    assert created.status == 201
+    listed = await (await setup.client.get("/v1/admin/quotas", headers=bearer(setup.admin))).json()
+    assert listed == {"quotas": [{"tenant": "acme", "cpus": None, "memory_mb": None, "sandboxes": None,
+                                  "used": {"sandboxes": 1, "cpus": 1, "memory_mb": 512}}]}  # fmt: skip
+    resp = await setup.client.put("/v1/admin/quotas/acme", json={"sandboxes": 1}, headers=bearer(setup.admin))
+    assert resp.status == 200
+    assert (await resp.json())["sandboxes"] == 1
+    over = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    assert over.status == 403 and (await over.json())["error"]["code"] == "refused"
+    # All amounts null removes the quota; the state file keeps what was set.
+    assert (
+        await setup.client.put("/v1/admin/quotas/acme", json={}, headers=bearer(setup.admin))
+    ).status == 200
+    assert "acme" not in setup.gateway.store.quotas
+    again = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    assert again.status == 201
+
+
+@pytest.mark.parametrize(
+    ("tenant", "body", "message"),
+    [
+        ("acme", {"cpus": -1}, "cpus must be 0 to 1000000000 (null: no limit), not -1"),
+        ("acme", {"sandboxes": 10**12}, "sandboxes must be 0 to 1000000000 (null: no limit), not 1000000000000"),
+        ("Not_A_Tenant", {"cpus": 1},
+         "tenant must be a-z 0-9 and -, start with a letter, not end with - and not contain --"),
+        ("acme", {"gpus": 1}, None),
+    ],
+)  # fmt: skip
+async def test_a_bad_quota_is_400_and_changes_nothing(
+    setup: Setup, tenant: str, body: dict[str, int], message: str | None
+) -> None:
+    resp = await setup.client.put(f"/v1/admin/quotas/{tenant}", json=body, headers=bearer(setup.admin))
+    answer = await resp.json()
+    assert resp.status == 400 and answer["error"]["code"] == "invalid_request"
+    if message is not None:
+        assert answer["error"]["message"] == message
+    assert setup.gateway.store.quotas == {}
+    refused = await setup.client.put("/v1/admin/quotas/acme", json={"cpus": 1}, headers=bearer(setup.user))
+    assert refused.status == 403 and setup.gateway.store.quotas == {}

@@ -26,6 +26,9 @@ from sbx.api.gateway import (
     LostList,
     NodeAddRequest,
     NodeList,
+    QuotaList,
+    QuotaRequest,
+    TenantQuota,
     Whoami,
 )
 from sbx.api.images import Image, ImageList, ImageRemoved, ImageRequest
@@ -157,6 +160,12 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     Endpoint("GET", _PROC + "/attach", "Attach (sbx-stream/1 frames)", BOTH, (CREATE,), status=101,
              answers="upgrade", upgrade="sbx-stream/1", errors=_REF | _BODY),
     # -- tunnel, files, events, metrics ----------------------------------------------------------------
+    Endpoint("GET", _PROC + "/attach/websocket", "Attach over a WebSocket (the sbx-stream/1 frames)", BOTH,
+             (CREATE,), status=101, answers="upgrade", upgrade="websocket", capability="websocket_attach",
+             errors=_REF | _BODY,
+             notes="An addition for browsers. Subprotocol sbx-stream.v1; each binary message holds one or more "
+                   "whole sbx-stream/1 frames, both ways. The credential may be offered as a second subprotocol "
+                   "bearer.<token> (and a gateway organisation as org.<name>); see docs/node-api.md."),
     Endpoint("GET", _SBX + "/tunnel", "TCP to 127.0.0.1:port in the guest (sbx-tunnel/1)", BOTH, (CREATE,),
              status=101, answers="upgrade", upgrade="sbx-tunnel/1", capability="tunnel",
              errors=_REF | _BODY, query=(Query("port", "1 to 65535", required=True),)),
@@ -288,6 +297,11 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
              answer=AuditEntries, errors=_errs(e.InvalidRequest, e.Unsupported),
              query=(Query("since", "RFC 3339 time"), Query("limit", "1 to 1000, default 100"))),
     Endpoint("GET", "/v1/admin/orgs", "Every organisation", GATEWAY, ("admin",), answer=AdminOrgList),
+    Endpoint("GET", "/v1/admin/quotas", "Tenant quotas and usage", GATEWAY, ("admin",), answer=QuotaList,
+             notes="An addition: the spec names no quota endpoint."),
+    Endpoint("PUT", "/v1/admin/quotas/{tenant}", "Set a tenant's quota", GATEWAY, ("admin",), body="json",
+             request=QuotaRequest, answer=TenantQuota, errors=_BODY,
+             notes="An addition. All amounts null removes the quota; 'default' names the default tenant."),
 )  # fmt: skip
 
 #: Errors any request may answer (the request guard, authentication, body caps, a bug).

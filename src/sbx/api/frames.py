@@ -12,6 +12,12 @@ Client to server: ``i`` stdin bytes, ``e`` end of input (no payload; a terminal 
 two big-endian uint16). Server to client: ``o`` stdout bytes, ``E`` stderr bytes, ``x`` the exit
 (a big-endian int32 exit code, the last frame).
 
+The same frames travel over a WebSocket (capability ``websocket_attach``, ``GET .../attach/websocket``):
+subprotocol ``WEBSOCKET_PROTOCOL``, each binary message holding one or more whole frames, both ways
+(:func:`decode_message`). A browser, which cannot set ``Authorization`` on a WebSocket, offers its credential as
+a second subprotocol ``bearer.<token>`` (and a gateway organisation as ``org.<name>``); the server answers with
+``WEBSOCKET_PROTOCOL`` alone, never echoing the token.
+
 A payload is at most ``MAX_PAYLOAD_BYTES`` (1 MiB): large enough that a sender never needs more
 per frame (it splits bigger writes), small enough that a receiver never buffers more than that
 for one frame before it can act. A larger declared length is refused as soon as its header has
@@ -48,6 +54,13 @@ MAX_PAYLOAD_BYTES: Final = 1 << 20
 
 #: The upgrade token of the attach stream.
 PROTOCOL: Final = "sbx-stream/1"
+
+#: The WebSocket subprotocol of the attach stream's WebSocket form (a token: no ``/``).
+WEBSOCKET_PROTOCOL: Final = "sbx-stream.v1"
+#: Prefix of the offered subprotocol that carries the bearer token (``bearer.sgk_...``).
+WEBSOCKET_BEARER_PREFIX: Final = "bearer."
+#: Prefix of the offered subprotocol that carries the gateway organisation (``org.rocket``), as X-Sandbox-Org.
+WEBSOCKET_ORG_PREFIX: Final = "org."
 
 _HEADER: Final = struct.Struct(">cI")
 HEADER_BYTES: Final = _HEADER.size
@@ -132,6 +145,18 @@ class FrameDecoder:
         if offset:
             del buffer[:offset]
         return frames
+
+
+def decode_message(data: bytes, types: Iterable[bytes]) -> list[Frame]:
+    """The frames of one WebSocket message, which must hold only whole frames of ``types``; InvalidRequest
+    otherwise (a message ending inside a frame, another type, a payload over the limit)."""
+    decoder = FrameDecoder(types)
+    found = decoder.feed(data)
+    if decoder.pending_bytes:
+        raise InvalidRequest(
+            f"a WebSocket message holds whole frames: it ended {decoder.pending_bytes} bytes into a frame"
+        )
+    return found
 
 
 def encode_resize(rows: int, cols: int) -> bytes:

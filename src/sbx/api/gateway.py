@@ -136,3 +136,37 @@ class LostSandbox(msgspec.Struct, kw_only=True):
 
 class LostList(msgspec.Struct):
     sandboxes: list[LostSandbox]
+
+
+class QuotaUsage(msgspec.Struct):
+    """What a tenant's sandboxes hold now, as quotas count it (records not on lost nodes)."""
+
+    sandboxes: int
+    cpus: int
+    memory_mb: int
+
+
+class TenantQuota(msgspec.Struct, kw_only=True):
+    """A tenant's quota (an amount null or absent has no limit) and its usage. ``tenant`` is ``default`` for the
+    default tenant."""
+
+    tenant: str
+    cpus: int | None = None
+    memory_mb: int | None = None
+    sandboxes: int | None = None
+    used: QuotaUsage
+
+
+class QuotaList(msgspec.Struct):
+    """``GET /v1/admin/quotas``: every tenant with a quota or sandboxes, by name."""
+
+    quotas: list[TenantQuota]
+
+
+class QuotaRequest(msgspec.Struct, kw_only=True):
+    """``PUT /v1/admin/quotas/{tenant}``: the whole quota; an amount null or absent has no limit (all absent
+    removes the quota)."""
+
+    cpus: int | None = None
+    memory_mb: int | None = None
+    sandboxes: int | None = None

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from sbx.api.network_policy import NetworkConfig, mode_rank
-from sbx.api.node import Capabilities, Limits
+from sbx.api.node import WEBSOCKET_ATTACH, Capabilities, Limits
 
 
 def intersect_capabilities(caps: list[Capabilities]) -> Capabilities:
     """What every answering node offers: a flag only if all have it, the smallest limits, the strictest
-    network ceiling and default, the ``may_allow`` patterns all share. Images are never offered."""
+    network ceiling and default, the ``may_allow`` patterns all share. Images are never offered; the WebSocket
+    form of attach always is (the gateway serves it itself, over each node's plain attach)."""
     flags: dict[str, bool] = {}
     for name in set().union(*(c.capabilities.keys() for c in caps)):
         flags[name] = all(c.capabilities.get(name, False) for c in caps)
     flags["images"] = False
+    flags[WEBSOCKET_ATTACH] = True
     limits = Limits(**{
         name: min(getattr(c.limits, name) for c in caps) for name in Limits.__struct_fields__
     })  # fmt: skip

@@ -55,6 +55,7 @@ from sbx.gateway.state import (
 )
 from sbx.net.loopback import is_loopback
 from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED
+from sbx.web.console import Console
 from sbx.web.http import JSON_BODY_CAP
 from sbx.web.logs import setup_logging
 from sbx.web.serve import Listen, metrics_server, run, server_tls
@@ -181,6 +182,8 @@ def offline_store(state_path: Path) -> Iterator[Store]:
               help="Where jobs' output and kept files are stored. Default: jobs/ beside the state file.")  # fmt: skip
 @click.option("--job-retention", default="7d", show_default=True,
               help="Finished jobs (and their output) are forgotten after this long.")  # fmt: skip
+@click.option("--console/--no-console", "serve_console", default=True, show_default=True,
+              help="Serve the web console at /console/ (docs/console.md).")  # fmt: skip
 @click.option("--poll-interval", default=str(DEFAULT_POLL_INTERVAL_SECS), hidden=True)
 @click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
 @click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
@@ -193,7 +196,8 @@ def serve(
     idle_timeout: str, max_unauthenticated: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
     rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
-    poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str, log_level: str,
+    serve_console: bool, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str,
+    log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
     socket_path: Path | None = None
@@ -284,7 +288,8 @@ def serve(
     tls = server_tls(tls_cert, tls_key)
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
-        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh))
+        console = Console() if serve_console else None
+        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh, console))
     finally:
         store.close()
         os.close(lock_fd)
@@ -309,8 +314,9 @@ class ConnectionLimits:
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
     metrics_addr: tuple[str, int] | None, limits: ConnectionLimits, ssh: tuple[SshOptions, HostKeys] | None = None,
+    console: Console | None = None,
 ) -> None:  # fmt: skip
-    app = build_app(gateway, metrics_addr, ssh)
+    app = build_app(gateway, metrics_addr, ssh, console)
 
     def ready() -> None:
         ssh_port = {"ssh_port": gateway.ssh.port} if gateway.ssh is not None else {}
@@ -326,17 +332,22 @@ async def _serve(
 
 
 def build_app(
-    gateway: Gateway, metrics_addr: tuple[str, int] | None, ssh: tuple[SshOptions, HostKeys] | None = None
+    gateway: Gateway,
+    metrics_addr: tuple[str, int] | None,
+    ssh: tuple[SshOptions, HostKeys] | None = None,
+    console: Console | None = None,
 ) -> web.Application:
     """The gateway's application: the gateway's loops, its workloads (services, jobs) and the audit log run
     while it serves, and the SSH server when ``ssh`` is given (started after the loops, stopped before them);
     at a stop, open relays (followed streams, attach, tunnel) are cut before the server waits for handlers to
-    end."""
+    end. ``console``: the web console served at /console/ (None: not served)."""
     front = gateway.service_front
     app = web.Application(
         middlewares=make_middlewares(gateway, front.middleware), client_max_size=JSON_BODY_CAP
     )
     install(app, gateway)
+    if console is not None:
+        app.add_routes(console.routes())
 
     async def run_gateway(app: web.Application) -> AsyncIterator[None]:
         await gateway.start()

@@ -1,7 +1,8 @@
 """The gateway's request pipeline, outermost first: ``record`` (audit line and request metric, after the answer
 is known), ``error_middleware`` (every failure becomes the error body), ``authenticate`` (Origin, key,
 ``X-Sandbox-Org``, then the scope the route table names, in the spec's order, before any handler looks anything
-up). A request no route matches is answered 404 once its key is known good: no path is open by omission.
+up). A request no route matches is answered 404 once its key is known good: no path is open by omission, but for
+the web console's static assets under ``/console`` (after the Origin check; ``sbx.web.console``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from aiohttp import web
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL, ROUTE_SCOPES, UNMATCHED, label_of
 from sbx.gateway.routes import route_of
+from sbx.web import websocket
 from sbx.web.connections import mark_authenticated
+from sbx.web.console import PREFIX as CONSOLE_PREFIX
+from sbx.web.console import is_console_path
 from sbx.web.http import Handler, error_middleware
 
 if TYPE_CHECKING:
@@ -63,13 +67,19 @@ def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
         auth.check_origin(origin, request.headers.get("Host", ""), gw.options.cors_origins)
         if request.method == "OPTIONS" and origin is not None:
             return preflight(origin)
+        resource = request.match_info.route.resource
+        if row is None and resource is not None and is_console_path(resource.canonical):
+            request[ROUTE_LABEL] = CONSOLE_PREFIX
+            return await handler(request)  # the web console's assets: no secret, no key (it signs in itself)
         if row is not None and row.scope is None:
             return await handler(request)  # no credential (GET /v1/health)
-        key = auth.key_from_header(gw.store, request.headers.get("Authorization"))
+        # A WebSocket route may carry the key (and the organisation) as offered subprotocols (sbx.web.websocket).
+        key = auth.key_from_header(gw.store, websocket.authorization(request))
         mark_authenticated(request)
         # Known before the organisation is checked, so a refused X-Sandbox-Org still leaves an audit line.
         request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
-        tenant, org = auth.acting_tenant(gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
+        orgs = request.headers.getall(auth.ORG_HEADER, []) + websocket.offered_orgs(request)
+        tenant, org = auth.acting_tenant(gw.store, key, orgs)
         principal = auth.Principal.of_key(key, tenant, org)
         request[auth.PRINCIPAL_KEY] = principal
         if row is None:

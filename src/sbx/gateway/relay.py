@@ -3,7 +3,9 @@
 Plain answers are read whole and passed on with their status and content type. Streams (ndjson output,
 file contents) are passed on chunk by chunk as they arrive. Upgrades (``sbx-stream/1`` attach, ``sbx-tunnel/1``
 tunnel) connect to the node by hand, and once the node answers 101 the client's connection is switched too
-(``sbx.web.upgrade``) and bytes are copied both ways untouched, half-closes included.
+(``sbx.web.upgrade``) and bytes are copied both ways untouched, half-closes included. The WebSocket form of
+attach is the gateway's own: the node is attached with ``sbx-stream/1`` and the frames are carried between its
+stream and the client's binary messages (``relay_websocket``).
 
 Every relay is registered in ``OpenRequests`` so revocation can end it (see ``revocation``).
 
@@ -20,11 +22,13 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
+from sbx.api import frames
 from sbx.api.errors import BadGateway, PayloadTooLarge, Unauthorized
 from sbx.gateway.nodeclient import NodeClient, Refusal, describe
 from sbx.gateway.revocation import OpenRequest, OpenRequests
+from sbx.web import websocket
 from sbx.web.http import stream_body
 from sbx.web.upgrade import finished_response, upgrade
 
@@ -34,6 +38,10 @@ log = logging.getLogger(__name__)
 STREAMED_TYPES = ("application/x-ndjson", "application/octet-stream")
 #: Bytes copied per read in an upgraded connection.
 COPY_CHUNK_BYTES = 64 * 1024
+#: Why revocation ended a request (a 401 before the node answered; a WebSocket's close reason after).
+ENDED_MESSAGE = "this request was ended because its API key was revoked or lost the scope it needs"
+#: Seconds a stream ended by revocation may take to say why before its connection is cut.
+FAREWELL_TIMEOUT_SECS = 1.0
 
 
 class CappedBody:
@@ -83,9 +91,11 @@ async def guarded(
             raise
         task.uncancel()
         if not op.answered:
-            raise Unauthorized(
-                "this request was ended because its API key was revoked or lost the scope it needs"
-            ) from None
+            raise Unauthorized(ENDED_MESSAGE) from None
+        if op.farewell is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(FAREWELL_TIMEOUT_SECS):
+                    await op.farewell()
         if request.transport is not None:
             request.transport.close()
         return finished_response()
@@ -135,6 +145,12 @@ async def forward(
         return web.Response(status=resp.status, body=data if resp.status != 204 else None, headers=headers)
 
 
+def refusal_response(refusal: Refusal) -> web.Response:
+    """A node's answer to an upgrade it refused, as the node sent it."""
+    headers = {"Content-Type": refusal.content_type} if refusal.content_type else {}
+    return web.Response(status=refusal.status, body=refusal.body, headers=headers)
+
+
 async def relay_upgrade(
     request: web.Request, node: NodeClient, path_qs: str, protocol: str, op: OpenRequest
 ) -> web.StreamResponse:
@@ -142,8 +158,7 @@ async def relay_upgrade(
     answered as it answered."""
     opened = await node.open_upgrade(path_qs, protocol)
     if isinstance(opened, Refusal):
-        headers = {"Content-Type": opened.content_type} if opened.content_type else {}
-        return web.Response(status=opened.status, body=opened.body, headers=headers)
+        return refusal_response(opened)
     node_reader, node_writer = opened
     op.closers.append(node_writer.close)
     try:
@@ -175,3 +190,50 @@ async def copy_stream(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> N
     except (ConnectionError, OSError):
         with contextlib.suppress(Exception):
             dst.close()
+
+
+async def relay_websocket(
+    request: web.Request, node: NodeClient, attach_path_qs: str, op: OpenRequest
+) -> web.StreamResponse:
+    """The WebSocket form of attach: the node is attached with ``sbx-stream/1`` first (a refusal, such as 404 or
+    the attach cap's 503, is answered as the node sent it, before the client's switch); then the whole frames of
+    each client message go to the node, and the node's frames come back in messages of whole frames. Revocation
+    closes the WebSocket with 1008 and the reason, then cuts both connections."""
+    opened = await node.open_upgrade(attach_path_qs, frames.PROTOCOL)
+    if isinstance(opened, Refusal):
+        return refusal_response(opened)
+    node_reader, node_writer = opened
+    op.closers.append(node_writer.close)
+    try:
+        ws = await websocket.accept(request)
+    except BaseException:
+        node_writer.close()
+        raise
+    op.answered = True
+    op.farewell = lambda: websocket.close(ws, WSCloseCode.POLICY_VIOLATION, ENDED_MESSAGE)
+    to_node = asyncio.create_task(_messages_to_node(ws, node_writer))
+    to_client = asyncio.create_task(_frames_to_client(node_reader, ws))
+    try:
+        await asyncio.wait({to_node, to_client}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (to_node, to_client):
+            task.cancel()
+        await asyncio.gather(to_node, to_client, return_exceptions=True)
+        node_writer.close()
+    if not ws.closed:
+        await ws.close()
+    return ws
+
+
+async def _messages_to_node(ws: web.WebSocketResponse, node_writer: asyncio.StreamWriter) -> None:
+    async for batch in websocket.client_frames(ws):
+        node_writer.write(b"".join(frames.encode_frame(f.type, f.payload) for f in batch))
+        await node_writer.drain()
+
+
+async def _frames_to_client(node_reader: asyncio.StreamReader, ws: web.WebSocketResponse) -> None:
+    decoder = frames.FrameDecoder(frames.SERVER_TYPES)
+    while chunk := await node_reader.read(COPY_CHUNK_BYTES):
+        batch = decoder.feed(chunk)
+        if batch:
+            await ws.send_bytes(b"".join(frames.encode_frame(f.type, f.payload) for f in batch))

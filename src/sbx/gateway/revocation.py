@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ class OpenRequest:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     #: Extra closers (an upgraded connection's two sockets).
     closers: list[Callable[[], None]] = field(default_factory=list)
+    #: Said to the client when revocation ends a stream already answering, before its connection is cut (a
+    #: WebSocket's close frame with the reason).
+    farewell: Callable[[], Awaitable[object]] | None = None
 
 
 class OpenRequests:

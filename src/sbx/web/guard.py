@@ -1,4 +1,5 @@
-"""A node's request guard (spec: Transport): Host, then Origin, then the bearer token, before any handler."""
+"""A node's request guard (spec: Transport): Host, then Origin, then the bearer token, before any handler. On a
+WebSocket route the token may come as an offered ``bearer.<token>`` subprotocol (``sbx.web.websocket``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sbx.api.errors import ForbiddenOrigin, Unauthorized
 from sbx.net.loopback import host_header_name, is_loopback
 from sbx.web.connections import mark_authenticated
 from sbx.web.http import Handler
+from sbx.web.websocket import authorization
 
 
 def make_guard(
@@ -30,7 +32,7 @@ def make_guard(
         if origin is not None and origin not in allowed_origins:
             raise ForbiddenOrigin(f"Origin {origin!r} is not allowed: add it to [server] allowed_origins")
         if token is not None:
-            given = request.headers.get("Authorization", "")
+            given = authorization(request) or ""
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 raise Unauthorized("missing or wrong token: send Authorization: Bearer <token>")
         mark_authenticated(request)

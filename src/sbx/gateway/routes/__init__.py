@@ -88,6 +88,7 @@ def table(gw: Gateway) -> list[Route]:
         ("POST", "/v1/sandboxes/{ref}/processes/{pid}/stdin", "raw"),
         ("POST", "/v1/sandboxes/{ref}/processes/{pid}/signal", "json"),
         ("GET", "/v1/sandboxes/{ref}/processes/{pid}/attach", "none"),
+        ("GET", "/v1/sandboxes/{ref}/processes/{pid}/attach/websocket", sbx.attach_websocket),
         ("GET", "/v1/sandboxes/{ref}/tunnel", "none"),
         ("GET", "/v1/sandboxes/{ref}/files", "none"),
         ("PUT", "/v1/sandboxes/{ref}/files", "raw"),
@@ -146,6 +147,8 @@ def table(gw: Gateway) -> list[Route]:
         ("GET", "/v1/admin/lost", admin.lost),
         ("GET", "/v1/admin/audit", admin.read_audit),
         ("GET", "/v1/admin/orgs", orgs.admin_list),
+        ("GET", "/v1/admin/quotas", admin.list_quotas),
+        ("PUT", "/v1/admin/quotas/{tenant}", admin.set_quota),
     ]
     #: What a relayed call teaches the records once its node said yes.
     after = {

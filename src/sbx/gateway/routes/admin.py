@@ -1,5 +1,5 @@
-"""Handlers of the admin routes: API keys, nodes (add, remove, cordon, drain), sandboxes on lost nodes and the
-audit log."""
+"""Handlers of the admin routes: API keys, nodes (add, remove, cordon, drain), sandboxes on lost nodes, the
+audit log and tenant quotas (an addition: read and set while serving, as ``sandbox-gateway quotas`` does offline)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,16 @@ from sbx.api.gateway import (
     LostSandbox,
     NodeAddRequest,
     NodeList,
+    QuotaList,
+    QuotaRequest,
+    QuotaUsage,
+    TenantQuota,
 )
 from sbx.api.node import CordonRequest
 from sbx.gateway import auth, keys
 from sbx.gateway.nodeclient import parse_endpoint
 from sbx.gateway.nodes import Node, connect_node
-from sbx.gateway.state import NodeDef, NodeFlags
+from sbx.gateway.state import NodeDef, NodeFlags, Quota
 from sbx.web.http import json_response, read_json_body
 
 if TYPE_CHECKING:
@@ -201,6 +205,34 @@ class AdminRoutes:
         entries, truncated = await asyncio.to_thread(audit.read, since, int(limit_text))
         return json_response(AuditEntries(entries, True if truncated else UNSET))
 
+    # -- quotas -------------------------------------------------------------------------------------
+
+    def _quota_wire(self, tenant: str) -> TenantQuota:
+        quota = self.store.quotas.get(tenant, Quota())
+        sandboxes, cpus, memory_mb = self.gw.tenant_usage(tenant)
+        return TenantQuota(
+            tenant=tenant or "default", cpus=quota.max_cpus, memory_mb=quota.max_memory_mb,
+            sandboxes=quota.max_sandboxes, used=QuotaUsage(sandboxes, cpus, memory_mb),
+        )  # fmt: skip
+
+    async def list_quotas(self, request: web.Request) -> web.Response:
+        tenants = set(self.store.quotas) | {r.tenant for r in list(self.store.sandboxes.values())}
+        return json_response(QuotaList([self._quota_wire(t) for t in sorted(tenants)]))
+
+    async def set_quota(self, request: web.Request) -> web.Response:
+        tenant = keys.check_tenant(request.match_info["tenant"])
+        request[auth.TARGET_KEY] = tenant or "default"
+        req = decode_request(await read_json_body(request), QuotaRequest, empty_is_object=True)
+        for name in ("cpus", "memory_mb", "sandboxes"):
+            value = getattr(req, name)
+            if value is not None and not 0 <= value <= MAX_QUOTA_AMOUNT:
+                raise InvalidRequest(f"{name} must be 0 to {MAX_QUOTA_AMOUNT} (null: no limit), not {value}")
+        await self.gw.write(self.store.set_quota, tenant, Quota(req.cpus, req.memory_mb, req.sandboxes))
+        return json_response(self._quota_wire(tenant))
+
+
+#: Largest amount a quota may name (CPUs, MiB or sandboxes): far past any fleet, well inside SQLite's integers.
+MAX_QUOTA_AMOUNT = 1_000_000_000
 
 _NODE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 

@@ -19,10 +19,11 @@ from sbx.api.snapshots import Snapshot
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_SCOPES, label_of, principal_of, relayed_path
 from sbx.gateway.labels import patch_request
-from sbx.gateway.relay import Body, CappedBody, forward, guarded, relay_upgrade
+from sbx.gateway.relay import Body, CappedBody, forward, guarded, relay_upgrade, relay_websocket
 from sbx.gateway.revocation import OpenRequest
 from sbx.gateway.state import SandboxRecord
 from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body
+from sbx.web.websocket import check_websocket
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -94,6 +95,25 @@ class SandboxRoutes:
 
         return handler
 
+    async def attach_websocket(self, request: web.Request) -> web.StreamResponse:
+        """The WebSocket form of attach, served here over the node's plain attach (``relay_websocket``)."""
+        principal = principal_of(request)
+        rec = self._target(request)
+        check_websocket(request)
+        node = self.gw.node_for(rec.node, f"sandbox {rec.id}").client
+        attach_path = relayed_path(request, rec.id).split("?", 1)[0].removesuffix("/websocket")
+        op = self._open_request(request, principal, rec, node.name)
+        return await guarded(request, op, self.gw.open, relay_websocket(request, node, attach_path, op))
+
+    def _open_request(
+        self, request: web.Request, principal: auth.Principal, rec: SandboxRecord, node: str
+    ) -> OpenRequest:
+        return OpenRequest(
+            key_id=principal.key_id or "", user=principal.user, key_tenant=principal.key_tenant,
+            tenant=principal.tenant, scopes=request.get(ROUTE_SCOPES, ()), route=f"{request.method} {label_of(request)}",
+            sandbox=rec.id, node=node,
+        )  # fmt: skip
+
     def _target(self, request: web.Request) -> SandboxRecord:
         rec = self.gw.sandboxes.resolve(principal_of(request), request.match_info["ref"])
         request[auth.TARGET_KEY] = rec.id
@@ -106,11 +126,7 @@ class SandboxRoutes:
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}").client
         # The node is asked by id, never by the name the caller used, on the path exactly as the client sent it.
         target = relayed_path(request, rec.id)
-        op = OpenRequest(
-            key_id=principal.key_id or "", user=principal.user, key_tenant=principal.key_tenant,
-            tenant=principal.tenant, scopes=request.get(ROUTE_SCOPES, ()), route=f"{request.method} {label_of(request)}",
-            sandbox=rec.id, node=node.name,
-        )  # fmt: skip
+        op = self._open_request(request, principal, rec, node.name)
         if upgrade is not None and _asks_upgrade(request, upgrade):
             return await guarded(request, op, self.gw.open, relay_upgrade(request, node, target, upgrade, op))
         return await guarded(
