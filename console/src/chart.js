@@ -9,8 +9,8 @@ export function chart(container, title, series, fmt) {
     title,
     width,
     height: 200,
-    // At least five minutes wide, so the first samples are not spread over a range of years.
-    scales: { x: { time: true, range: (u, min, max) => [Math.min(min ?? max, max - 300), max] } },
+    // The x range is set with each data set (below): uPlot's own auto range spreads a single sample over years.
+    scales: { x: { time: true, auto: false } },
     axes: [{}, { values: (u, ticks) => ticks.map(fmt), size: 86 }],
     series: [{}, ...series.map((s) => ({ label: s.label, stroke: s.stroke, width: 2, value: (u, v) => fmt(v) }))],
     legend: { live: true },
@@ -20,7 +20,13 @@ export function chart(container, title, series, fmt) {
   observer.observe(container);
   return {
     set(data) {
-      plot.setData(data);
+      plot.setData(data, false);
+      const times = data[0];
+      if (times.length > 0) {
+        // At least five minutes wide, ending at the newest sample; the y scales follow this window.
+        const max = times[times.length - 1];
+        plot.setScale("x", { min: Math.min(times[0], max - 300), max });
+      }
     },
     dispose() {
       observer.disconnect();

@@ -286,7 +286,7 @@ function metrics(body, id) {
       charts[1].set([times, samples.map((s) => s.memory_bytes), samples.map((s) => s.memory_limit_bytes)]);
       charts[2].set([times, rates(samples, "net_rx_bytes"), rates(samples, "net_tx_bytes")]);
       charts[3].set([times, rates(samples, "disk_read_bytes"), rates(samples, "disk_write_bytes")]);
-      note.textContent = `${samples.length} samples, one every ${answer.interval_secs} s (the last hour)`;
+      note.textContent = `${samples.length} sample${samples.length === 1 ? "" : "s"}, one every ${answer.interval_secs} s (the last hour)`;
     } catch (error) {
       clear(note, errorBox(error));
     }
