@@ -5,13 +5,11 @@ window, scp both ways and sftp, ssh -L, revocation, the SSH key rules, audit and
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import json
 import os
 import pty
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -20,7 +18,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import termios
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +28,7 @@ from typing import Any
 import asyncssh
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
+from pty_screen import read_until, set_size
 from sandboxd_harness import Sandboxd, free_port
 from ssh_client import SshClient, keygen, public_line
 
@@ -241,43 +239,21 @@ def test_a_login_needs_an_active_ssh_scope(world: World) -> None:
 # -- sessions -----------------------------------------------------------------------------------------
 
 
-def _set_size(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-def _read_until(fd: int, pattern: bytes, timeout_secs: float = 30) -> bytes:
-    seen = b""
-    deadline = time.monotonic() + timeout_secs
-    while pattern not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"{pattern!r} not seen in {seen[-500:]!r}"
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-    return seen
-
-
 def test_pty_shell_follows_the_window_and_exits_with_its_status(world: World) -> None:
     master, slave = pty.openpty()
-    _set_size(slave, 33, 111)
+    set_size(slave, 33, 111)
     proc = world.ssh.popen("box", identity=world.ids["alice"], extra=["-tt"], stdin=slave, stdout=slave,
                            stderr=slave, start_new_session=True)  # fmt: skip
     os.close(slave)
     try:
         os.write(master, b"stty size; echo TERM=$TERM; tty\n")
-        out = _read_until(master, b"/dev/pts")
+        out = read_until(master, b"/dev/pts")
         assert b"33 111" in out and b"TERM=xterm" in out, out
-        _set_size(master, 50, 160)
+        set_size(master, 50, 160)
         proc.send_signal(signal.SIGWINCH)
         time.sleep(0.5)
         os.write(master, b"stty size\n")
-        assert b"50 160" in _read_until(master, b"50 160")
+        assert b"50 160" in read_until(master, b"50 160")
         os.write(master, b"exit 5\n")
         assert proc.wait(timeout=30) == 5
     finally:

@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pty
-import select
 import signal
-import struct
 import sys
-import termios
 import time
 from typing import Any
 
+from pty_screen import read_until, set_size
 from sandboxd_harness import Sandboxd
-
-
-def set_size(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-def read_until(fd: int, needle: bytes, timeout_secs: float = 30) -> bytes:
-    seen = b""
-    deadline = time.monotonic() + timeout_secs
-    while needle not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {needle!r} on the screen; saw {seen[-500:]!r}"
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-    return seen
 
 
 def test_shell_types_resizes_and_exits(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -44,6 +45,8 @@ from sbx.gateway.state import SandboxRecord
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
+
+log = logging.getLogger(__name__)
 
 
 class Sandboxes:
@@ -128,6 +131,16 @@ class Sandboxes:
         self.gw.metrics.terminated.inc()
         if rec.name is not None:
             await self.gw.write(self.gw.store.put_sandbox, dataclasses.replace(rec, name=None))
+
+    async def end_orphan(self, node: Node, sandbox_id: str, why: str) -> None:
+        """Terminate a sandbox the gateway made for a workload (a service replica, a job run) that nothing owns
+        any more; ``why`` goes in the log. Best effort: a node error leaves it to the caller's next sweep."""
+        log.info(why, extra={"node": node.name, "sandbox": sandbox_id})
+        with contextlib.suppress(SandboxError):
+            await node.client.delete_sandbox(sandbox_id)
+            record = self.gw.store.sandboxes.get(sandbox_id)
+            if record is not None:
+                await self.terminated(record)
 
     # -- create ------------------------------------------------------------------------------------------
 

@@ -153,6 +153,13 @@ def seconds_since(stamp: str) -> float | None:
         return None
 
 
+def older_than(stamp: str, secs: float) -> bool:
+    """Whether the RFC 3339 time ``stamp`` is more than ``secs`` seconds ago (one that is not a time counts as
+    old, so a record with a broken stamp is not kept for ever)."""
+    age = seconds_since(stamp)
+    return age is None or age > secs
+
+
 @dataclass(frozen=True)
 class KeyRecord:
     id: str

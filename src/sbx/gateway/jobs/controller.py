@@ -42,7 +42,7 @@ from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, Outputs
 from sbx.gateway.jobs.runner import JOB_LABEL, REVOKED, RUN_LABEL, JobCancelled, Runner
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodes import Node
-from sbx.gateway.state import now_rfc3339, seconds_since
+from sbx.gateway.state import now_rfc3339, older_than
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -316,21 +316,14 @@ class JobController:
             if adopt and run is not None and run.state == "queued" and run.sandbox is None:
                 self.runner.orphans[(job_id, run.n)] = (sandbox.id, node.name, sandbox.created_at)
                 continue
-            if not adopt and not _older_than(sandbox.created_at, ORPHAN_AGE_SECS):
+            if not adopt and not older_than(sandbox.created_at, ORPHAN_AGE_SECS):
                 continue
-            log.info(
-                "ending a sandbox of no running job run", extra={"node": node.name, "sandbox": sandbox.id}
-            )
-            with contextlib.suppress(SandboxError):
-                await node.client.delete_sandbox(sandbox.id)
-                record = self.gw.store.sandboxes.get(sandbox.id)
-                if record is not None:
-                    await self.gw.sandboxes.terminated(record)
+            await self.gw.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no running job run")
 
     async def _forget_old(self) -> None:
         old = [
             j.id for j in list(self.db.jobs.values())
-            if j.state in FINISHED_STATES and _older_than(j.updated, self.options.retention_secs)
+            if j.state in FINISHED_STATES and older_than(j.updated, self.options.retention_secs)
             and j.id not in self.runtimes
         ]  # fmt: skip
         if old:
@@ -346,9 +339,3 @@ def _run_wire(run: RunRecord) -> Run:
         started_at=run.started, finished_at=run.finished, error=run.error if run.error else UNSET,
         files=list(run.files) if run.files is not None else UNSET,
     )  # fmt: skip
-
-
-def _older_than(stamp: str, secs: float) -> bool:
-    """Whether ``stamp`` is more than ``secs`` ago (an unreadable one counts as old)."""
-    age = seconds_since(stamp)
-    return age is None or age > secs

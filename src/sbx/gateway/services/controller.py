@@ -59,7 +59,7 @@ from sbx.gateway.services.rollout import ReplicaView, plan
 from sbx.gateway.services.spec import DEFAULT_EVERY_SECS, DEFAULT_FAILURES, rollout_part
 from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
 from sbx.gateway.specs import create_request
-from sbx.gateway.state import now_rfc3339, seconds_since
+from sbx.gateway.state import now_rfc3339, older_than
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -679,16 +679,9 @@ class ServiceController:
                 rt.replicas[rec.sandbox] = ReplicaRuntime(rec)
                 log.info("replica adopted from its labels", extra={"service": svc.id, "sandbox": sandbox.id})
                 continue
-            if not adopt and not _older_than(sandbox.created_at, ORPHAN_AGE_SECS):
+            if not adopt and not older_than(sandbox.created_at, ORPHAN_AGE_SECS):
                 continue
-            log.info(
-                "ending a sandbox of no current replica", extra={"node": node.name, "sandbox": sandbox.id}
-            )
-            with contextlib.suppress(SandboxError):
-                await node.client.delete_sandbox(sandbox.id)
-                record = self.gw.store.sandboxes.get(sandbox.id)
-                if record is not None:
-                    await self.gw.sandboxes.terminated(record)
+            await self.gw.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no current replica")
 
     def replicas_total(self) -> Iterable[ReplicaRuntime]:
         for rt in list(self.runtimes.values()):
@@ -698,8 +691,3 @@ class ServiceController:
 def _revision_of(sandbox: Sandbox) -> int | None:
     text = sandbox.labels.get(REVISION_LABEL, "")
     return int(text) if text.isdigit() else None
-
-
-def _older_than(created: str, secs: float) -> bool:
-    age = seconds_since(created)
-    return age is None or age > secs
