@@ -1,7 +1,7 @@
 """The reference battery: ordinary developer tasks in a sandbox against the same programs on the host.
 
     sudo .venv/bin/python bench/bench_real_work.py [--rounds 3] [--cpus 1,2] [--only git,find,...]
-        [--node-config FILE] [--host-upper ext4|tmpfs] [--json PATH]
+        [--node-config FILE] [--variant LABEL=FILE ...] [--host-upper ext4|tmpfs] [--priority] [--json PATH]
 
 Two kinds of environment run the same tasks with the same programs (the default image's bash, python3, pip,
 gcc, make, git, tar, find, grep, node and npm) on the same inputs:
@@ -62,8 +62,14 @@ markdown ready for docs/benchmarks.md: the date (UTC), runsc's version and platf
 the p50 of each environment and each sandbox's ratio to the host at p50; last the geometric mean of the
 battery's ratios and its worst task. ``--json PATH`` writes every sample (seconds), warm-up included.
 
-Publish numbers from a quiet host (load average under 1): the kernel shares a busy CPU by cgroup and by
-session (autogroup), so under load the host side (one session of this script) and a sandbox (sandboxd's cgroup,
+``--priority`` gives the measured work the largest CPU weight cgroups allow (``cpu.shares`` 262144 on cgroup
+v1, ``cpu.weight`` 10000 on v2), the sandboxes' parent cgroup ``/sandboxd`` and a cgroup of the host side's
+own alike (the parent's weight is put back at the end), so that other work on a shared machine weighs
+little on either side; it says so in the output.
+
+Publish numbers from a quiet host (load average under 1), or with ``--priority``: the kernel shares a busy
+CPU by cgroup and by session (autogroup), so under load the host side (one session of this script) and a
+sandbox (sandboxd's cgroup,
 shared with any other sandbox) do not get the same share, and ratios move by 2x and more between runs.
 
 Needs root (chroot, loop devices, sandboxd) and scripts/install.sh's default image and agent. Exits 1 when a
@@ -405,6 +411,8 @@ class HostSide:
     def __init__(
         self, workdir: Path, image_root: Path, env: dict[str, str], upper: str, disk_mb: int
     ) -> None:
+        #: cgroup.procs files the host side's processes join first (``--priority``).
+        self.cgroup_procs: list[Path] = []
         self.layer = WritableLayer(workdir)
         self.upper = upper
         self.env = env
@@ -432,7 +440,8 @@ class HostSide:
         """``argv`` in the chroot as the sandbox user in HOME, in new mount and network namespaces with
         /proc, /dev and a tmpfs /tmp."""
         env = [f"{k}={v}" for k, v in self.env.items()]
-        script = (
+        join = "".join(f"echo $$ > {shlex.quote(str(p))} && " for p in self.cgroup_procs)
+        script = join + (
             'mount -t proc proc "$1/proc" && mount --rbind /dev "$1/dev" && '
             'mount -t tmpfs -o nodev,nosuid,mode=1777 tmpfs "$1/tmp" && cd "$1" && shift && '
             "exec chroot . /usr/bin/setpriv --reuid=1000 --regid=1000 --init-groups "
@@ -461,14 +470,18 @@ class HostSide:
 class SandboxSide:
     """One sandbox of ``server`` (``cpus`` None: the node's default) holding the inputs in HOME/bench."""
 
-    def __init__(self, server: Sandboxd, cpus: int | None) -> None:
+    def __init__(self, server: Sandboxd, cpus: int | None, label: str = "") -> None:
         self.server = server
         fields: dict[str, Any] = {"idle_timeout_secs": 3600}  # the other sides' turns are not idleness
         if cpus is not None:
             fields["cpus"] = cpus
         self.record = server.create(**fields)
         self.id = self.record["id"]
-        self.name = f"cpus {self.record['cpus']}" + (" (default)" if cpus is None else "")
+        self.name = (
+            (f"{label}, " if label else "")
+            + f"cpus {self.record['cpus']}"
+            + (" (default)" if cpus is None else "")
+        )
 
     def put_inputs(self, inputs: bytes) -> None:
         put = self.server.request(
@@ -562,6 +575,28 @@ def report(
     return out
 
 
+CPU_ROOT = Path("/sys/fs/cgroup")
+#: The sandboxes' parent cgroup (sbx.backends.gvisor.CGROUP_PARENT) and the host side's own, for --priority.
+SANDBOX_PARENT, HOST_CGROUP = "sandboxd", "sbx-bench-real-work-host"
+
+
+def raise_priority(stack: ExitStack, host: HostSide) -> str:
+    """Give /sandboxd and a cgroup of the host side's own the largest CPU weight; what was done, for the
+    output. The parent's previous weight is put back when ``stack`` closes."""
+    v2 = (CPU_ROOT / "cgroup.controllers").exists()
+    base, knob, top = (CPU_ROOT, "cpu.weight", "10000") if v2 else (CPU_ROOT / "cpu", "cpu.shares", "262144")
+    parent, mine = base / SANDBOX_PARENT, base / HOST_CGROUP
+    for group in (parent, mine):
+        group.mkdir(exist_ok=True)
+    before = (parent / knob).read_text().strip()
+    stack.callback((parent / knob).write_text, before)
+    stack.callback(lambda: mine.rmdir() if mine.exists() else None)
+    for group in (parent, mine):
+        (group / knob).write_text(top)
+    host.cgroup_procs = [mine / "cgroup.procs"]
+    return f"{knob} {top} for /{SANDBOX_PARENT} and for the host side"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -572,6 +607,15 @@ def main() -> None:
     )
     parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(TASK_KEYS)}")
     parser.add_argument("--node-config", type=Path, help="extra sandboxd configuration (TOML text) to add")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FILE",
+        help="one more sandboxd with FILE's configuration added, its sandboxes named LABEL",
+    )
+    parser.add_argument("--priority", action="store_true",
+                        help="the largest CPU weight for the sandboxes' and the host side's cgroups")  # fmt: skip
     parser.add_argument("--host-upper", choices=("ext4", "tmpfs"), default="ext4",
                         help="where the host chroot's writes go (default ext4, like a sandbox's layer)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every sample (seconds) and failure here")
@@ -583,6 +627,12 @@ def main() -> None:
     tasks = [t for t in TASKS if not only or t.key in only]
     cpus_list: list[int | None] = [int(c) for c in args.cpus.split(",") if c] or [None]
     node_config = args.node_config.read_text() if args.node_config else ""
+    variants: list[tuple[str, str]] = []
+    for spec in args.variant:
+        label, sep, file = spec.partition("=")
+        if not sep or not label or not file:
+            parser.error(f"--variant {spec!r}: expected LABEL=FILE")
+        variants.append((label, node_config + "\n" + Path(file).read_text()))
     load_start = load_average()
     started = time.gmtime()
 
@@ -591,12 +641,16 @@ def main() -> None:
         runtime = server.request("GET", "/v1/node").json()["runtime"]
         make_inputs(work / "inputs")
         inputs = tar_of(work / "inputs")
-        sandboxes = [SandboxSide(server, cpus) for cpus in cpus_list]
+        sandboxes = [SandboxSide(server, cpus, "base" if variants else "") for cpus in cpus_list]
+        for label, text in variants:
+            other, _ = stack.enter_context(bench_node(f"sbx-bench-real-work-{label}-", text))
+            sandboxes += [SandboxSide(other, cpus, label) for cpus in cpus_list]
         image = ImageStore(IMAGES_DIR).get("default")
         assert image is not None
         env = {**image.config.env, "HOME": HOME, "USER": "sandbox", "LOGNAME": "sandbox"}
         host = HostSide(work / "host", default_rootfs(), env, args.host_upper, sandboxes[0].record["disk_mb"])
         stack.callback(host.close)
+        priority = raise_priority(stack, host) if args.priority else "none"
         sides: list[Side] = [host, *sandboxes]
         nproc = {}
         for side in sides:
@@ -614,7 +668,8 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d %H:%M', started)} UTC, runsc {runtime['runsc_version']} on "
             f"{runtime['platform']}, host kernel {platform.release()}, {os.cpu_count()} cores; p50 of {rounds} "
             f"after 1 warm-up, interleaved task by task; host: chroot over an overlay of the default image, upper "
-            f"on {args.host_upper}; sandboxes ({described}); load average (1, 5, 15 min) at start {load_start}.",
+            f"on {args.host_upper}; sandboxes ({described}); CPU priority: {priority}; load average (1, 5, 15 min) "
+            f"at start {load_start}.",
             flush=True,
         )
 
