@@ -21,7 +21,7 @@ from typing import Any
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
 from sandboxd_harness import Response, Sandboxd, send
 
-CAPACITY = "[capacity]\ncpus = 6\nmemory_mb = 6144\ndisk_mb = 100000\n"
+CAPACITY = "[capacity]\ncpus = 12\nmemory_mb = 6144\ndisk_mb = 100000\n"
 
 #: A replica: answers GET with its own random id, the GREETING variable, the length of the TOKEN secret (never
 #: the value), the path, the prefix and Authorization it was given; echoes POST bodies; switches to an echo of

@@ -42,7 +42,7 @@ NODE_CONFIG = """
 [images]
 allowed = []
 [capacity]
-cpus = 4
+cpus = 8
 memory_mb = 2048
 disk_mb = 20000
 """

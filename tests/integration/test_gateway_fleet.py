@@ -19,7 +19,7 @@ import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
 from sandboxd_harness import Sandboxd, free_port, localhost_certificate
 
-CAPACITY = "[capacity]\ncpus = 4\nmemory_mb = 4096\ndisk_mb = 100000\n"
+CAPACITY = "[capacity]\ncpus = 8\nmemory_mb = 4096\ndisk_mb = 100000\n"
 
 
 class Fleet:
@@ -469,10 +469,10 @@ def test_a_stop_cuts_open_streams_within_seconds(clean: Fleet) -> None:
 def test_quota_passed_by_node_defaults_is_undone(clean: Fleet) -> None:
     fleet, greta = clean, clean.keys["greta"]
     first = fleet.gw.create(greta, cpus=1)
-    # The request names no cpus: only the node's answer (its default, 1) shows the quota is passed.
+    # The request names no cpus: only the node's answer (its default, 2) shows the quota is passed.
     resp = fleet.gw.request("POST", "/v1/sandboxes", {}, key=greta)
     assert (resp.status, resp.error) == (
-        403, ("refused", "over the quota of tenant gamma: 2 cpus of 1; delete sandboxes or ask an admin for a larger quota"))  # fmt: skip
+        403, ("refused", "over the quota of tenant gamma: 3 cpus of 1; delete sandboxes or ask an admin for a larger quota"))  # fmt: skip
     assert [s["id"] for s in fleet.gw.request("GET", "/v1/sandboxes", key=greta).json()["sandboxes"]] == [
         first["id"]
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 from sandboxd_harness import Sandboxd
 
-from sbx.backends.runsc import STATX_FIXED_RELEASE, inspect_runsc
+from sbx.backends.runsc import STATX_FIXED_RELEASE, dentry_cache_size, inspect_runsc
 
 # Run by the sandbox user in its home: everything a developer does to files, each must print nothing on
 # stderr. (Permission errors a real Linux also gives, like listing /root as a user, are left out.)
@@ -129,6 +130,40 @@ def _sandbox_platform(sandbox_id: str) -> str:
             flags = [a.split("=", 1)[1] for a in argv if a.startswith("--platform=")]
             return flags[0] if flags else inspect_runsc().platforms[0]
     raise AssertionError(f"no runsc boot process for {sandbox_id}")
+
+
+def _boot_flag(sandbox_id: str, flag: str) -> str | None:
+    """The value of ``--flag=`` on the running ``runsc boot`` of ``sandbox_id``, None when it is absent."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "boot" in argv and sandbox_id in argv:
+            return next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
+    raise AssertionError(f"no runsc boot process for {sandbox_id}")
+
+
+def test_dentry_cache_is_sized_from_the_open_file_limit(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:
+    """With ``[gvisor] dentry_cache`` 0 every sandbox gets a cache sized from the descriptors its sentry may
+    open (docs/config.md): a walk of all of /usr, twice, and reading a few thousand files neither runs the
+    sentry out of descriptors ("Too many open files", what a cache too large for the limit did) nor errs."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # sandboxd, and so each sentry, inherits it
+    assert _boot_flag(sandbox["id"], "dcache") == str(dentry_cache_size(0, limit))
+    script = (
+        "set -e; a=$(find /usr -type f | wc -l); b=$(find /usr -type f | wc -l); test $a = $b; "
+        "cat /usr/lib/python3.11/*.py /usr/include/*.h > /dev/null; ls -lR /usr/share > /dev/null; echo $a"
+    )
+    result = sandboxd.run(sandbox["id"], ["sh", "-c", script])
+    assert (result["exit_code"], result["stderr"]) == (0, b""), result
+    assert int(result["stdout"]) > 20000
+
+
+def test_dentry_cache_from_the_config(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory("[gvisor]\ndentry_cache = 2500\n")
+    created = server.create()
+    assert _boot_flag(created["id"], "dcache") == "2500"
+    assert server.run(created["id"], ["true"])["exit_code"] == 0
 
 
 def test_platform_from_the_config(sandboxd_factory: Callable[..., Sandboxd]) -> None:

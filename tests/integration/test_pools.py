@@ -105,7 +105,7 @@ def test_pool_fills_and_is_reported(server: Sandboxd, pooled_image: str, metrics
     # Pooled sandboxes hold resources but are nobody's: not listed, not running in the count.
     held = status["capacity"]["memory_mb"] - status["free"]["memory_mb"]
     assert held == POOL_SIZE * 512
-    assert status["capacity"]["cpus"] - status["free"]["cpus"] == POOL_SIZE
+    assert status["capacity"]["cpus"] - status["free"]["cpus"] == POOL_SIZE * 2  # the default cpus
     assert status["running"] == 0
     assert live_ids(server) == []
     m = metrics(metrics_port)
@@ -182,7 +182,7 @@ def test_two_users_of_pooled_sandboxes_see_no_trace_of_each_other(
 @pytest.mark.parametrize(
     "fields",
     [
-        pytest.param({"cpus": 2}, id="other-cpus"),
+        pytest.param({"cpus": 1}, id="other-cpus"),
         pytest.param({"memory_mb": 256}, id="other-memory"),
         pytest.param({}, id="other-image"),
     ],

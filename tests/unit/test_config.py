@@ -45,7 +45,7 @@ def test_no_file_gives_documented_defaults() -> None:
         60,
         10,
     )
-    assert (cfg.defaults.cpus, cfg.defaults.memory_mb, cfg.defaults.disk_mb) == (1, 512, 2048)
+    assert (cfg.defaults.cpus, cfg.defaults.memory_mb, cfg.defaults.disk_mb) == (2, 512, 2048)
     assert (cfg.defaults.idle_timeout_secs, cfg.defaults.image) == (600, "default")
     assert cfg.network == NetworkConfig(NetworkPolicy("none"), "none", ())
     assert (cfg.capacity.cpus, cfg.capacity.memory_mb, cfg.capacity.disk_mb) == (0, 0, 0)
@@ -124,7 +124,7 @@ enabled = false
         pytest.param("[defaults]\nmemory_mb = 8192", lambda c: c.defaults.memory_mb == 8192, id="default-memory-at-limit"),
         pytest.param("[defaults]\ndisk_mb = 20480", lambda c: c.defaults.disk_mb == 20480, id="default-disk-at-limit"),
         pytest.param("[defaults]\nidle_timeout_secs = 86400", lambda c: c.defaults.idle_timeout_secs == 86400, id="default-idle-at-limit"),
-        pytest.param("[limits]\nmax_cpus = 1", lambda c: c.limits.max_cpus == 1, id="limit-one"),
+        pytest.param("[limits]\nmax_cpus = 1", lambda c: (c.limits.max_cpus, c.defaults.cpus) == (1, 1), id="limit-one-lowers-the-built-in-default"),
         pytest.param("[network]\nceiling = \"open\"", lambda c: c.network.ceiling == "open", id="ceiling-only"),
         pytest.param("[network]\ndefault = {mode = \"none\", deny = [\"a.com\"]}", lambda c: c.network.default == NetworkPolicy("none"), id="deny-dropped-under-none"),
         pytest.param("[network]\nceiling = \"open\"\ndefault = {mode = \"open\"}", lambda c: c.network.default == NetworkPolicy("open"), id="default-open-at-ceiling"),
@@ -142,6 +142,9 @@ enabled = false
         pytest.param("[[pools]]\nimage = \"default\"\nsize = 0", lambda c: c.pools == (PoolConfig("default", 0),), id="pool-size-zero"),
         pytest.param("[gvisor]\nplatform = \"ptrace\"", lambda c: c.gvisor.platform == "ptrace", id="platform-ptrace"),
         pytest.param("[gvisor]\nplatform = \"systrap\"", lambda c: c.gvisor.platform == "systrap", id="platform-systrap"),
+        pytest.param("", lambda c: c.gvisor.dentry_cache == 0, id="dentry-cache-sized-by-default"),
+        pytest.param("[gvisor]\ndentry_cache = 100", lambda c: c.gvisor.dentry_cache == 100, id="dentry-cache-smallest"),
+        pytest.param("[gvisor]\ndentry_cache = 50000", lambda c: c.gvisor.dentry_cache == 50000, id="dentry-cache-set"),
     ],
 )  # fmt: skip
 def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig], bool]) -> None:
@@ -230,6 +233,9 @@ def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig],
         pytest.param("[gvisor]\nplatform = \"kvm\"", "gvisor.platform = 'kvm': expected one of auto, systrap, ptrace", id="platform-unknown"),
         pytest.param("[gvisor]\nplatform = \"\"", "gvisor.platform: expected a non-empty string", id="platform-empty"),
         pytest.param("[gvisor]\nruntime = \"runsc\"", "unknown key gvisor.runtime", id="gvisor-unknown-key"),
+        pytest.param("[gvisor]\ndentry_cache = 99", "gvisor.dentry_cache = 99: expected 0 (sized from the open-file limit) or at least 100", id="dentry-cache-too-small"),
+        pytest.param("[gvisor]\ndentry_cache = -1", "gvisor.dentry_cache = -1: expected an integer of at least 0", id="dentry-cache-negative"),
+        pytest.param("[gvisor]\ndentry_cache = \"big\"", "gvisor.dentry_cache: expected an integer, got string 'big'", id="dentry-cache-not-a-number"),
         # Syntax.
         pytest.param("[limits\nmax_cpus = 1", "is not valid TOML", id="bad-toml"),
     ],

@@ -98,7 +98,7 @@ def test_create_empty_object_applies_every_default() -> None:
     req = m.parse_create(b"{}", CONFIG)
     assert req == m.CreateSpec(
         image="default",
-        cpus=1,
+        cpus=2,
         memory_mb=512,
         disk_mb=2048,
         idle_timeout_secs=600,

@@ -7,13 +7,14 @@ releases are exercised by the integration tests.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from sbx.backends.base import BackendError
-from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc, probe_platform
+from sbx.backends.runsc import RunscInfo, choose_platform, dentry_cache_size, inspect_runsc, probe_platform
 
 FLAGS_20240729 = """\
   -overlay2 value
@@ -84,6 +85,40 @@ def test_inspect(
     assert ("--overlay2=none" in info.start_flags("systrap")) is overlay_none
     assert info.start_flags("ptrace")[0] == "--platform=ptrace"
     assert info.netns_needs_procfs_mask is procfs_mask
+
+
+# (case, configured, RLIMIT_NOFILE hard limit, --dcache)
+DENTRY_CACHE_CASES = [
+    ("configured wins whatever the limit", 50000, 1024, 50000),
+    ("this machine's 20000", 0, 20000, 7952),
+    ("pid 1's 32768", 0, 32768, 14336),
+    ("systemd's 524288: capped", 0, 524288, 16384),
+    ("a tiny limit: runsc's own size, never less", 0, 1024, 1000),
+    ("just the reserve", 0, 4096, 1000),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("configured", "limit", "size"),
+    [c[1:] for c in DENTRY_CACHE_CASES],
+    ids=[c[0] for c in DENTRY_CACHE_CASES],
+)
+def test_dentry_cache_size(configured: int, limit: int, size: int) -> None:
+    assert dentry_cache_size(configured, limit) == size
+
+
+def test_dentry_cache_flag() -> None:
+    info = inspect_runsc_from_flags("  -dcache int\n  -overlay2 value\n")
+    assert "--dcache=8000" in info.start_flags("systrap", 8000)
+    assert not any(f.startswith("--dcache") for f in info.start_flags("systrap", 0))
+    old = inspect_runsc_from_flags("  -overlay2 value\n")
+    assert not any(f.startswith("--dcache") for f in old.start_flags("systrap", 8000))
+
+
+def inspect_runsc_from_flags(flags: str) -> RunscInfo:
+    return RunscInfo(
+        "/usr/bin/runsc", "0.0~20240729.0", 20240729, frozenset(re.findall(r"-(\w+)", flags)), ("systrap",)
+    )
 
 
 def test_release_older_than_the_minimum_is_refused(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -47,7 +48,14 @@ from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
-from sbx.backends.runsc import RunscInfo, choose_platform, inspect_runsc
+from sbx.backends.runsc import (
+    DENTRY_FD_RESERVE,
+    FDS_PER_DENTRY,
+    RunscInfo,
+    choose_platform,
+    dentry_cache_size,
+    inspect_runsc,
+)
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
 
@@ -181,6 +189,7 @@ class GVisorBackend:
         runsc: str = "runsc",
         pooled_disk_mb: int = 0,
         egress: EgressConfig | None = None,
+        dentry_cache: int = 0,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
@@ -194,6 +203,9 @@ class GVisorBackend:
         self.platform = platform
         self.platform_reason = ""
         self.runsc = runsc
+        #: What was asked for (0: sized by :meth:`check`) and, once checked, the size every sandbox gets.
+        self.requested_dentry_cache = dentry_cache
+        self.dentry_cache = dentry_cache
         #: The installed runsc, read by :meth:`check`.
         self.runsc_info: RunscInfo | None = None
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
@@ -246,10 +258,20 @@ class GVisorBackend:
         self.platform, self.platform_reason = choose_platform(
             info, self.requested_platform, self.agent_path, self.base
         )
+        nofile_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        self.dentry_cache = dentry_cache_size(self.requested_dentry_cache, nofile_limit)
+        if self.dentry_cache * FDS_PER_DENTRY + DENTRY_FD_RESERVE > nofile_limit:
+            log.warning(
+                "the dentry cache may need more descriptors than a sentry may open",
+                extra={"dentry_cache": self.dentry_cache, "nofile_limit": nofile_limit},
+            )
         self.runsc_info = info
         if self.net is not None:
             self.net.procfs_mask = info.netns_needs_procfs_mask
-        log.info("gVisor runtime", extra=to_builtins(self.runtime_report()))
+        log.info(
+            "gVisor runtime",
+            extra={**to_builtins(self.runtime_report()), "dentry_cache": self.dentry_cache},
+        )
 
     def runtime_report(self) -> Runtime:
         """The runsc and platform sandboxes run on, and what they cannot do (``GET /v1/node`` ``runtime``)."""
@@ -380,7 +402,7 @@ class GVisorBackend:
         with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
                 *self._sandbox_process_argv(
-                    sandbox_id, *self._runsc().start_flags(self.platform), "--host-uds=create",
+                    sandbox_id, *self._runsc().start_flags(self.platform, self.dentry_cache), "--host-uds=create",
                     "--cpu-num-from-quota",
                     *command, "--detach", "--bundle", str(bundle), sandbox_id,
                 ),

@@ -164,14 +164,19 @@ class PoolConfig:
 
 #: Values of ``[gvisor] platform``: ``auto`` probes systrap at start and falls back to ptrace.
 GVISOR_PLATFORMS: Final = ("auto", "systrap", "ptrace")
+#: The smallest ``[gvisor] dentry_cache`` accepted besides 0 (runsc's own per-mount default is 1,000).
+MIN_DENTRY_CACHE: Final = 100
 
 
 @dataclass(frozen=True)
 class GVisorConfig:
     """``[gvisor]``: ``platform`` sandboxes run on, ``auto`` (systrap where it works here, else ptrace; see
-    docs/backends.md) or a platform name used as told."""
+    docs/backends.md) or a platform name used as told. ``dentry_cache``: unused file-system entries each
+    sandbox's sentry keeps cached (runsc ``--dcache``); 0 means sized from the open-file limit sandboxd runs
+    with (sbx.backends.runsc.dentry_cache_size)."""
 
     platform: str = "auto"
+    dentry_cache: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,8 +274,13 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     _no_unknown(dfl, _fields(DefaultsConfig), "defaults.")
     base_dfl = DefaultsConfig()
     defaults = DefaultsConfig(
+        # The built-in 2 follows a smaller limits.max_cpus; one set here must fit it.
         cpus=_int(
-            dfl, "defaults.cpus", base_dfl.cpus, minimum=1, maximum=(limits.max_cpus, "limits.max_cpus")
+            dfl,
+            "defaults.cpus",
+            min(base_dfl.cpus, limits.max_cpus),
+            minimum=1,
+            maximum=(limits.max_cpus, "limits.max_cpus"),
         ),
         memory_mb=_int(
             dfl,
@@ -339,11 +349,17 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     platform = _nonempty_str(gvi, "gvisor.platform", GVisorConfig.platform)
     if platform not in GVISOR_PLATFORMS:
         raise ConfigError(f"gvisor.platform = {platform!r}: expected one of {', '.join(GVISOR_PLATFORMS)}")
+    dentry_cache = _int(gvi, "gvisor.dentry_cache", GVisorConfig.dentry_cache)
+    if 0 < dentry_cache < MIN_DENTRY_CACHE:
+        raise ConfigError(
+            f"gvisor.dentry_cache = {dentry_cache}: expected 0 (sized from the open-file limit) or at least "
+            f"{MIN_DENTRY_CACHE}"
+        )
 
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
         paths=paths, audit=audit, images=images, pools=pools, backend=BackendConfig(kind),
-        gvisor=GVisorConfig(platform=platform), source=source,
+        gvisor=GVisorConfig(platform=platform, dentry_cache=dentry_cache), source=source,
     )  # fmt: skip
 
 
