@@ -13,7 +13,7 @@ the label is one DNS label and one wildcard certificate covers every service).
 
 Who may call: ``public: true``, anyone; otherwise a key acting in the service's tenant (its own, or through
 ``X-Sandbox-Org``; an admin key anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, which
-the replica never sees. Traffic flows only while the service's owner holds an active key in the tenant: revoking
+the replica never sees however it is spelled (``auth.carries_gateway_key``, over the parse authentication uses). Traffic flows only while the service's owner holds an active key in the tenant: revoking
 the last one stops it at once, open requests included (503), as a revoked caller's key ends its own (401 or cut).
 
 How: each request goes to the next healthy replica in turn, through its node's tunnel to the replica's ``port``
@@ -260,8 +260,8 @@ class ServiceFront:
             lowered = name.lower()
             if lowered in HOP_BY_HOP or lowered in named or lowered.startswith("x-forwarded-"):
                 continue
-            if lowered == "authorization" and value.strip().startswith("Bearer sgk_"):
-                continue  # the gateway's own key never reaches the replica
+            if lowered == "authorization" and auth.carries_gateway_key(value):
+                continue  # the gateway's own key never reaches the replica, however it is spelled
             if lowered == auth.ORG_HEADER.lower():
                 continue
             headers.append((name, value))

@@ -1,0 +1,213 @@
+"""Hostile clients and replicas of services, through a real gateway in front of two real sandboxd nodes: a
+caller's key never reaches a replica however the header is spelled.
+
+The replicas are real servers in the sandboxes (python3 of the default image) that echo the headers they got."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import select
+import socket
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sandboxd_harness import free_port
+from services_world import World, start_world
+
+#: A replica: ``/`` and anything else echo the path and the headers as JSON; ``/sleep?secs=S`` answers after S
+#: seconds; ``/hang?id=I`` notes I in /tmp/hangs, never answers, and notes I in /tmp/hung-up once the other end
+#: closes; ``/sse?n=N&every=S`` sends N server-sent events S seconds apart (the head at once).
+ECHO = r"""
+import http.server, json, time, urllib.parse
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def note(self, name, value):
+        with open(name, "a") as f:
+            f.write(value + "\n")
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        q = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/hang":
+            self.note("/tmp/hangs", q["id"])
+            while self.rfile.read(1):
+                pass
+            self.note("/tmp/hung-up", q["id"])
+            self.close_connection = True
+            return
+        if url.path == "/sse":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            for i in range(int(q["n"])):
+                if i:
+                    time.sleep(float(q["every"]))
+                data = ("data: event %d at %.3f\n\n" % (i, time.time())).encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            return
+        if url.path == "/sleep":
+            time.sleep(float(q["secs"]))
+        body = json.dumps({"path": self.path, "headers": self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 8080), H).serve_forever()
+"""
+HEALTH = {"http": "/", "every_secs": 1, "failures": 2}
+
+
+def echo(name: str, **fields: Any) -> dict[str, Any]:
+    return {"name": name, "command": ["python3", "-c", ECHO], "port": 8080, "health": HEALTH, **fields}
+
+
+@pytest.fixture(scope="module")
+def w() -> Iterator[World]:
+    metrics_port = free_port()
+    world, nodes = start_world(["--metrics-listen", f"127.0.0.1:{metrics_port}"], prefix="sbxsvch-")
+    world.metrics_port = metrics_port  # type: ignore[attr-defined]
+    try:
+        world.ok("POST", "/v1/services", echo("open", public=True), status=201)
+        world.ok("POST", "/v1/services", echo("other", public=True), status=201)
+        world.ok("POST", "/v1/services", echo("shut"), status=201)
+        for name in ("open", "other", "shut"):
+            world.wait_ready(name, 1)
+        yield world
+    finally:
+        world.gw.stop()
+        for node in nodes:
+            node.teardown()
+        import shutil
+
+        shutil.rmtree(world.workdir, ignore_errors=True)
+
+
+# -- a raw HTTP/1.1 client: exact header bytes, connections kept alive ------------------------------------------
+
+
+def connect(w: World) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", w.gw.port), timeout=60)
+
+
+def ask(
+    sock: socket.socket, path: str, host: str = "127.0.0.1", headers: list[tuple[str, str]] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One GET on ``sock`` with ``headers`` sent byte for byte; (status, headers, body) of a Content-Length
+    answer."""
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}", *(f"{n}: {v}" for n, v in headers or [])]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed by the gateway: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    answer = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    while len(body) < int(answer.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed in the middle of an answer")
+        body += chunk
+    return int(status_line.split()[1]), answer, body
+
+
+def closed_by_gateway(sock: socket.socket) -> bool:
+    """Whether the gateway closed ``sock`` (an idle keep-alive connection is never readable otherwise)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionError:
+        return True
+
+
+def metric(w: World, name: str) -> float:
+    url = f"http://127.0.0.1:{w.metrics_port}/metrics"  # type: ignore[attr-defined]
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found, (name, text[-2000:])
+    return float(found.group(1))
+
+
+def replica_file(w: World, service: str, path: str) -> list[str]:
+    sandbox = w.service(service)["replicas"][0]["sandbox"]
+    out = w.ok(
+        "POST", f"/v1/sandboxes/{sandbox}/run", {"argv": ["sh", "-c", f"cat {path} 2>/dev/null; true"]}
+    )
+    return base64.b64decode(out["stdout"]).decode().split()
+
+
+# -- 2. the key never reaches a replica -------------------------------------------------------------------------
+
+#: Every spelling of the key the gateway accepts (tests/unit/test_gateway_auth.py holds the exhaustive table).
+SPELLINGS = [
+    "Bearer {k}", "bearer {k}", "BEARER {k}", "BeArEr {k}", "Bearer  {k}", "Bearer\t{k}", "Bearer \t {k}",
+    "Bearer {k}  ", "Bearer {k}\t", "bearer\t\t{k}\t ",
+]  # fmt: skip
+ROUTES = [("path", "/svc/{label}/who?x=1", "127.0.0.1"), ("host", "/who?x=1", "{label}.svc.test")]
+
+
+@pytest.mark.parametrize("service", ["open", "shut"])
+@pytest.mark.parametrize(("route", "path", "host"), ROUTES, ids=[r[0] for r in ROUTES])
+def test_no_spelling_of_the_key_reaches_the_replica(
+    w: World, service: str, route: str, path: str, host: str
+) -> None:
+    secret = w.keys["alice"]
+    label = f"{service}--acme"
+    sock = connect(w)
+    try:
+        for spelling in SPELLINGS:
+            value = spelling.format(k=secret)
+            # The API takes the spelling as the key (one parse decides both).
+            with connect(w) as api:
+                assert ask(api, "/v1/whoami", headers=[("Authorization", value)])[0] == 200, repr(value)
+            sent = [("Authorization", value), ("X-Sandbox-Org", "acme"), ("X-Probe", "seen")]
+            status, _, body = ask(sock, path.format(label=label), host.format(label=label), sent)
+            assert status == 200, (repr(value), body[:300])
+            got = json.loads(body)
+            names = [n.lower() for n, _ in got["headers"]]
+            assert "x-probe" in names and got["path"] == "/who?x=1", got  # the echo works: the check can fail
+            assert "authorization" not in names and "x-sandbox-org" not in names, (repr(value), got)
+            assert secret not in body.decode() and secret[4:] not in body.decode(), repr(value)
+        # Two Authorization headers, each a spelling of the key: neither reaches the replica.
+        twice = [("Authorization", f"Bearer {secret}"), ("Authorization", f"bearer  {secret}")]
+        status, _, body = ask(sock, path.format(label=label), host.format(label=label), twice)
+        assert status == 200 and secret[4:] not in body.decode(), body[:300]
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("route", "path", "host"), ROUTES, ids=[r[0] for r in ROUTES])
+def test_a_public_service_gets_its_own_authorization_but_never_a_key_under_any_scheme(
+    w: World, route: str, path: str, host: str
+) -> None:
+    secret = w.keys["alice"]
+    sock = connect(w)
+    try:
+        for value, passed in [
+            ("Basic dXNlcjpwYXNz", True), ("Bearer app-token-123", True), (f"Token {secret}", False),
+            (f"Bearer{secret}", False), (f"Bearer sgk_{'x' * 43}", False), (f"Basic {secret}", False),
+        ]:  # fmt: skip
+            status, _, body = ask(sock, path.format(label="open--acme"), host.format(label="open--acme"),
+                                  [("Authorization", value)])  # fmt: skip
+            assert status == 200, body[:300]
+            got = {n.lower(): v for n, v in json.loads(body)["headers"]}
+            assert (got.get("authorization") == value) is passed, (value, got)
+            assert "sgk_" not in body.decode()
+    finally:
+        sock.close()
