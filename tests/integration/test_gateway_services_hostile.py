@@ -1,20 +1,24 @@
 """Hostile clients and replicas of services, through a real gateway in front of two real sandboxd nodes: a
-caller's key never reaches a replica however the header is spelled.
+caller's key never reaches a replica however the header is spelled, and a replica that never answers gets its
+caller a 504 and its tunnel closed while a slow stream of server-sent events is never cut.
 
 The replicas are real servers in the sandboxes (python3 of the default image) that echo the headers they got."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import re
 import select
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gateway_harness import wait_for
 from sandboxd_harness import free_port
 from services_world import World, start_world
 
@@ -78,7 +82,7 @@ def w() -> Iterator[World]:
     world, nodes = start_world(["--metrics-listen", f"127.0.0.1:{metrics_port}"], prefix="sbxsvch-")
     world.metrics_port = metrics_port  # type: ignore[attr-defined]
     try:
-        world.ok("POST", "/v1/services", echo("open", public=True), status=201)
+        world.ok("POST", "/v1/services", echo("open", public=True, answer_timeout_secs=3), status=201)
         world.ok("POST", "/v1/services", echo("other", public=True), status=201)
         world.ok("POST", "/v1/services", echo("shut"), status=201)
         for name in ("open", "other", "shut"):
@@ -211,3 +215,73 @@ def test_a_public_service_gets_its_own_authorization_but_never_a_key_under_any_s
             assert "sgk_" not in body.decode()
     finally:
         sock.close()
+
+
+# -- 3. the answer timeout -------------------------------------------------------------------------------------
+
+
+def test_a_replica_that_never_answers_gets_a_504_and_its_tunnel_closed(w: World) -> None:
+    started = time.monotonic()
+    resp = w.traffic("/svc/open--acme/hang?id=t1", key=None)
+    elapsed = time.monotonic() - started
+    assert (resp.status, resp.error) == (504, (
+        "internal", "the replica did not begin its answer within 3 s (the service's answer_timeout_secs)"
+    )), resp.body  # fmt: skip
+    assert 2.5 <= elapsed < 60, elapsed
+    assert "t1" in replica_file(w, "open", "/tmp/hangs")
+    # The gateway closed its tunnel: the replica saw its connection end.
+    wait_for(lambda: "t1" in replica_file(w, "open", "/tmp/hung-up"), 30, 0.5)
+    # Within the timeout, a slow answer (a long poll) is not cut; the replica still serves.
+    assert w.traffic("/svc/open--acme/sleep?secs=1", key=None).status == 200
+    assert w.gw.request("GET", "/v1/health").status == 200
+
+
+def test_server_sent_events_outlast_the_answer_timeout(w: World) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", w.gw.port, timeout=60)
+    try:
+        started = time.monotonic()
+        conn.request("GET", "/svc/open--acme/sse?n=4&every=2")
+        resp = conn.getresponse()
+        assert (resp.status, resp.getheader("Content-Type")) == (200, "text/event-stream")
+        arrived = []
+        events = []
+        while line := resp.readline():
+            if line.startswith(b"data: "):
+                events.append(line.split()[2])
+                arrived.append(time.monotonic() - started)
+    finally:
+        conn.close()
+    assert events == [b"0", b"1", b"2", b"3"]  # the whole stream, though it lasted twice the 3 s timeout
+    assert arrived[-1] - arrived[0] >= 5.5, arrived
+
+
+def test_the_answer_timeout_has_a_default_and_changes_without_a_rollout(w: World) -> None:
+    assert w.service("other")["spec"]["answer_timeout_secs"] == 120
+    svc = w.service("open")
+    assert svc["spec"]["answer_timeout_secs"] == 3
+    changed = w.ok("PUT", "/v1/services/open", echo("open", public=True, answer_timeout_secs=8))
+    assert (changed["revision"], "rollout" in changed) == (svc["revision"], "rollout" in svc)
+    assert changed["spec"]["answer_timeout_secs"] == 8
+    assert w.traffic("/svc/open--acme/sleep?secs=4", key=None).status == 200  # over 3, under 8: at once
+    w.ok("PUT", "/v1/services/open", echo("open", public=True, answer_timeout_secs=3))
+    assert w.traffic("/svc/open--acme/sleep?secs=4", key=None).status == 504
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "answer_timeout_secs = 0: give 1 to 3600"),
+        (3601, "answer_timeout_secs = 3601: give 1 to 3600"),
+        ("10", "answer_timeout_secs: expected an integer, got a string"),
+    ],
+)
+def test_a_bad_answer_timeout_is_refused_and_changes_nothing(w: World, value: Any, message: str) -> None:
+    before = w.service("open")
+    for method, path, spec in [
+        ("POST", "/v1/services", echo("late", answer_timeout_secs=value)),
+        ("PUT", "/v1/services/open", echo("open", public=True, answer_timeout_secs=value)),
+    ]:
+        resp = w.call(method, path, spec)
+        assert (resp.status, resp.error) == (400, ("invalid_request", message)), resp.body
+    assert w.call("GET", "/v1/services/late").status == 404
+    assert w.service("open")["spec"] == before["spec"]

@@ -21,7 +21,8 @@ How: each request goes to the next healthy replica in turn, through its node's t
 :data:`IDLE_PER_REPLICA` idle, closed after :data:`IDLE_SECS`). A replica that cannot be reached is skipped for
 the next one, as long as nothing of the request was sent. Hop-by-hop headers are dropped and
 ``X-Forwarded-For``, ``-Host`` and ``-Proto`` added. An upgrade answered 101 switches both sides and copies
-bytes until both ends close. Request bodies are capped at 64 MiB.
+bytes until both ends close. Request bodies are capped at 64 MiB. A replica has the service's
+``answer_timeout_secs`` to begin its answer (504 and the tunnel closed after; no limit once it has begun).
 """
 
 from __future__ import annotations
@@ -37,11 +38,20 @@ import h11
 from aiohttp import web
 from msgspec import UNSET
 
-from sbx.api.errors import BadGateway, NotFound, PayloadTooLarge, SandboxError, Unauthorized, Unavailable
+from sbx.api.errors import (
+    BadGateway,
+    GatewayTimeout,
+    NotFound,
+    PayloadTooLarge,
+    SandboxError,
+    Unauthorized,
+    Unavailable,
+)
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL
 from sbx.gateway.nodeclient import NodeClient, Refusal
 from sbx.gateway.relay import copy_stream
+from sbx.gateway.services.spec import answer_timeout_secs
 from sbx.gateway.services.store import ServiceRecord
 from sbx.net.loopback import host_header_name
 from sbx.web.connections import mark_authenticated
@@ -240,7 +250,7 @@ class ServiceFront:
                 continue
             op.closers.append(up.close)
             try:
-                return await self._exchange(request, up, target, head, rep, op)
+                return await self._exchange(request, up, target, head, rep, op, answer_timeout_secs(svc.spec))
             except _NothingSent as exc:
                 problem = BadGateway(f"a replica of {svc.name!r} did not take the request: {exc}")
                 if has_body:
@@ -302,28 +312,22 @@ class ServiceFront:
 
     async def _exchange(
         self, request: web.Request, up: _Upstream, target: str, head: list[tuple[str, str]], rep: ReplicaRuntime,
-        op: _Open,
+        op: _Open, answer_timeout: float,
     ) -> web.StreamResponse:  # fmt: skip
+        """One request to one replica. The replica has ``answer_timeout`` seconds to take each part of the
+        request and then to begin its answer (the final status line, or a 101); once it has, there is no limit
+        (server-sent events, long downloads). Past it the client gets 504 and the tunnel is closed."""
         released = False
         try:
             try:
-                await up.send(h11.Request(method=request.method, target=target, headers=head))
-            except (OSError, h11.LocalProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
-            if request.body_exists:
-                sent = 0
-                async for chunk in request.content.iter_chunked(READ_CHUNK):
-                    sent += len(chunk)
-                    if sent > FILE_BODY_CAP:
-                        raise PayloadTooLarge(f"request body over the {FILE_BODY_CAP}-byte limit")
-                    await up.send(h11.Data(data=chunk))
-            await up.send(h11.EndOfMessage())
-            try:
-                event = await up.next_event()
-                while isinstance(event, h11.InformationalResponse) and event.status_code != 101:
-                    event = await up.next_event()
-            except (OSError, h11.RemoteProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
+                event = await self._ask(request, up, target, head, answer_timeout)
+            except TimeoutError:
+                log.info("a replica did not answer in time",
+                         extra={"sandbox": rep.rec.sandbox, "timeout_secs": answer_timeout})  # fmt: skip
+                raise GatewayTimeout(
+                    f"the replica did not begin its answer within {answer_timeout:g} s (the service's "
+                    "answer_timeout_secs)"
+                ) from None
             if isinstance(event, h11.ConnectionClosed):
                 raise _NothingSent("the replica closed the connection")
             if isinstance(event, h11.InformationalResponse):
@@ -361,6 +365,43 @@ class ServiceFront:
         finally:
             if not released:
                 up.close()
+
+    async def _ask(
+        self,
+        request: web.Request,
+        up: _Upstream,
+        target: str,
+        head: list[tuple[str, str]],
+        answer_timeout: float,
+    ) -> Any:
+        """Send the request (head, body, end) and read up to the replica's answer: its status line, a 101, or the
+        connection closed. Only time spent waiting on the replica counts against ``answer_timeout`` (a client
+        sending its body slowly is not the replica's fault); TimeoutError past it."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout_at(loop.time() + answer_timeout) as deadline:
+            try:
+                await up.send(h11.Request(method=request.method, target=target, headers=head))
+            except (OSError, h11.LocalProtocolError) as exc:
+                raise _NothingSent(type(exc).__name__) from None
+            if request.body_exists:
+                sent = 0
+                deadline.reschedule(None)
+                async for chunk in request.content.iter_chunked(READ_CHUNK):
+                    sent += len(chunk)
+                    if sent > FILE_BODY_CAP:
+                        raise PayloadTooLarge(f"request body over the {FILE_BODY_CAP}-byte limit")
+                    deadline.reschedule(loop.time() + answer_timeout)
+                    await up.send(h11.Data(data=chunk))
+                    deadline.reschedule(None)
+                deadline.reschedule(loop.time() + answer_timeout)
+            await up.send(h11.EndOfMessage())
+            try:
+                event = await up.next_event()
+                while isinstance(event, h11.InformationalResponse) and event.status_code != 101:
+                    event = await up.next_event()
+            except (OSError, h11.RemoteProtocolError) as exc:
+                raise _NothingSent(type(exc).__name__) from None
+            return event
 
     async def _switch(
         self, request: web.Request, up: _Upstream, event: h11.InformationalResponse, op: _Open
