@@ -1,6 +1,7 @@
 """Hostile clients and replicas of services, through a real gateway in front of two real sandboxd nodes: a
-caller's key never reaches a replica however the header is spelled, and a replica that never answers gets its
-caller a 504 and its tunnel closed while a slow stream of server-sent events is never cut.
+caller's key never reaches a replica however the header is spelled, keep-alive floods without a key to public
+services hold their caps (per service and in all) while the API and honest traffic go on, and a replica that
+never answers gets its caller a 504 and its tunnel closed while a slow stream of server-sent events is never cut.
 
 The replicas are real servers in the sandboxes (python3 of the default image) that echo the headers they got."""
 
@@ -12,6 +13,7 @@ import json
 import re
 import select
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -70,6 +72,7 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", 8080), H).serve_forever()
 """
 HEALTH = {"http": "/", "every_secs": 1, "failures": 2}
+PER_SERVICE, TOTAL = 8, 12
 
 
 def echo(name: str, **fields: Any) -> dict[str, Any]:
@@ -79,7 +82,11 @@ def echo(name: str, **fields: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def w() -> Iterator[World]:
     metrics_port = free_port()
-    world, nodes = start_world(["--metrics-listen", f"127.0.0.1:{metrics_port}"], prefix="sbxsvch-")
+    world, nodes = start_world([
+        "--max-unauthenticated", "16", "--max-public-connections-per-service", str(PER_SERVICE),
+        "--max-public-connections", str(TOTAL), "--idle-timeout", "300", "--metrics-listen",
+        f"127.0.0.1:{metrics_port}",
+    ], prefix="sbxsvch-")  # fmt: skip
     world.metrics_port = metrics_port  # type: ignore[attr-defined]
     try:
         world.ok("POST", "/v1/services", echo("open", public=True, answer_timeout_secs=3), status=201)
@@ -285,3 +292,119 @@ def test_a_bad_answer_timeout_is_refused_and_changes_nothing(w: World, value: An
         assert (resp.status, resp.error) == (400, ("invalid_request", message)), resp.body
     assert w.call("GET", "/v1/services/late").status == 404
     assert w.service("open")["spec"] == before["spec"]
+
+
+# -- 1. connections without a key to public services -----------------------------------------------------------
+
+
+def _flood(w: World, count: int, path: str, host: str = "127.0.0.1") -> list[socket.socket]:
+    """``count`` keep-alive connections, one after the other, each sending one request without a key: every
+    one is answered 200 (a newcomer is always let in while older ones are idle)."""
+    socks = []
+    for _ in range(count):
+        sock = connect(w)
+        socks.append(sock)
+        status, _, body = ask(sock, path, host)
+        assert status == 200, body[:300]
+    return socks
+
+
+def _kept(socks: list[socket.socket], expected: int) -> list[socket.socket]:
+    """The connections the gateway kept, once it has closed all but ``expected`` of them (waited for)."""
+    wait_for(lambda: sum(not closed_by_gateway(s) for s in socks) == expected, 30, 0.2)
+    return [s for s in socks if not closed_by_gateway(s)]
+
+
+def test_keep_alive_floods_without_a_key_hold_the_caps_and_honest_traffic_goes_on(w: World) -> None:
+    shed_before = metric(w, 'sandbox_gateway_service_public_connections_shed_total{how="closed_idle"}')
+    socks: list[socket.socket] = []
+    try:
+        # 40 connections to one public service by path: the 8 newest stay; each kept one answers again.
+        socks += _flood(w, 40, "/svc/open--acme/x")
+        kept = _kept(socks, PER_SERVICE)
+        assert kept == socks[40 - PER_SERVICE :]  # the longest idle went first
+        for sock in kept:
+            assert ask(sock, "/svc/open--acme/again")[0] == 200
+        wait_for(lambda: metric(w, "sandbox_gateway_service_public_connections") == PER_SERVICE, 10, 0.2)
+        # 40 more to another public service by its host name: 8 of its own, and the gateway-wide 12 in all.
+        more = _flood(w, 40, "/y", "other--acme.svc.test")
+        socks += more
+        assert len(_kept(more, PER_SERVICE)) == PER_SERVICE
+        assert len(_kept(socks, TOTAL)) == TOTAL
+        wait_for(lambda: metric(w, "sandbox_gateway_service_public_connections") == TOTAL, 10, 0.2)
+        assert (
+            metric(w, 'sandbox_gateway_service_public_connections_shed_total{how="closed_idle"}')
+            - shed_before
+            == 80 - TOTAL
+        )
+        # Meanwhile the API answers keys, and a new client of either service gets in (closing an idle one).
+        assert w.call("GET", "/v1/whoami").status == 200
+        assert w.traffic("/svc/open--acme/z", key=None).status == 200
+        assert w.traffic("/v", key=None, headers={"Host": "other--acme.svc.test"}).status == 200
+        # The flood did not count against --max-unauthenticated (16): 16 connections waiting there all stay.
+        waiting = [connect(w) for _ in range(16)]
+        socks += waiting
+        time.sleep(0.5)
+        assert not any(closed_by_gateway(s) for s in waiting)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_busy_connections_without_a_key_are_never_closed_and_a_newcomer_is_refused(w: World) -> None:
+    refused_before = metric(w, 'sandbox_gateway_service_public_connections_shed_total{how="refused"}')
+    busy: list[socket.socket] = []
+    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(PER_SERVICE)]
+    try:
+        for ident in ids:  # requests in progress on every place of the service (its answer_timeout: 120 s)
+            sock = connect(w)
+            busy.append(sock)
+            sock.sendall(f"GET /svc/other--acme/hang?id={ident} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        wait_for(lambda: set(ids) <= set(replica_file(w, "other", "/tmp/hangs")), 60, 0.5)
+        late = connect(w)
+        try:
+            status, headers, body = ask(late, "/svc/other--acme/x")
+            assert (status, json.loads(body)["error"]["code"]) == (503, "unavailable"), body
+            assert "too many connections without a key" in json.loads(body)["error"]["message"]
+            assert (headers.get("connection"), headers.get("retry-after")) == ("close", "1")
+            wait_for(lambda: closed_by_gateway(late), 10, 0.1)
+        finally:
+            late.close()
+        assert not any(closed_by_gateway(s) for s in busy)  # none was closed to make room
+        assert (
+            metric(w, 'sandbox_gateway_service_public_connections_shed_total{how="refused"}') > refused_before
+        )
+        # A key is not counted against these caps: an authenticated client still gets through.
+        assert w.traffic("/svc/other--acme/x").status == 200
+    finally:
+        for sock in busy:
+            sock.close()
+    # The callers went away: their requests end and the tunnels close (the replica sees each end).
+    wait_for(lambda: set(ids) <= set(replica_file(w, "other", "/tmp/hung-up")), 60, 0.5)
+    assert w.traffic("/svc/other--acme/x", key=None).status == 200
+
+
+def test_many_parallel_clients_without_a_key_all_get_an_answer(w: World) -> None:
+    """Honest concurrency past the cap: 12 clients at once (fewer than --max-unauthenticated, more than the
+    service's 8 places), each a short request on a new connection; each gets 200 or, when every place is busy at
+    that moment, a 503 it can retry (never a connection closed without an answer); retried, all succeed."""
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        deadline = time.monotonic() + 90
+        status = 0
+        while time.monotonic() < deadline:
+            status = w.traffic("/svc/open--acme/sleep?secs=0.2", key=None).status
+            if status != 503:
+                break
+            time.sleep(0.2)
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == [200] * 12

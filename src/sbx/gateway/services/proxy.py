@@ -11,9 +11,10 @@ Addresses (``url`` of a service with a ``port``):
 ``<label>`` is the service's name, followed by ``--<tenant>`` outside the default tenant (neither has ``--``, so
 the label is one DNS label and one wildcard certificate covers every service).
 
-Who may call: ``public: true``, anyone; otherwise a key acting in the service's tenant (its own, or through
-``X-Sandbox-Org``; an admin key anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, which
-the replica never sees however it is spelled (``auth.carries_gateway_key``, over the parse authentication uses). Traffic flows only while the service's owner holds an active key in the tenant: revoking
+Who may call: ``public: true``, anyone (connections without a key counted against the public services' caps,
+``public.py``); otherwise a key acting in the service's tenant (its own, or through ``X-Sandbox-Org``; an admin key
+anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, which the replica never sees however
+it is spelled (``auth.carries_gateway_key``, over the parse authentication uses). Traffic flows only while the service's owner holds an active key in the tenant: revoking
 the last one stops it at once, open requests included (503), as a revoked caller's key ends its own (401 or cut).
 
 How: each request goes to the next healthy replica in turn, through its node's tunnel to the replica's ``port``
@@ -51,11 +52,12 @@ from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL
 from sbx.gateway.nodeclient import NodeClient, Refusal
 from sbx.gateway.relay import copy_stream
+from sbx.gateway.services.public import PublicConnections
 from sbx.gateway.services.spec import answer_timeout_secs
 from sbx.gateway.services.store import ServiceRecord
 from sbx.net.loopback import host_header_name
-from sbx.web.connections import mark_authenticated
-from sbx.web.http import FILE_BODY_CAP, Handler
+from sbx.web.connections import anonymous_connection, mark_authenticated
+from sbx.web.http import FILE_BODY_CAP, Handler, error_response
 from sbx.web.upgrade import finished_response, take_over
 
 if TYPE_CHECKING:
@@ -123,9 +125,18 @@ class _Open:
 class ServiceFront:
     """The middleware that answers service traffic, and what it keeps (connections, open requests)."""
 
-    def __init__(self, gw: Gateway, controller: ServiceController, domain: str | None) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        controller: ServiceController,
+        domain: str | None,
+        public: PublicConnections | None = None,
+    ) -> None:
         self.gw = gw
         self.ctl = controller
+        #: Connections without a key to public services, and their caps.
+        self.public = public if public is not None else PublicConnections()
+        controller.metrics.public = self.public
         self.domain = domain.lower().strip(".") if domain else None
         self._domain_host = host_header_name(self.domain) if self.domain else ""
         self._idle: dict[str, list[_Upstream]] = {}
@@ -177,7 +188,15 @@ class ServiceFront:
         label, target, prefix = found
         request[ROUTE_LABEL] = ROUTE
         svc = self._service(label)
-        who = self._caller(request, svc)
+        try:
+            who = self._caller(request, svc)
+        except _Crowded:
+            refusal = error_response(Unavailable(
+                f"too many connections without a key to service {svc.name!r} (or to the gateway's public services) "
+                "are busy now: try again shortly"
+            ), close=True)  # fmt: skip
+            refusal.headers["Retry-After"] = "1"
+            return refusal
         request[auth.TARGET_KEY] = svc.name
         if not self.ctl.owner_has_access(svc):
             raise Unavailable(
@@ -206,9 +225,11 @@ class ServiceFront:
         return response
 
     def _caller(self, request: web.Request, svc: ServiceRecord) -> auth.Principal | None:
-        """The key a private service needs (see the module docstring); None for a public service."""
+        """The key a private service needs (see the module docstring); None for a public service, whose
+        connections without a valid key are counted against the public services' caps (``public.py``;
+        ``_Crowded`` when no room can be made)."""
         if svc.spec.public is True:
-            mark_authenticated(request)
+            self._admit_public(request, svc)
             return None
         key = auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
         mark_authenticated(request)
@@ -220,6 +241,19 @@ class ServiceFront:
             raise NotFound(f"no service {self.label(svc)!r} here")
         auth.check_scopes(principal, ("sandbox:read",))
         return principal
+
+    def _admit_public(self, request: web.Request, svc: ServiceRecord) -> None:
+        conn = anonymous_connection(request)
+        if conn is None:
+            return  # a unix socket, or a connection that authenticated already
+        if request.headers.get("Authorization") is not None:
+            # A valid key takes the connection out of every count, as on the API; anything else is no key.
+            with contextlib.suppress(Unauthorized):
+                auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
+                mark_authenticated(request)
+                return
+        if not self.public.admit(conn, svc.id):
+            raise _Crowded
 
     # -- forwarding -------------------------------------------------------------------------------------
 
@@ -460,6 +494,10 @@ class ServiceFront:
                 up.close()
         self._idle.clear()
         self._end(lambda op: True, Unavailable("the gateway is stopping"))
+
+
+class _Crowded(Exception):
+    """No room for another connection without a key to a public service (see ``public.py``)."""
 
 
 class _NothingSent(Exception):
