@@ -47,6 +47,7 @@ from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE as DEFAULT_MAX_P
 from sbx.gateway.services.public import DEFAULT_MAX_TOTAL as DEFAULT_MAX_PUBLIC
 from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create
 from sbx.gateway.ssh.server import SshOptions, SshServer
+from sbx.gateway.ssh.throttle import DEFAULT_MAX_AUTH_TRIES, DEFAULT_SOURCE_FAILURES, LoginLimits
 from sbx.gateway.state import (
     NodeDef,
     Quota,
@@ -159,6 +160,15 @@ def offline_store(state_path: Path) -> Iterator[Store]:
               help="HOST:PORT for SSH into sandboxes (docs/ssh.md); without it the SSH endpoints answer 404.")  # fmt: skip
 @click.option("--ssh-advertise", default=None,
               help="HOST:PORT clients reach the SSH server at, when not the --ssh-listen address.")  # fmt: skip
+@click.option("--ssh-max-auth-tries", default=DEFAULT_MAX_AUTH_TRIES, show_default=True, type=click.IntRange(min=1),
+              envvar="SANDBOX_GATEWAY_SSH_MAX_AUTH_TRIES",
+              help="SSH keys and tokens one connection may try (OpenSSH's MaxAuthTries; docs/ssh.md).")  # fmt: skip
+@click.option("--ssh-source-failures", default=DEFAULT_SOURCE_FAILURES, show_default=True,
+              type=click.IntRange(min=1), envvar="SANDBOX_GATEWAY_SSH_SOURCE_FAILURES",
+              help="Failed SSH logins from one address within --ssh-source-window before it is refused (answered "
+                   "late from half of it).")  # fmt: skip
+@click.option("--ssh-source-window", default="10m", show_default=True, envvar="SANDBOX_GATEWAY_SSH_SOURCE_WINDOW",
+              help="How long a failed SSH login counts against its address.")  # fmt: skip
 @click.option("--max-orgs-per-user", default=10, show_default=True, type=click.IntRange(min=0),
               help="Organisations a user may make or own.")  # fmt: skip
 @click.option("--idle-timeout", default=str(IDLE_TIMEOUT_SECS), show_default=True,
@@ -202,7 +212,8 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
-    metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, max_orgs_per_user: int,
+    metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, ssh_max_auth_tries: int,
+    ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
     idle_timeout: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
     rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
@@ -231,7 +242,11 @@ def serve(
     ssh_options = None
     if ssh_listen is not None:
         advertised = parse_host_port(ssh_advertise, "--ssh-advertise") if ssh_advertise else None
-        ssh_options = SshOptions(parse_host_port(ssh_listen, "--ssh-listen"), advertised)
+        window = parse_duration(ssh_source_window, "--ssh-source-window")
+        if window <= 0:
+            raise click.BadParameter("give a duration over 0, such as 10m", param_hint="--ssh-source-window")
+        login_limits = LoginLimits(ssh_max_auth_tries, ssh_source_failures, window)
+        ssh_options = SshOptions(parse_host_port(ssh_listen, "--ssh-listen"), advertised, limits=login_limits)
     elif ssh_advertise is not None:
         raise click.UsageError("--ssh-advertise needs --ssh-listen")
     audit_path = (
