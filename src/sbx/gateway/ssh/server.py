@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import shlex
 import socket
 from collections.abc import Awaitable
@@ -366,8 +367,8 @@ class SshConnection(asyncssh.SSHServer):
         )
 
     def _source_refused(self, secs: float) -> str:
-        minutes = max(1, round(secs / 60))
-        when = f"{minutes} minute{'s' if minutes != 1 else ''}" if secs >= 90 else f"{max(1, round(secs))} s"
+        """The reason told to a refused source; rounded up, so that trying again then is never too early."""
+        when = f"{math.ceil(secs / 60)} minutes" if secs >= 90 else f"{math.ceil(secs)} s"
         return f"too many failed logins from {self.address}: try again in {when}"
 
     # -- the gateway's side --------------------------------------------------------------------
