@@ -94,8 +94,11 @@ def world() -> Iterator[World]:
     (workdir / "keys").mkdir()
     node = Sandboxd(workdir / "n1").start()
     ssh_port, metrics_port = free_port(), free_port()
+    # Every test here logs in from 127.0.0.1, and a dozen logins are refused on purpose: the per-address limits
+    # would slow the later tests down. They are tested, with their defaults, in test_gateway_ssh_limits.py.
     gw = GatewayProcess(workdir / "gw", [("n1", node)], [
         *FAST_ARGS, "--ssh-listen", f"127.0.0.1:{ssh_port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
+        "--ssh-source-failures", "1000",
     ])  # fmt: skip
     keys = {
         "admin": gw.create_key("root", "admin"),

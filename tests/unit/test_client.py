@@ -116,6 +116,7 @@ def test_exported_names() -> None:
         "Unsupported",
         "Unavailable",
         "BadGateway",
+        "GatewayTimeout",
         "Internal",
     }
     for name in sbx.client.__all__:

@@ -15,6 +15,7 @@ Each class maps to exactly one (HTTP status, code) pair of the spec's Errors tab
     ├── Unsupported        501 unsupported       the endpoint lacks the capability
     ├── Unavailable        503 unavailable       a cordoned node takes no new sandboxes
     ├── BadGateway         502 internal          (gateway) the node did not answer
+    │   └── GatewayTimeout 504 internal          (gateway) a service's replica did not begin its answer in time
     └── Internal           500 internal          a bug; the message is safe to show
 
 Foreign exceptions are translated into these at the edges (HTTP server, SDK, backend), never ad hoc.
@@ -135,6 +136,13 @@ class BadGateway(SandboxError):
     code = "internal"
 
 
+class GatewayTimeout(BadGateway):
+    """(gateway) A service's replica did not begin its answer within the service's answer timeout (504; the
+    spec has no code of its own for it: ``internal``, as the 502 of a node that did not answer)."""
+
+    status = 504
+
+
 class Internal(SandboxError):
     """A bug; the message is safe to show (500)."""
 
@@ -156,6 +164,7 @@ _BY_STATUS_AND_CODE: dict[tuple[int, str], type[SandboxError]] = {
         Unsupported,
         Unavailable,
         BadGateway,
+        GatewayTimeout,
         Internal,
     )
 }
@@ -193,5 +202,10 @@ def error_from_answer(status: int, body: bytes) -> SandboxError:
     return error_from_wire(status, decoded)
 
 
-#: Every error class, for those that list what the service can answer (the API description).
-ALL_ERRORS: tuple[type[SandboxError], ...] = tuple(_BY_STATUS_AND_CODE.values())
+#: Errors answered only on a gateway's service traffic (``/svc/...`` and service host names), which is the
+#: services' own HTTP, not an endpoint of the API.
+TRAFFIC_ERRORS: tuple[type[SandboxError], ...] = (GatewayTimeout,)
+#: Every error class an endpoint of the API may answer, for those that list them (the API description).
+ALL_ERRORS: tuple[type[SandboxError], ...] = tuple(
+    cls for cls in _BY_STATUS_AND_CODE.values() if cls not in TRAFFIC_ERRORS
+)

@@ -46,7 +46,10 @@ class Placement(msgspec.Struct):
 class ServiceSpec(msgspec.Struct, kw_only=True):
     """A service: ``name`` a DNS label with no ``--``; at most 100 ``replicas`` (default 1); ``command`` runs in
     every replica; ``port`` is where its HTTP server listens (guest loopback), for health checks and traffic;
-    ``secrets`` names tenant secrets put in the replicas' environment."""
+    ``secrets`` names tenant secrets put in the replicas' environment; ``answer_timeout_secs`` (1 to 3600,
+    default 120) is how long a replica may take to begin its answer to a proxied request (504 after; no limit
+    once the answer has begun, so server-sent events and long downloads are never cut). The last is an
+    addition to the spec's ServiceSpec (docs/services.md)."""
 
     required_hints: ClassVar[dict[str, str]] = {
         "name": 'name is required: a DNS label such as "web"',
@@ -64,6 +67,7 @@ class ServiceSpec(msgspec.Struct, kw_only=True):
     placement: Placement | UnsetType = UNSET
     public: bool | UnsetType = UNSET
     secrets: list[str] | UnsetType = UNSET
+    answer_timeout_secs: int | UnsetType = UNSET
 
 
 class ScaleRequest(msgspec.Struct):

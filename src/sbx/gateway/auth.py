@@ -6,6 +6,7 @@ then ``X-Sandbox-Org``, then the scope the route table names for the endpoint, a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -69,11 +70,41 @@ def check_origin(origin: str | None, host: str, allowed: frozenset[str]) -> None
     raise ForbiddenOrigin(f"Origin {origin!r} is not allowed: start the gateway with --cors-origin {origin}")
 
 
+#: ``Authorization: <scheme> <credential>``: spaces and tabs around and between (RFC 9110, 11.4 and 5.6.3).
+_CREDENTIALS = re.compile(r"[ \t]*([^ \t]+)[ \t]+(.*?)[ \t]*", re.DOTALL)
+
+
+def bearer_credential(authorization: str | None) -> str | None:
+    """The credential of an ``Authorization: Bearer <credential>`` header as the gateway reads it: the scheme
+    ``Bearer`` in any case (RFC 9110, 11.1), then one or more spaces or tabs, then the credential, without the
+    spaces and tabs around it; None for no header, another scheme, or no credential.
+
+    The one parse of the header: authentication (:func:`key_from_header`) and what the services' proxy keeps
+    from a replica (:func:`carries_gateway_key`) both read it, so a spelling that authenticates is one the
+    proxy drops."""
+    found = _CREDENTIALS.fullmatch(authorization) if authorization is not None else None
+    if found is None:
+        return None
+    scheme, credential = found.group(1), found.group(2)
+    if not scheme.isascii() or scheme.lower() != "bearer" or not credential:
+        return None
+    return credential
+
+
+def carries_gateway_key(authorization: str) -> bool:
+    """Whether an ``Authorization`` value must not reach a service's replica: one whose Bearer credential is a
+    gateway key (the spelling :func:`key_from_header` reads), or that holds ``sgk_`` anywhere at all (a key
+    sent under another scheme, or misspelled, is still a key)."""
+    credential = bearer_credential(authorization)
+    return (credential is not None and credential.startswith(SECRET_PREFIX)) or SECRET_PREFIX in authorization
+
+
 def key_from_header(store: Store, authorization: str | None) -> KeyRecord:
-    """The active key the ``Authorization: Bearer sgk_...`` header names; 401 otherwise."""
-    if not authorization or not authorization.startswith("Bearer "):
+    """The active key the ``Authorization: Bearer sgk_...`` header names (read by :func:`bearer_credential`);
+    401 otherwise."""
+    secret = bearer_credential(authorization)
+    if secret is None:
         raise Unauthorized("missing API key: send Authorization: Bearer sgk_...")
-    secret = authorization[len("Bearer ") :].strip()
     if not secret.startswith(SECRET_PREFIX):
         raise Unauthorized("unknown or revoked API key")
     key = store.keys_by_hash.get(hash_secret(secret))
@@ -141,6 +172,8 @@ __all__ = [
     "TARGET_KEY",
     "Principal",
     "acting_tenant",
+    "bearer_credential",
+    "carries_gateway_key",
     "check_origin",
     "check_scopes",
     "has_access",

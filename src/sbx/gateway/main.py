@@ -43,8 +43,11 @@ from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
 from sbx.gateway.secrets import SecretsKeyError, load_key, new_key_file
 from sbx.gateway.server import Gateway, GatewayOptions
+from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE as DEFAULT_MAX_PUBLIC_PER_SERVICE
+from sbx.gateway.services.public import DEFAULT_MAX_TOTAL as DEFAULT_MAX_PUBLIC
 from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create
 from sbx.gateway.ssh.server import SshOptions, SshServer
+from sbx.gateway.ssh.throttle import DEFAULT_MAX_AUTH_TRIES, DEFAULT_SOURCE_FAILURES, LoginLimits
 from sbx.gateway.state import (
     NodeDef,
     Quota,
@@ -53,6 +56,7 @@ from sbx.gateway.state import (
     Store,
     acquire_lock,
 )
+from sbx.net.limits import raise_descriptor_limit
 from sbx.net.loopback import is_loopback
 from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED
 from sbx.web.console import Console
@@ -156,12 +160,28 @@ def offline_store(state_path: Path) -> Iterator[Store]:
               help="HOST:PORT for SSH into sandboxes (docs/ssh.md); without it the SSH endpoints answer 404.")  # fmt: skip
 @click.option("--ssh-advertise", default=None,
               help="HOST:PORT clients reach the SSH server at, when not the --ssh-listen address.")  # fmt: skip
+@click.option("--ssh-max-auth-tries", default=DEFAULT_MAX_AUTH_TRIES, show_default=True, type=click.IntRange(min=1),
+              envvar="SANDBOX_GATEWAY_SSH_MAX_AUTH_TRIES",
+              help="SSH keys and tokens one connection may try (OpenSSH's MaxAuthTries; docs/ssh.md).")  # fmt: skip
+@click.option("--ssh-source-failures", default=DEFAULT_SOURCE_FAILURES, show_default=True,
+              type=click.IntRange(min=1), envvar="SANDBOX_GATEWAY_SSH_SOURCE_FAILURES",
+              help="Failed SSH logins from one address within --ssh-source-window before it is refused (answered "
+                   "late from half of it).")  # fmt: skip
+@click.option("--ssh-source-window", default="10m", show_default=True, envvar="SANDBOX_GATEWAY_SSH_SOURCE_WINDOW",
+              help="How long a failed SSH login counts against its address.")  # fmt: skip
 @click.option("--max-orgs-per-user", default=10, show_default=True, type=click.IntRange(min=0),
               help="Organisations a user may make or own.")  # fmt: skip
 @click.option("--idle-timeout", default=str(IDLE_TIMEOUT_SECS), show_default=True,
               help="Close a connection with no whole request head this long after opening or its last answer.")  # fmt: skip
 @click.option("--max-unauthenticated", default=MAX_UNAUTHENTICATED, show_default=True, type=click.IntRange(min=1),
               help="TCP connections not yet authenticated kept at most (a new one closes the oldest).")  # fmt: skip
+@click.option("--max-public-connections", default=DEFAULT_MAX_PUBLIC, show_default=True, type=click.IntRange(min=1),
+              envvar="SANDBOX_GATEWAY_MAX_PUBLIC_CONNECTIONS",
+              help="TCP connections without a key to public services kept at most, all together "
+                   "(docs/services.md).")  # fmt: skip
+@click.option("--max-public-connections-per-service", default=DEFAULT_MAX_PUBLIC_PER_SERVICE, show_default=True,
+              type=click.IntRange(min=1), envvar="SANDBOX_GATEWAY_MAX_PUBLIC_CONNECTIONS_PER_SERVICE",
+              help="TCP connections without a key to one public service kept at most.")  # fmt: skip
 @click.option("--secrets-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="32 random bytes (raw or 64 hex characters) sealing tenant secrets; without it secrets are 501. "
                    "Make one with: sandbox-gateway secrets-key new FILE.")  # fmt: skip
@@ -192,8 +212,9 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 def serve(
     state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
     node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
-    metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, max_orgs_per_user: int,
-    idle_timeout: str, max_unauthenticated: int,
+    metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, ssh_max_auth_tries: int,
+    ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
+    idle_timeout: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
     rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
     serve_console: bool, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str,
@@ -221,7 +242,11 @@ def serve(
     ssh_options = None
     if ssh_listen is not None:
         advertised = parse_host_port(ssh_advertise, "--ssh-advertise") if ssh_advertise else None
-        ssh_options = SshOptions(parse_host_port(ssh_listen, "--ssh-listen"), advertised)
+        window = parse_duration(ssh_source_window, "--ssh-source-window")
+        if window <= 0:
+            raise click.BadParameter("give a duration over 0, such as 10m", param_hint="--ssh-source-window")
+        login_limits = LoginLimits(ssh_max_auth_tries, ssh_source_failures, window)
+        ssh_options = SshOptions(parse_host_port(ssh_listen, "--ssh-listen"), advertised, limits=login_limits)
     elif ssh_advertise is not None:
         raise click.UsageError("--ssh-advertise needs --ssh-listen")
     audit_path = (
@@ -248,6 +273,8 @@ def serve(
         jobs=jobs,
         rollout_timeout_secs=parse_duration(rollout_timeout, "--rollout-timeout"),
         services_domain=services_domain,
+        max_public_connections=max_public_connections,
+        max_public_connections_per_service=max_public_connections_per_service,
         cors_origins=frozenset(cors_origin),
         node_files_dir=node_files_dir,
         max_orgs_per_user=max_orgs_per_user,
@@ -286,6 +313,9 @@ def serve(
     audit = GatewayAudit(audit_path) if audit_path is not None else None
     gateway = Gateway(store, registry, audit, options)
     tls = server_tls(tls_cert, tls_key)
+    # Connections hold descriptors, a proxied request two (the client's and the tunnel's): the caps above are
+    # meant to be reached before the open-file limit, which systemd sets to 1024 unless raised.
+    raise_descriptor_limit()
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
         console = Console() if serve_console else None

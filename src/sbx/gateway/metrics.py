@@ -16,6 +16,11 @@ Series::
     sandbox_gateway_ssh_connections_open, _ssh_sessions_open               gauges (0 without --ssh-listen)
     sandbox_gateway_ssh_auth_failures_total{reason}                        counter   connections that tried
         to log in and closed without: unknown_key, unknown_token, expired_token, no_access, wrong_sandbox
+    sandbox_gateway_ssh_credentials_refused_total{reason}                  counter   each key or token refused
+    sandbox_gateway_ssh_login_limits_total{action}                         counter   what the login limits did:
+        too_many_tries (a connection disconnected), delayed (a refusal answered late), source_refused (a
+        connection of a refused source disconnected)
+    sandbox_gateway_ssh_sources_refused                                    gauge     source addresses refused now
 
 No label carries a user, tenant or sandbox name; node names are the operator's. Node gauges are read from the
 registry at scrape time.
@@ -35,6 +40,8 @@ from sbx.api.node import Resources
 
 #: Why an SSH login failed (the label of sandbox_gateway_ssh_auth_failures_total; ``sbx.gateway.ssh.auth``).
 SSH_AUTH_FAILURE_REASONS = ("unknown_key", "unknown_token", "expired_token", "no_access", "wrong_sandbox")
+#: What the SSH login limits did (the label of sandbox_gateway_ssh_login_limits_total; ``sbx.gateway.ssh.throttle``).
+SSH_LOGIN_LIMIT_ACTIONS = ("too_many_tries", "delayed", "source_refused")
 CREATE_SECONDS_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0)
 #: Bytes in a MiB: nodes report MiB (as the API does); metrics are in base units (Prometheus convention).
 MIB = 1024 * 1024
@@ -89,8 +96,23 @@ class GatewayMetrics:
         self.ssh_auth_failures = Counter(
             "sandbox_gateway_ssh_auth_failures", "Failed SSH logins, by reason.", ["reason"], registry=r
         )
+        self.ssh_credentials_refused = Counter(
+            "sandbox_gateway_ssh_credentials_refused", "SSH keys and tokens refused, each, by reason.", ["reason"],
+            registry=r,
+        )  # fmt: skip
         for reason in SSH_AUTH_FAILURE_REASONS:
             self.ssh_auth_failures.labels(reason)  # every series from the start, at 0
+            self.ssh_credentials_refused.labels(reason)
+        self.ssh_login_limits = Counter(
+            "sandbox_gateway_ssh_login_limits",
+            "What the SSH login limits did, by action.",
+            ["action"],
+            registry=r,
+        )
+        for action in SSH_LOGIN_LIMIT_ACTIONS:
+            self.ssh_login_limits.labels(action)
+        #: Source addresses refused now; the SSH server sets it while it serves.
+        self.ssh_sources_refused: Callable[[], int] = lambda: 0
         #: (open SSH connections, open SSH sessions); the SSH server sets it while it serves.
         self.ssh_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._snapshot = snapshot
@@ -116,6 +138,9 @@ class GatewayMetrics:
             "sandbox_gateway_ssh_connections_open", "Open SSH connections.", value=connections
         )
         yield GaugeMetricFamily("sandbox_gateway_ssh_sessions_open", "Open SSH sessions.", value=sessions)
+        yield GaugeMetricFamily("sandbox_gateway_ssh_sources_refused",
+                                "Source addresses refused SSH logins now, for too many failures.",
+                                value=self.ssh_sources_refused())  # fmt: skip
         per_node: list[tuple[str, str, Callable[[NodeGauges], float]]] = [
             ("node_up", "1 while the node answers polls.", lambda n: 1 if n.up else 0),
             ("node_cordoned", "1 while the node is cordoned.", lambda n: 1 if n.cordoned else 0),

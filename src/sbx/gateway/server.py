@@ -33,6 +33,7 @@ from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.secrets import SecretBox, Secrets
 from sbx.gateway.services.controller import DEFAULT_ROLLOUT_TIMEOUT_SECS, ServiceController
 from sbx.gateway.services.proxy import ServiceFront
+from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE, DEFAULT_MAX_TOTAL, PublicConnections
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
 
@@ -60,6 +61,9 @@ class GatewayOptions:
     jobs: JobOptions | None = None
     rollout_timeout_secs: float = DEFAULT_ROLLOUT_TIMEOUT_SECS
     services_domain: str | None = None
+    #: Connections without a key to public services: per service and all together (``services/public.py``).
+    max_public_connections_per_service: int = DEFAULT_MAX_PER_SERVICE
+    max_public_connections: int = DEFAULT_MAX_TOTAL
 
 
 class AccessWatcher(Protocol):
@@ -99,7 +103,8 @@ class Gateway:
         #: serving application (``main.build_app``), after the gateway's own loops.
         self.secrets = Secrets(self, store, SecretBox(options.secrets_key) if options.secrets_key else None)
         self.services = ServiceController(self, options.rollout_timeout_secs)
-        self.service_front = ServiceFront(self, self.services, options.services_domain)
+        public = PublicConnections(options.max_public_connections_per_service, options.max_public_connections)
+        self.service_front = ServiceFront(self, self.services, options.services_domain, public)
         self.jobs = JobController(self, options.jobs or JobOptions(store.path.parent / "jobs"))
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)

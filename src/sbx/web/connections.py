@@ -10,7 +10,9 @@ HTTP at all.
   oldest of them. A flood of idle connections thus holds at most that many descriptors, and never keeps out a
   client that connects and asks at once (it is the newest). The request guard (a node's) or the gateway's
   authentication marks a connection with :func:`mark_authenticated`. A unix socket is not counted: its file
-  permissions decide who connects.
+  permissions decide who connects. A connection that asks for something open to anyone (a gateway's public
+  service) may be taken out of this count by whoever keeps its own (:func:`anonymous_connection`,
+  :meth:`GatedRequestHandler.hold`): it then leaves that count when it authenticates or closes.
 - **Malformed requests** (a request line over 8190 bytes, a bad chunk size, both Transfer-Encoding and
   Content-Length, a NUL or CR in a header, ...) are answered with the spec's error body (400, code
   ``invalid_request``, what was wrong in a short escaped phrase), never aiohttp's plain text, and the connection
@@ -26,6 +28,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,12 +74,19 @@ class GatedRequestHandler(web_protocol.RequestHandler):
     """aiohttp's request handler with the gate, the timeouts and the JSON answer to malformed requests."""
 
     gate: ConnectionGate
+    #: Whether this connection counts (TCP; a unix socket's does not).
+    counted: bool = False
+    #: Whether a request of this connection was authenticated.
+    proven: bool = False
+    #: Run once when the connection authenticates or closes (see :meth:`hold`).
+    _on_leave: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return
+        self.counted = True
         gate = self.gate
         while len(gate.unauthenticated) >= gate.max_unauthenticated:
             oldest = next(iter(gate.unauthenticated))
@@ -90,11 +100,37 @@ class GatedRequestHandler(web_protocol.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.gate.unauthenticated.pop(self, None)
+        self._leave()
         super().connection_lost(exc)
 
     def authenticated(self) -> None:
-        """This connection made an authenticated request: it no longer counts against the gate."""
+        """This connection made an authenticated request: it no longer counts against the gate, nor where
+        :meth:`hold` put it."""
+        self.proven = True
         self.gate.unauthenticated.pop(self, None)
+        self._leave()
+
+    def hold(self, on_leave: Callable[[], None]) -> None:
+        """Someone else counts this unauthenticated connection from now on: it leaves the gate's count, and
+        ``on_leave`` runs once when it authenticates or closes (a later call replaces an earlier one)."""
+        self.gate.unauthenticated.pop(self, None)
+        self._on_leave = on_leave
+
+    def _leave(self) -> None:
+        on_leave, self._on_leave = self._on_leave, None
+        if on_leave is not None:
+            on_leave()
+
+    def idle(self) -> bool:
+        """Whether the connection is waiting for its next request: none being answered, none read and waiting
+        for its handler (aiohttp's own test before its keep-alive timer closes a connection)."""
+        waiter = self._waiter
+        return self.transport is not None and waiter is not None and not waiter.done()
+
+    def close_idle(self) -> None:
+        """Close an idle keep-alive connection, as the idle timeout does: the client sees the connection end
+        between two requests, and opens a new one for its next."""
+        self.force_close()
 
     def handle_error(
         self,
@@ -125,6 +161,14 @@ def mark_authenticated(request: web.BaseRequest) -> None:
     handler = request.protocol
     if isinstance(handler, GatedRequestHandler):
         handler.authenticated()
+
+
+def anonymous_connection(request: web.BaseRequest) -> GatedRequestHandler | None:
+    """``request``'s connection when it counts (TCP) and has not authenticated yet; None otherwise."""
+    handler = request.protocol
+    if isinstance(handler, GatedRequestHandler) and handler.counted and not handler.proven:
+        return handler
+    return None
 
 
 class GatedServer(web.Server):

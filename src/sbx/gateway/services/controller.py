@@ -56,7 +56,7 @@ from sbx.gateway.quotas import OverQuota
 from sbx.gateway.services import health
 from sbx.gateway.services.metrics import ServiceMetrics
 from sbx.gateway.services.rollout import ReplicaView, plan
-from sbx.gateway.services.spec import DEFAULT_EVERY_SECS, DEFAULT_FAILURES, rollout_part
+from sbx.gateway.services.spec import DEFAULT_EVERY_SECS, DEFAULT_FAILURES, answer_timeout_secs, rollout_part
 from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
 from sbx.gateway.specs import create_request
 from sbx.gateway.state import now_rfc3339, older_than
@@ -233,7 +233,7 @@ class ServiceController:
 
     async def update(self, svc: ServiceRecord, spec: ServiceSpec) -> ServiceRecord:
         """PUT: a changed image, command, resources, port, health, env, network or secrets starts a rollout to a
-        new revision; ``replicas`` scales; ``public`` and ``placement`` apply at once."""
+        new revision; ``replicas`` scales; ``public``, ``placement`` and ``answer_timeout_secs`` apply at once."""
         if spec.name != svc.name:
             raise InvalidRequest(f"name: the body names {spec.name!r} but the path {svc.name!r}; a service is "
                                  "not renamed: create another")  # fmt: skip
@@ -301,7 +301,8 @@ class ServiceController:
         replicas = sorted(rt.replicas.values(), key=lambda r: (r.rec.revision, r.rec.created))
         rollout = svc.rollout
         return Service(
-            spec=replace(svc.spec, env=UNSET, replicas=svc.desired), env_names=sorted(svc.spec.env or {}),
+            spec=replace(svc.spec, env=UNSET, replicas=svc.desired,
+                         answer_timeout_secs=answer_timeout_secs(svc.spec)), env_names=sorted(svc.spec.env or {}),
             owner=svc.user, tenant=svc.tenant or None, revision=svc.revision, serving=svc.serving,
             desired=svc.desired, ready=len(rt.healthy()), restarts=svc.restarts,
             rollout=Rollout(state=rollout.state, from_=rollout.from_, to=rollout.to,

@@ -11,9 +11,10 @@ Addresses (``url`` of a service with a ``port``):
 ``<label>`` is the service's name, followed by ``--<tenant>`` outside the default tenant (neither has ``--``, so
 the label is one DNS label and one wildcard certificate covers every service).
 
-Who may call: ``public: true``, anyone; otherwise a key acting in the service's tenant (its own, or through
-``X-Sandbox-Org``; an admin key anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, which
-the replica never sees. Traffic flows only while the service's owner holds an active key in the tenant: revoking
+Who may call: ``public: true``, anyone (connections without a key counted against the public services' caps,
+``public.py``); otherwise a key acting in the service's tenant (its own, or through ``X-Sandbox-Org``; an admin key
+anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, which the replica never sees however
+it is spelled (``auth.carries_gateway_key``, over the parse authentication uses). Traffic flows only while the service's owner holds an active key in the tenant: revoking
 the last one stops it at once, open requests included (503), as a revoked caller's key ends its own (401 or cut).
 
 How: each request goes to the next healthy replica in turn, through its node's tunnel to the replica's ``port``
@@ -21,7 +22,8 @@ How: each request goes to the next healthy replica in turn, through its node's t
 :data:`IDLE_PER_REPLICA` idle, closed after :data:`IDLE_SECS`). A replica that cannot be reached is skipped for
 the next one, as long as nothing of the request was sent. Hop-by-hop headers are dropped and
 ``X-Forwarded-For``, ``-Host`` and ``-Proto`` added. An upgrade answered 101 switches both sides and copies
-bytes until both ends close. Request bodies are capped at 64 MiB.
+bytes until both ends close. Request bodies are capped at 64 MiB. A replica has the service's
+``answer_timeout_secs`` to begin its answer (504 and the tunnel closed after; no limit once it has begun).
 """
 
 from __future__ import annotations
@@ -37,15 +39,25 @@ import h11
 from aiohttp import web
 from msgspec import UNSET
 
-from sbx.api.errors import BadGateway, NotFound, PayloadTooLarge, SandboxError, Unauthorized, Unavailable
+from sbx.api.errors import (
+    BadGateway,
+    GatewayTimeout,
+    NotFound,
+    PayloadTooLarge,
+    SandboxError,
+    Unauthorized,
+    Unavailable,
+)
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL
 from sbx.gateway.nodeclient import NodeClient, Refusal
 from sbx.gateway.relay import copy_stream
+from sbx.gateway.services.public import PublicConnections
+from sbx.gateway.services.spec import answer_timeout_secs
 from sbx.gateway.services.store import ServiceRecord
 from sbx.net.loopback import host_header_name
-from sbx.web.connections import mark_authenticated
-from sbx.web.http import FILE_BODY_CAP, Handler
+from sbx.web.connections import anonymous_connection, mark_authenticated
+from sbx.web.http import FILE_BODY_CAP, Handler, error_response
 from sbx.web.upgrade import finished_response, take_over
 
 if TYPE_CHECKING:
@@ -113,9 +125,18 @@ class _Open:
 class ServiceFront:
     """The middleware that answers service traffic, and what it keeps (connections, open requests)."""
 
-    def __init__(self, gw: Gateway, controller: ServiceController, domain: str | None) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        controller: ServiceController,
+        domain: str | None,
+        public: PublicConnections | None = None,
+    ) -> None:
         self.gw = gw
         self.ctl = controller
+        #: Connections without a key to public services, and their caps.
+        self.public = public if public is not None else PublicConnections()
+        controller.metrics.public = self.public
         self.domain = domain.lower().strip(".") if domain else None
         self._domain_host = host_header_name(self.domain) if self.domain else ""
         self._idle: dict[str, list[_Upstream]] = {}
@@ -167,7 +188,15 @@ class ServiceFront:
         label, target, prefix = found
         request[ROUTE_LABEL] = ROUTE
         svc = self._service(label)
-        who = self._caller(request, svc)
+        try:
+            who = self._caller(request, svc)
+        except _Crowded:
+            refusal = error_response(Unavailable(
+                f"too many connections without a key to service {svc.name!r} (or to the gateway's public services) "
+                "are busy now: try again shortly"
+            ), close=True)  # fmt: skip
+            refusal.headers["Retry-After"] = "1"
+            return refusal
         request[auth.TARGET_KEY] = svc.name
         if not self.ctl.owner_has_access(svc):
             raise Unavailable(
@@ -196,9 +225,11 @@ class ServiceFront:
         return response
 
     def _caller(self, request: web.Request, svc: ServiceRecord) -> auth.Principal | None:
-        """The key a private service needs (see the module docstring); None for a public service."""
+        """The key a private service needs (see the module docstring); None for a public service, whose
+        connections without a valid key are counted against the public services' caps (``public.py``;
+        ``_Crowded`` when no room can be made)."""
         if svc.spec.public is True:
-            mark_authenticated(request)
+            self._admit_public(request, svc)
             return None
         key = auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
         mark_authenticated(request)
@@ -210,6 +241,19 @@ class ServiceFront:
             raise NotFound(f"no service {self.label(svc)!r} here")
         auth.check_scopes(principal, ("sandbox:read",))
         return principal
+
+    def _admit_public(self, request: web.Request, svc: ServiceRecord) -> None:
+        conn = anonymous_connection(request)
+        if conn is None:
+            return  # a unix socket, or a connection that authenticated already
+        if request.headers.get("Authorization") is not None:
+            # A valid key takes the connection out of every count, as on the API; anything else is no key.
+            with contextlib.suppress(Unauthorized):
+                auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
+                mark_authenticated(request)
+                return
+        if not self.public.admit(conn, svc.id):
+            raise _Crowded
 
     # -- forwarding -------------------------------------------------------------------------------------
 
@@ -240,7 +284,7 @@ class ServiceFront:
                 continue
             op.closers.append(up.close)
             try:
-                return await self._exchange(request, up, target, head, rep, op)
+                return await self._exchange(request, up, target, head, rep, op, answer_timeout_secs(svc.spec))
             except _NothingSent as exc:
                 problem = BadGateway(f"a replica of {svc.name!r} did not take the request: {exc}")
                 if has_body:
@@ -260,8 +304,8 @@ class ServiceFront:
             lowered = name.lower()
             if lowered in HOP_BY_HOP or lowered in named or lowered.startswith("x-forwarded-"):
                 continue
-            if lowered == "authorization" and value.strip().startswith("Bearer sgk_"):
-                continue  # the gateway's own key never reaches the replica
+            if lowered == "authorization" and auth.carries_gateway_key(value):
+                continue  # the gateway's own key never reaches the replica, however it is spelled
             if lowered == auth.ORG_HEADER.lower():
                 continue
             headers.append((name, value))
@@ -302,28 +346,22 @@ class ServiceFront:
 
     async def _exchange(
         self, request: web.Request, up: _Upstream, target: str, head: list[tuple[str, str]], rep: ReplicaRuntime,
-        op: _Open,
+        op: _Open, answer_timeout: float,
     ) -> web.StreamResponse:  # fmt: skip
+        """One request to one replica. The replica has ``answer_timeout`` seconds to take each part of the
+        request and then to begin its answer (the final status line, or a 101); once it has, there is no limit
+        (server-sent events, long downloads). Past it the client gets 504 and the tunnel is closed."""
         released = False
         try:
             try:
-                await up.send(h11.Request(method=request.method, target=target, headers=head))
-            except (OSError, h11.LocalProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
-            if request.body_exists:
-                sent = 0
-                async for chunk in request.content.iter_chunked(READ_CHUNK):
-                    sent += len(chunk)
-                    if sent > FILE_BODY_CAP:
-                        raise PayloadTooLarge(f"request body over the {FILE_BODY_CAP}-byte limit")
-                    await up.send(h11.Data(data=chunk))
-            await up.send(h11.EndOfMessage())
-            try:
-                event = await up.next_event()
-                while isinstance(event, h11.InformationalResponse) and event.status_code != 101:
-                    event = await up.next_event()
-            except (OSError, h11.RemoteProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
+                event = await self._ask(request, up, target, head, answer_timeout)
+            except TimeoutError:
+                log.info("a replica did not answer in time",
+                         extra={"sandbox": rep.rec.sandbox, "timeout_secs": answer_timeout})  # fmt: skip
+                raise GatewayTimeout(
+                    f"the replica did not begin its answer within {answer_timeout:g} s (the service's "
+                    "answer_timeout_secs)"
+                ) from None
             if isinstance(event, h11.ConnectionClosed):
                 raise _NothingSent("the replica closed the connection")
             if isinstance(event, h11.InformationalResponse):
@@ -361,6 +399,43 @@ class ServiceFront:
         finally:
             if not released:
                 up.close()
+
+    async def _ask(
+        self,
+        request: web.Request,
+        up: _Upstream,
+        target: str,
+        head: list[tuple[str, str]],
+        answer_timeout: float,
+    ) -> Any:
+        """Send the request (head, body, end) and read up to the replica's answer: its status line, a 101, or the
+        connection closed. Only time spent waiting on the replica counts against ``answer_timeout`` (a client
+        sending its body slowly is not the replica's fault); TimeoutError past it."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout_at(loop.time() + answer_timeout) as deadline:
+            try:
+                await up.send(h11.Request(method=request.method, target=target, headers=head))
+            except (OSError, h11.LocalProtocolError) as exc:
+                raise _NothingSent(type(exc).__name__) from None
+            if request.body_exists:
+                sent = 0
+                deadline.reschedule(None)
+                async for chunk in request.content.iter_chunked(READ_CHUNK):
+                    sent += len(chunk)
+                    if sent > FILE_BODY_CAP:
+                        raise PayloadTooLarge(f"request body over the {FILE_BODY_CAP}-byte limit")
+                    deadline.reschedule(loop.time() + answer_timeout)
+                    await up.send(h11.Data(data=chunk))
+                    deadline.reschedule(None)
+                deadline.reschedule(loop.time() + answer_timeout)
+            await up.send(h11.EndOfMessage())
+            try:
+                event = await up.next_event()
+                while isinstance(event, h11.InformationalResponse) and event.status_code != 101:
+                    event = await up.next_event()
+            except (OSError, h11.RemoteProtocolError) as exc:
+                raise _NothingSent(type(exc).__name__) from None
+            return event
 
     async def _switch(
         self, request: web.Request, up: _Upstream, event: h11.InformationalResponse, op: _Open
@@ -419,6 +494,10 @@ class ServiceFront:
                 up.close()
         self._idle.clear()
         self._end(lambda op: True, Unavailable("the gateway is stopping"))
+
+
+class _Crowded(Exception):
+    """No room for another connection without a key to a public service (see ``public.py``)."""
 
 
 class _NothingSent(Exception):

@@ -6,12 +6,15 @@ Rules, in the order they are checked (every 400 before the 501 of secrets, befor
   30 so that ``<name>--<tenant>`` is one too, as a service's host name has it);
 - ``command``: required (a sandbox starts no program of its own, so a service without one would run nothing);
 - ``replicas``: 0 to 100, default 1; ``port``: 1 to 65535;
+- ``answer_timeout_secs``: 1 to 3600, default :data:`DEFAULT_ANSWER_TIMEOUT_SECS` (how long a replica may take
+  to begin its answer to a proxied request; see ``proxy.py``);
 - ``health``: exactly one of ``http`` (a path starting with ``/``; needs ``port``) and ``command``;
   ``every_secs`` 1 to 3600 (default 10), ``timeout_secs`` 1 to 3600 (default 5), ``failures`` 1 to 100
   (default 3);
 - the sandbox part (image, resources, env, secrets, network) as ``sbx.gateway.specs`` checks it.
 
-The spec kept and answered has the defaults filled in (``replicas``, the health timings, ``public``).
+The spec kept and answered has the defaults filled in (``replicas``, the health timings, ``public``,
+``answer_timeout_secs``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ DEFAULT_TIMEOUT_SECS: Final = 5
 DEFAULT_FAILURES: Final = 3
 MAX_HEALTH_SECS: Final = 3600
 MAX_HTTP_PATH_CHARS: Final = 1024
+#: Seconds a replica may take to begin its answer to a proxied request, by default: past the 60 s of common
+#: proxies' read timeouts and the 20 to 60 s a long poll usually holds, well short of "forever".
+DEFAULT_ANSWER_TIMEOUT_SECS: Final = 120
+MAX_ANSWER_TIMEOUT_SECS: Final = 3600
 #: A service name: a DNS label of at most 30 characters with no ``--`` (see the module docstring).
 _NAME = re.compile(r"^[a-z](?:[a-z0-9]|-(?!-)){0,29}$")
 #: What in a spec, when changed, needs new replicas (a rollout to a new revision).
@@ -101,11 +108,18 @@ def check_spec(gw: Gateway, tenant: str, spec: ServiceSpec) -> ServiceSpec:
     replicas = check_replicas(_or(spec.replicas, 1))
     port = _in_range("port", spec.port, 1, 65535) if spec.port is not UNSET else None
     health = _health(spec.health, port) if spec.health is not UNSET else UNSET
+    answer_timeout = _in_range("answer_timeout_secs", answer_timeout_secs(spec), 1, MAX_ANSWER_TIMEOUT_SECS)
     caps = specs.offered(gw)
     specs.check_shape(spec.image, spec.resources, spec.env, spec.secrets, caps)
     gw.secrets.check_names(tenant, spec.secrets or ())
     specs.check_policy(spec.env, spec.network, caps)
-    return replace(spec, replicas=replicas, health=health, public=_or(spec.public, False))
+    return replace(spec, replicas=replicas, health=health, public=_or(spec.public, False),
+                   answer_timeout_secs=answer_timeout)  # fmt: skip
+
+
+def answer_timeout_secs(spec: ServiceSpec) -> int:
+    """The spec's ``answer_timeout_secs``, or the default (a service kept before the field existed has none)."""
+    return _or(spec.answer_timeout_secs, DEFAULT_ANSWER_TIMEOUT_SECS)
 
 
 def rollout_part(spec: ServiceSpec) -> bytes:

@@ -10,7 +10,10 @@ hung up, and ``ssh.revoked`` audited, before the call that changed access return
 What a connection may not do: password, keyboard-interactive or host-based logins (keys and tokens only),
 remote forwarding (``ssh -R``), agent and X11 forwarding, forwarding to anything but the sandbox's loopback.
 A connection has 30 s to log in (:data:`DEFAULT_LOGIN_TIMEOUT_SECS`); at most :data:`MAX_UNAUTHENTICATED` may be
-logging in at once (one more closes the oldest), so idle connections cannot hold the server's memory.
+logging in at once (one more closes the oldest), and at most :data:`MAX_UNAUTHENTICATED_PER_SOURCE` from one
+source address (one more closes that source's oldest, so one source's flood does not close another's logins), so
+idle connections cannot hold the server's memory. How many credentials a connection and a source may try, and
+how a failing source is slowed then refused: ``throttle.py``.
 
 The audit log gets ``ssh.login`` (accepted, or refused when the credential was one the gateway knows),
 ``ssh.session`` per session channel and forward, and ``ssh.revoked``; entries name the owner, the sandbox, and
@@ -23,21 +26,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import shlex
 import socket
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
 from sbx.api.ssh import SshInfo
-from sbx.gateway.ssh import auth
+from sbx.gateway.ssh import auth, throttle
 from sbx.gateway.ssh.forwarding import Forward, check_destination
 from sbx.gateway.ssh.hostkeys import HostKeys
 from sbx.gateway.ssh.keys import fingerprint, is_token
 from sbx.gateway.ssh.sessions import Session
 from sbx.gateway.ssh.sftp import SandboxSftp
+from sbx.gateway.ssh.throttle import LoginLimits, SourceThrottle
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -48,6 +53,8 @@ log = logging.getLogger(__name__)
 DEFAULT_LOGIN_TIMEOUT_SECS = 30.0
 #: Connections logging in at once, at most; one more closes the oldest.
 MAX_UNAUTHENTICATED = 64
+#: Connections logging in at once from one source (``throttle.source_of``), at most; one more closes its oldest.
+MAX_UNAUTHENTICATED_PER_SOURCE = 16
 #: Shell and command sessions open at once on one connection (sshd's MaxSessions); each runs a process.
 MAX_SESSIONS = 10
 #: Forwarded connections open at once on one connection; each holds a tunnel to the node.
@@ -68,6 +75,8 @@ class SshOptions:
     listen: tuple[str, int]
     advertise: tuple[str, int] | None = None
     login_timeout_secs: float = DEFAULT_LOGIN_TIMEOUT_SECS
+    #: Credentials per connection, and failures per source (``throttle.py``).
+    limits: LoginLimits = field(default_factory=LoginLimits)
 
 
 class SshServer:
@@ -81,6 +90,8 @@ class SshServer:
         self.connections: set[SshConnection] = set()
         #: Connections not logged in yet, oldest first (a dict keeps insertion order).
         self._logging_in: dict[SshConnection, None] = {}
+        #: Failed credentials by source address, and what they mean for the next answer.
+        self.throttle = SourceThrottle(options.limits)
         self._acceptor: asyncssh.SSHAcceptor | None = None
         self.port = options.listen[1]
 
@@ -101,6 +112,7 @@ class SshServer:
         self.port = self._acceptor.get_port()
         self.gw.watchers.append(self)
         self.gw.metrics.ssh_counts = self.counts
+        self.gw.metrics.ssh_sources_refused = self.throttle.refused_sources
         log.info("SSH server listening", extra={"host": host, "port": self.port})
 
     async def close(self) -> None:
@@ -186,6 +198,11 @@ class SshServer:
     def connected(self, conn: SshConnection) -> None:
         self.connections.add(conn)
         self._logging_in[conn] = None
+        same = [c for c in self._logging_in if c.source == conn.source]
+        while len(same) > MAX_UNAUTHENTICATED_PER_SOURCE:
+            oldest = same.pop(0)
+            del self._logging_in[oldest]
+            oldest.abort()
         while len(self._logging_in) > MAX_UNAUTHENTICATED:
             oldest = next(iter(self._logging_in))
             del self._logging_in[oldest]
@@ -215,6 +232,11 @@ class SshConnection(asyncssh.SSHServer):
         self._refusal: auth.LoginRefused | None = None
         self._refused_credential: str | None = None
         self._tried = False
+        #: The client's address, and the source it counts for (``throttle.source_of``).
+        self.address = ""
+        self.source = ""
+        #: Credentials tried on this connection: (user name, key) pairs and tokens (``throttle.py``).
+        self._tries: set[tuple[str, bytes]] = set()
         self._closed = asyncio.Event()
         self._banners: set[str] = set()
 
@@ -222,6 +244,9 @@ class SshConnection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        peer = conn.get_extra_info("peername")
+        self.address = str(peer[0]) if peer else ""
+        self.source = throttle.source_of(self.address)
         self.server.connected(self)
         self._quick_acks(conn)
 
@@ -235,22 +260,28 @@ class SshConnection(asyncssh.SSHServer):
                                             result="refused", reason=reason)  # fmt: skip
         self._closed.set()  # each session hangs its process up as its channel closes
 
-    def begin_auth(self, username: str) -> bool:
+    async def begin_auth(self, username: str) -> bool:
         self._tried = True
         self._candidate = None
+        # A refused source is told at its first login request, after the key exchange: a connection closed before
+        # would leave the client writing its key exchange into a closed socket, never reading why.
+        self._check_source()
         if not is_token(username):
             return True  # a sandbox's id or name: a registered key must follow
+        self._try((username, b""))
         try:
             self._candidate = auth.login_by_token(self.server.gw.store, self.server.gw.sandboxes, username)
         except auth.LoginRefused as refusal:
             self._refuse(refusal, "token" if refusal.reason != "unknown_token" else None)
+            await self._failed(refusal)
             return True  # no method will do now: the client is told why, then refused
         return False  # the token is the whole credential
 
     def public_key_auth_supported(self) -> bool:
         return True
 
-    def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
+    async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
+        self._try((username, key.public_data))
         try:
             login = auth.login_by_key(
                 self.server.gw.store, self.server.gw.sandboxes, username, key.public_data
@@ -259,6 +290,7 @@ class SshConnection(asyncssh.SSHServer):
             found = fingerprint(key.public_data)
             known = [k.id for k in list(self.server.gw.store.ssh_keys.values()) if k.fingerprint == found]
             self._refuse(refusal, known[0] if known else None)
+            await self._failed(refusal)
             return False
         self._candidate = login  # asyncssh checks the signature next; success follows only for this key
         return True
@@ -288,6 +320,56 @@ class SshConnection(asyncssh.SSHServer):
 
     def server_requested(self, listen_host: str, listen_port: int) -> bool:
         return False  # remote forwarding (ssh -R) is not offered
+
+    # -- the limits on tries (throttle.py) -----------------------------------------------------
+
+    def _try(self, attempt: tuple[str, bytes]) -> None:
+        """Count a credential about to be checked (the same one again, as a signed request after a key query
+        is, does not count twice); a disconnect when the connection or its source may try no more."""
+        self._check_source()
+        if attempt in self._tries:
+            return
+        if len(self._tries) >= self.server.options.limits.max_auth_tries:
+            self._too_many()  # only after accepted key queries that no signature followed: none failed yet
+        self._tries.add(attempt)
+
+    def _check_source(self) -> None:
+        """A disconnect saying why when the connection's source is refused now."""
+        refused_for = self.server.throttle.refused_for(self.source)
+        if refused_for > 0:
+            self.server.gw.metrics.ssh_login_limits.labels("source_refused").inc()
+            raise asyncssh.DisconnectError(
+                asyncssh.DISC_HOST_NOT_ALLOWED_TO_CONNECT, self._source_refused(refused_for)
+            )
+
+    async def _failed(self, refusal: auth.LoginRefused) -> None:
+        """A credential was refused: count it against the source, then answer late if the source has failed
+        often, or disconnect if the connection has tried its last credential or the source may try no more."""
+        metrics = self.server.gw.metrics
+        metrics.ssh_credentials_refused.labels(refusal.reason).inc()
+        delay = self.server.throttle.failed(self.source)
+        if self.server.throttle.refused_for(self.source) > 0:  # this failure was the last one allowed
+            log.warning(
+                "SSH logins refused from a source for too many failures", extra={"source": self.source}
+            )
+            self._check_source()
+        if delay > 0:
+            metrics.ssh_login_limits.labels("delayed").inc()
+            await asyncio.sleep(delay)
+        if len(self._tries) >= self.server.options.limits.max_auth_tries:
+            self._too_many()
+
+    def _too_many(self) -> None:
+        self.server.gw.metrics.ssh_login_limits.labels("too_many_tries").inc()
+        # sshd's words, which people and scripts know ("Received disconnect ...: Too many authentication failures").
+        raise asyncssh.DisconnectError(
+            asyncssh.DISC_NO_MORE_AUTH_METHODS_AVAILABLE, "Too many authentication failures"
+        )
+
+    def _source_refused(self, secs: float) -> str:
+        """The reason told to a refused source; rounded up, so that trying again then is never too early."""
+        when = f"{math.ceil(secs / 60)} minutes" if secs >= 90 else f"{math.ceil(secs)} s"
+        return f"too many failed logins from {self.address}: try again in {when}"
 
     # -- the gateway's side --------------------------------------------------------------------
 
