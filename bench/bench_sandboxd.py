@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, UnixHTTPConnection, missing_requirements
 
+from sbx.api.node import Defaults
 from sbx.backends.gvisor import CGROUP_PARENT
 from sbx.backends.runsc import PLATFORMS, choose_platform, inspect_runsc
 from sbx.client import AsyncClient
@@ -64,7 +65,8 @@ def summary(name: str, values: list[float], raw: list[float] | None = None, p99:
 
 class RawRunsc:
     """runsc used directly on a bundle whose root is the image root (read-only), for comparison, with the
-    flags sandboxd gives it (runsc.py) on ``platform`` (None: the one sandboxd would choose here)."""
+    flags sandboxd gives it (runsc.py) on ``platform`` (None: the one sandboxd would choose here) and the CPU
+    quota of a default sandbox (``Defaults().cpus`` cores)."""
 
     def __init__(self, workdir: Path, image_root: Path, platform: str | None = None) -> None:
         self.root = workdir / "runsc-root"
@@ -85,7 +87,7 @@ class RawRunsc:
                        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}],
             "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                       "resources": {"memory": {"limit": 512 * 1024 * 1024},
-                                    "cpu": {"quota": 100000, "period": 100000}}},
+                                    "cpu": {"quota": Defaults().cpus * 100000, "period": 100000}}},
         }  # fmt: skip
         (self.bundle / "config.json").write_text(json.dumps(spec))
 
