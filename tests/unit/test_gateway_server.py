@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -107,6 +108,19 @@ class StandIn:
         return app
 
 
+#: Seconds a test waits for something the gateway does on its own (a poll, a request seen open): generous, so a
+#: loaded machine never fails a test that would pass.
+DEADLINE_SECS = 30.0
+
+
+async def until(check: Callable[[], bool], what: str = "the condition") -> None:
+    """Return once ``check()`` holds; fail after DEADLINE_SECS."""
+    deadline = time.monotonic() + DEADLINE_SECS
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not come within {DEADLINE_SECS:g} s"
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class Setup:
     client: TestClient  # type: ignore[type-arg]
@@ -134,6 +148,8 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         store, registry, GatewayAudit(tmp_path / "audit.jsonl"), GatewayOptions(file_nodes=nodes)
     )
     await gateway.start()
+    # The first poll of a node may time out on a loaded machine (1 s): the tests start from both nodes known.
+    await until(lambda: all(n.healthy and n.status is not None for n in registry.nodes.values()))
     app = web.Application(middlewares=make_middlewares(gateway))
     install(app, gateway)
     client = TestClient(TestServer(app))
@@ -169,11 +185,7 @@ async def waiting_run(
     run = asyncio.ensure_future(
         setup.client.post(f"/v1/sandboxes/{sandbox_id}/run", json={"argv": ["x"]}, headers=headers)
     )
-    for _ in range(100):
-        if len(setup.gateway.open) == open_requests:
-            break
-        await asyncio.sleep(0.01)
-    assert len(setup.gateway.open) == open_requests
+    await until(lambda: len(setup.gateway.open) == open_requests, "the request seen open")
     return run
 
 
@@ -213,19 +225,20 @@ async def test_a_node_409_on_create_is_relayed_not_retried(setup: Setup) -> None
 
 
 async def test_a_silent_node_goes_unhealthy_then_lost(setup: Setup) -> None:
-    node = setup.gateway.registry.nodes["n1"]
+    registry = setup.gateway.registry
+    # Lost 3 s after the first failed poll: far more than the three failed polls (50 ms apart) to unhealthy take,
+    # even on a loaded machine.
+    registry.lost_after_secs = 3.0
+    node = registry.nodes["n1"]
     assert node.healthy
     server = setup.nodes["n1"].server
     assert server is not None
     await server.close()
-    for _ in range(100):
-        if not node.healthy:
-            break
-        await asyncio.sleep(0.02)
-    assert not node.healthy and node.failures >= 3
-    assert not node.is_lost(setup.gateway.registry.lost_after_secs)
-    await asyncio.sleep(0.35)
-    assert node.is_lost(setup.gateway.registry.lost_after_secs) and node.down_since is not None
+    await until(lambda: not node.healthy, "unhealthy")
+    assert node.failures >= 3
+    assert not node.is_lost(registry.lost_after_secs)
+    await until(lambda: node.is_lost(registry.lost_after_secs), "lost")
+    assert node.down_since is not None
     candidates = {c.name: c.taking_new for c in setup.gateway.registry.candidates()}
     assert candidates == {"n1": False, "n2": True}
 
@@ -498,11 +511,7 @@ async def test_cordon_and_drain_of_a_silent_node_change_nothing(setup: Setup) ->
     assert server is not None
     await server.close()
     node = setup.gateway.registry.nodes["n2"]
-    for _ in range(100):
-        if not node.healthy:
-            break
-        await asyncio.sleep(0.02)
-    assert not node.healthy
+    await until(lambda: not node.healthy, "unhealthy")
     before = _admin_state(setup.gateway)
     cordon = await setup.client.post(
         "/v1/admin/nodes/n2/cordon", json={"cordoned": True}, headers=bearer(setup.admin)
