@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
@@ -54,6 +55,7 @@ class StandIn:
     name: str
     free_cpus: int
     create_status: int = 201
+    capabilities: dict[str, bool] = field(default_factory=lambda: dict(CAPABILITIES.capabilities))
     creates: int = 0
     uploaded: int = -1
     sandboxes: list[Sandbox] = field(default_factory=list)
@@ -62,8 +64,9 @@ class StandIn:
 
     def app(self) -> web.Application:
         async def node(request: web.Request) -> web.Response:
+            caps = msgspec.structs.replace(CAPABILITIES, capabilities=self.capabilities)
             return node_answer(NodeStatus(
-                name=self.name, version="test", capabilities=CAPABILITIES, capacity=Resources(8, 8192, 10000),
+                name=self.name, version="test", capabilities=caps, capacity=Resources(8, 8192, 10000),
                 free=Resources(self.free_cpus, 8192, 10000), running=0, pooled={}, images=[], labels={},
                 cordoned=False, defaults=DEFAULTS,
             ))  # fmt: skip
@@ -221,6 +224,29 @@ async def test_a_node_409_on_create_is_relayed_not_retried(setup: Setup) -> None
         "error": {"code": "conflict", "message": "not enough free capacity"}
     }  # as sent
     assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (1, 0)
+    assert setup.gateway.store.sandboxes == {}
+
+
+async def test_secret_env_goes_only_to_a_node_that_keeps_it_off_its_disk(setup: Setup) -> None:
+    # n1 is the emptiest (tried first) but older: it would write secret environment into its sandbox record.
+    setup.nodes["n2"].capabilities = {**CAPABILITIES.capabilities, "secret_env": True}
+    await until(lambda: setup.gateway.registry.nodes["n2"].offers("secret_env"), "n2's new status")
+    resp = await setup.client.post(
+        "/v1/sandboxes", json={"secret_env": {"TOKEN": "v"}}, headers=bearer(setup.user)
+    )
+    assert resp.status == 201, await resp.text()
+    assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (0, 1)
+    assert setup.nodes["n2"].requests[0].secret_env == {"TOKEN": "v"}
+
+
+async def test_secret_env_with_no_node_that_keeps_it_off_its_disk_is_503(setup: Setup) -> None:
+    resp = await setup.client.post(
+        "/v1/sandboxes", json={"secret_env": {"TOKEN": "v"}}, headers=bearer(setup.user)
+    )
+    assert (resp.status, await resp.json()) == (503, {"error": {"code": "unavailable", "message": (
+        "no node can take secret environment now: n1, n2 cannot keep it off their disk (capability secret_env); "
+        "upgrade sandboxd there")}})  # fmt: skip
+    assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (0, 0)
     assert setup.gateway.store.sandboxes == {}
 
 
