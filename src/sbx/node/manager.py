@@ -394,8 +394,9 @@ class SandboxManager:
         self.audit.record(
             "sandbox.created", record.id,
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
-            env_names=sorted(record.env), secret_env_names=record.secret_env_names, snapshot=record.snapshot_id,
-            volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes], **extra,
+            env_names=sorted(record.env), snapshot=record.snapshot_id,
+            volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes],
+            **({"secret_env_names": record.secret_env_names} if record.secret_env_names else {}), **extra,
         )  # fmt: skip
 
     async def boot(
