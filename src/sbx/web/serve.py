@@ -48,8 +48,8 @@ class Renders(Protocol):
 
 
 #: Connections the kernel queues for a listener until the server accepts them (listen(2)'s backlog), on the unix
-#: socket and TCP alike. Past it a unix connect fails at once (EAGAIN when nonblocking) and a TCP SYN is dropped
-#: (the client retries after 1 s, 3 s, ...), so a burst must fit: 4096 takes a burst of 1,000 connects with room
+#: socket and TCP alike. Past it a nonblocking unix connect fails with EAGAIN (a blocking one waits) and a TCP SYN
+#: is dropped (the client retries after 1 s, 3 s, ...), so a burst must fit: 4096 takes a burst of 1,000 connects with room
 #: to spare. The kernel caps it at ``net.core.somaxconn`` (4096 since Linux 5.4; :func:`listen_backlog` warns
 #: when it is lower). A queued connection costs the kernel about a socket's worth of memory, nothing before.
 LISTEN_BACKLOG = 4096
