@@ -1,8 +1,8 @@
 """Start a real ``sandbox-gateway`` in front of real sandboxd nodes, and talk HTTP to it.
 
-A gateway listens on a free loopback port; its state file, node file and audit log live in its own temp dir.
-Every gateway the harness starts is stopped at the end of the test; on failure its log is kept in
-test-artifacts/ with the nodes' evidence.
+A gateway listens on a free loopback port (or a unix socket when given one); its state file, node file and audit
+log live in its own temp dir. Every gateway the harness starts is stopped at the end of the test; on failure its
+log is kept in test-artifacts/ with the nodes' evidence.
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sandboxd_harness import Response, Sandboxd, free_port, ndjson_lines, send, stop_process
+from sandboxd_harness import (
+    Response,
+    Sandboxd,
+    UnixHTTPConnection,
+    free_port,
+    ndjson_lines,
+    send,
+    stop_process,
+)
 
 #: Fast health settings for tests: poll every 0.3 s, unhealthy after 3 failures, lost after 3 s.
 FAST_ARGS = [
@@ -38,9 +46,12 @@ class GatewayProcess:
     """One running sandbox-gateway."""
 
     def __init__(
-        self, workdir: Path, nodes: list[tuple[str, Sandboxd]], args: list[str] | None = None
-    ) -> None:
+        self, workdir: Path, nodes: list[tuple[str, Sandboxd]], args: list[str] | None = None,
+        socket_path: Path | None = None,
+    ) -> None:  # fmt: skip
+        """``socket_path``: listen there (a unix socket) instead of on the loopback port."""
         self.workdir = workdir
+        self.socket_path = socket_path
         self.state_path = workdir / "gateway.db"
         self.log_path = workdir / "gateway.log"
         self.node_file = workdir / "nodes.toml"
@@ -75,7 +86,8 @@ class GatewayProcess:
         """Serve, with ``env`` added to this process's environment; returns once it answers /v1/health."""
         command = [
             sys.executable, "-m", "sbx.gateway.main", "serve", "--state", str(self.state_path),
-            "--listen", f"127.0.0.1:{self.port}", "--node-file", str(self.node_file), *self.args,
+            "--listen", f"unix:{self.socket_path}" if self.socket_path else f"127.0.0.1:{self.port}",
+            "--node-file", str(self.node_file), *self.args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
@@ -96,6 +108,8 @@ class GatewayProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
+        if self.socket_path is not None:
+            return UnixHTTPConnection(self.socket_path, timeout=timeout)
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
     def request(

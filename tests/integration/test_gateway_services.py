@@ -97,7 +97,8 @@ def test_a_service_spreads_serves_scales_rolls_out_and_is_deleted(w: World) -> N
     labelled = w.live_on_nodes("gateway.service=web")
     assert sorted(s["id"] for s in labelled) == sorted(r["sandbox"] for r in svc["replicas"])
     assert all(s["labels"]["gateway.service.rev"] == "1" and s["labels"]["gateway.owner"] == "alice"
-               and "TOKEN" in s["env_names"] for s in labelled)  # fmt: skip
+               and s["env_names"] == ["GREETING"] and s["secret_env_names"] == ["TOKEN"]
+               for s in labelled)  # fmt: skip
     # Replicas are the owner's sandboxes, and a PATCH of their labels keeps the gateway's.
     one = svc["replicas"][0]["sandbox"]
     patched = w.ok("PATCH", f"/v1/sandboxes/{one}", {"labels": {"team": "x"}})

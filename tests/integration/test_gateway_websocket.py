@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,8 @@ import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess
 from sandboxd_harness import Sandboxd
 from test_attach import Attached
-from ws_attach import WsAttach, handshake, offered
+from test_websocket_attach import LARGEST_MESSAGES
+from ws_attach import WsAttach, exchange, handshake, offered
 
 from sbx.api import frames
 
@@ -105,6 +107,25 @@ async def test_a_partial_frame_closes_with_1007_and_the_process_goes_on(
     async with await WsAttach.connect(fleet.base, ws_path(sandbox["id"], pid), token=key) as again:
         await again.send((frames.STDIN, b"on\n"))
         assert (await again.read()).out == b"got on\n"
+
+
+@pytest.mark.parametrize(("message", "size", "counted", "code"), LARGEST_MESSAGES)
+def test_the_largest_client_message_is_taken_and_one_byte_more_is_1009(
+    fleet: Fleet, sandbox: dict[str, Any], message: bytes, size: int, counted: bytes, code: int
+) -> None:
+    assert len(message) == size
+    key = fleet.keys["alice"]
+    pid = start(fleet, key, sandbox["id"], ["wc", "-c"])
+    end = frames.encode_frame(frames.END_OF_INPUT, b"")
+    host = f"127.0.0.1:{fleet.gw.port}"
+    with socket.create_connection(("127.0.0.1", fleet.gw.port), timeout=60) as sock:
+        seen = exchange(sock, host, ws_path(sandbox["id"], pid), [message, end], token=key)
+    assert seen.close_code == code
+    if code != aiohttp.WSCloseCode.OK:  # nothing of it reached the process, which goes on
+        assert seen.exit_code is None
+        with socket.create_connection(("127.0.0.1", fleet.gw.port), timeout=60) as sock:
+            seen = exchange(sock, host, ws_path(sandbox["id"], pid), [end], token=key)
+    assert (seen.out, seen.exit_code) == (counted, 0)
 
 
 @pytest.mark.parametrize(

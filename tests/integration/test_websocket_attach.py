@@ -6,6 +6,7 @@ with the plain attach."""
 from __future__ import annotations
 
 import http.client
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import aiohttp
 import pytest
 from sandboxd_harness import Sandboxd, UnixHTTPConnection, free_port
 from test_attach import Attached, start
-from ws_attach import WsAttach, handshake, offered
+from ws_attach import WsAttach, exchange, handshake, offered
 
 from sbx.api import frames
 
@@ -92,6 +93,39 @@ async def test_a_message_breaking_the_rules_closes_with_the_reason(
     async with await attach(sandboxd, ref, pid) as again:
         await again.send((frames.STDIN, b"ok\n"))
         assert (await again.read()).out == b"got ok\n"
+
+
+#: The largest client message (docs/node-api.md: 1 MiB + 5 bytes, a frame at the payload limit), and one byte
+#: more made of whole frames (so only its size is wrong): its size, what ``wc -c`` then counts, the close code.
+MIB = 1 << 20
+LARGEST_MESSAGES = [
+    pytest.param(frames.encode_frame(frames.STDIN, b"a" * MIB), MIB + 5, b"1048576\n", aiohttp.WSCloseCode.OK,
+                 id="largest"),
+    pytest.param(frames.encode_frame(frames.STDIN, b"a" * (MIB - 4)) + frames.encode_frame(frames.END_OF_INPUT, b""),
+                 MIB + 6, b"0\n", aiohttp.WSCloseCode.MESSAGE_TOO_BIG, id="one-byte-more"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("message", "size", "counted", "code"), LARGEST_MESSAGES)
+def test_the_largest_client_message_is_taken_and_one_byte_more_is_1009(
+    sandboxd: Sandboxd, sandbox: dict[str, Any], message: bytes, size: int, counted: bytes, code: int
+) -> None:
+    assert len(message) == size
+    ref = sandbox["id"]
+    pid = start(sandboxd, ref, ["wc", "-c"])
+    end = frames.encode_frame(frames.END_OF_INPUT, b"")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(60)
+        sock.connect(str(sandboxd.socket_path))
+        seen = exchange(sock, "localhost", ws_path(ref, pid), [message, end])
+    assert seen.close_code == code
+    if code != aiohttp.WSCloseCode.OK:  # nothing of it reached the process, which goes on
+        assert seen.exit_code is None
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(60)
+            sock.connect(str(sandboxd.socket_path))
+            seen = exchange(sock, "localhost", ws_path(ref, pid), [end])
+    assert (seen.out, seen.exit_code) == (counted, 0)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from sbx.agent.client import (
     MAX_FILE_TRANSFERS,
     MAX_HANDLES,
     AgentClient,
+    AgentConnectionLost,
     AgentFileError,
     AgentProtocolError,
     AgentRequestError,
@@ -359,6 +360,93 @@ async def test_file_transfers_past_the_cap_are_refused_until_one_ends(
 async def _chunks(*chunks: bytes) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+# ---- QUIESCE --------------------------------------------------------------------------------------------
+
+
+async def test_nothing_is_written_after_quiesce_so_its_answer_is_never_lost() -> None:
+    """The race behind a flaky quiesce: the agent answers QUIESCE and closes while the host is busy with output
+    that came before the answer. The host then wrote the ACK of that output; the write met the closed socket,
+    asyncio aborted the transport, and the OK still unread in the socket was lost (``AgentConnectionLost:
+    writing to the sandbox agent failed: Connection lost``). The fake agent here closes from inside the sink,
+    while the host's loop is busy, so the race is hit every time."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    agent_frames = p.FrameReader()
+
+    async def recv() -> list[tuple[p.Message, int]]:
+        data = await loop.sock_recv(b, 1 << 20)
+        return [(p.decode(f.type, f.payload), f.id) for f in agent_frames.feed(data)]
+
+    connecting = asyncio.create_task(AgentClient.from_streams(*await asyncio.open_connection(sock=a)))
+    [(hello, hid)] = await recv()
+    assert isinstance(hello, p.Hello)
+    await loop.sock_sendall(b, p.encode(p.HelloOk(p.VERSION, 1, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20,
+                                                  TCP_WINDOW), hid))  # fmt: skip
+    client = await connecting
+    quiesce_id = 0
+    delivered: list[bytes] = []
+
+    class AnswersAndClosesMeanwhile:
+        async def on_output(self, stream: str, data: bytes) -> None:
+            delivered.append(data)
+            # As the agent, while the host is busy here: answer QUIESCE, close the connection.
+            b.setblocking(True)
+            b.sendall(p.encode(p.Ok(), quiesce_id))
+            b.close()
+
+        async def on_exit(self, exit_code: int) -> None:
+            raise AssertionError("no exit was sent")
+
+    subscribing = asyncio.create_task(client.set_process_sink(1, AnswersAndClosesMeanwhile()))
+    [(resume, rid)] = await recv()
+    assert isinstance(resume, p.Resume)
+    await loop.sock_sendall(b, p.encode(p.Ok(), rid))
+    await subscribing
+    quiescing = asyncio.create_task(client.quiesce("/wake", timeout_secs=5))
+    [(quiesce, quiesce_id)] = await recv()
+    assert isinstance(quiesce, p.Quiesce)
+    await loop.sock_sendall(b, p.encode(p.Output(1, 0, 0, b"before the answer")))
+    await quiescing  # answered, and closed
+    assert delivered == [b"before the answer"] and client.closed.is_set()
+    with pytest.raises(AgentConnectionLost):
+        await client.list_processes()
+    await client.close()
+
+
+async def test_a_refused_quiesce_sends_the_acks_it_held_back(pair: tuple[AgentClient, FakeAgent]) -> None:
+    client, fake = pair
+    delivered = asyncio.Event()
+
+    class Sink:
+        async def on_output(self, stream: str, data: bytes) -> None:
+            delivered.set()
+
+        async def on_exit(self, exit_code: int) -> None:
+            raise AssertionError("no exit was sent")
+
+    subscribing = asyncio.create_task(client.set_process_sink(1, Sink()))
+    [(resume, rid)] = await fake.recv()
+    assert isinstance(resume, p.Resume)
+    fake.send(p.Ok(), rid)
+    await subscribing
+    quiescing = asyncio.create_task(client.quiesce("relative"))
+    [(quiesce, qid)] = await fake.recv()
+    assert isinstance(quiesce, p.Quiesce)
+    fake.send(p.Output(1, 0, 0, b"12345"))
+    await asyncio.wait_for(delivered.wait(), 5)
+    assert await fake.recv_all() == []  # no ACK while the connection may be closing
+    fake.send(p.Error(errno.EINVAL, "malformed QUIESCE: the wake path must be absolute"), qid)
+    with pytest.raises(AgentRequestError):
+        await quiescing
+    assert [m for m, _ in await fake.recv_all()] == [p.Ack(1, 0, 5)]
+    listing = asyncio.create_task(client.list_processes())  # the connection is usable again
+    [(msg, lid)] = await fake.recv()
+    assert isinstance(msg, p.ListProcesses)
+    fake.send(p.Processes(()), lid)
+    assert await listing == []
 
 
 # ---- the socket in a directory the guest can write --------------------------------------------------------

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
@@ -53,6 +55,7 @@ class StandIn:
     name: str
     free_cpus: int
     create_status: int = 201
+    capabilities: dict[str, bool] = field(default_factory=lambda: dict(CAPABILITIES.capabilities))
     creates: int = 0
     uploaded: int = -1
     sandboxes: list[Sandbox] = field(default_factory=list)
@@ -61,8 +64,9 @@ class StandIn:
 
     def app(self) -> web.Application:
         async def node(request: web.Request) -> web.Response:
+            caps = msgspec.structs.replace(CAPABILITIES, capabilities=self.capabilities)
             return node_answer(NodeStatus(
-                name=self.name, version="test", capabilities=CAPABILITIES, capacity=Resources(8, 8192, 10000),
+                name=self.name, version="test", capabilities=caps, capacity=Resources(8, 8192, 10000),
                 free=Resources(self.free_cpus, 8192, 10000), running=0, pooled={}, images=[], labels={},
                 cordoned=False, defaults=DEFAULTS,
             ))  # fmt: skip
@@ -107,6 +111,19 @@ class StandIn:
         return app
 
 
+#: Seconds a test waits for something the gateway does on its own (a poll, a request seen open): generous, so a
+#: loaded machine never fails a test that would pass.
+DEADLINE_SECS = 30.0
+
+
+async def until(check: Callable[[], bool], what: str = "the condition") -> None:
+    """Return once ``check()`` holds; fail after DEADLINE_SECS."""
+    deadline = time.monotonic() + DEADLINE_SECS
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not come within {DEADLINE_SECS:g} s"
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class Setup:
     client: TestClient  # type: ignore[type-arg]
@@ -134,6 +151,8 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         store, registry, GatewayAudit(tmp_path / "audit.jsonl"), GatewayOptions(file_nodes=nodes)
     )
     await gateway.start()
+    # The first poll of a node may time out on a loaded machine (1 s): the tests start from both nodes known.
+    await until(lambda: all(n.healthy and n.status is not None for n in registry.nodes.values()))
     app = web.Application(middlewares=make_middlewares(gateway))
     install(app, gateway)
     client = TestClient(TestServer(app))
@@ -169,11 +188,7 @@ async def waiting_run(
     run = asyncio.ensure_future(
         setup.client.post(f"/v1/sandboxes/{sandbox_id}/run", json={"argv": ["x"]}, headers=headers)
     )
-    for _ in range(100):
-        if len(setup.gateway.open) == open_requests:
-            break
-        await asyncio.sleep(0.01)
-    assert len(setup.gateway.open) == open_requests
+    await until(lambda: len(setup.gateway.open) == open_requests, "the request seen open")
     return run
 
 
@@ -212,20 +227,44 @@ async def test_a_node_409_on_create_is_relayed_not_retried(setup: Setup) -> None
     assert setup.gateway.store.sandboxes == {}
 
 
+async def test_secret_env_goes_only_to_a_node_that_keeps_it_off_its_disk(setup: Setup) -> None:
+    # n1 is the emptiest (tried first) but older: it would write secret environment into its sandbox record.
+    setup.nodes["n2"].capabilities = {**CAPABILITIES.capabilities, "secret_env": True}
+    await until(lambda: setup.gateway.registry.nodes["n2"].offers("secret_env"), "n2's new status")
+    resp = await setup.client.post(
+        "/v1/sandboxes", json={"secret_env": {"TOKEN": "v"}}, headers=bearer(setup.user)
+    )
+    assert resp.status == 201, await resp.text()
+    assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (0, 1)
+    assert setup.nodes["n2"].requests[0].secret_env == {"TOKEN": "v"}
+
+
+async def test_secret_env_with_no_node_that_keeps_it_off_its_disk_is_503(setup: Setup) -> None:
+    resp = await setup.client.post(
+        "/v1/sandboxes", json={"secret_env": {"TOKEN": "v"}}, headers=bearer(setup.user)
+    )
+    assert (resp.status, await resp.json()) == (503, {"error": {"code": "unavailable", "message": (
+        "no node can take secret environment now: n1, n2 cannot keep it off their disk (capability secret_env); "
+        "upgrade sandboxd there")}})  # fmt: skip
+    assert (setup.nodes["n1"].creates, setup.nodes["n2"].creates) == (0, 0)
+    assert setup.gateway.store.sandboxes == {}
+
+
 async def test_a_silent_node_goes_unhealthy_then_lost(setup: Setup) -> None:
-    node = setup.gateway.registry.nodes["n1"]
+    registry = setup.gateway.registry
+    # Lost 3 s after the first failed poll: far more than the three failed polls (50 ms apart) to unhealthy take,
+    # even on a loaded machine.
+    registry.lost_after_secs = 3.0
+    node = registry.nodes["n1"]
     assert node.healthy
     server = setup.nodes["n1"].server
     assert server is not None
     await server.close()
-    for _ in range(100):
-        if not node.healthy:
-            break
-        await asyncio.sleep(0.02)
-    assert not node.healthy and node.failures >= 3
-    assert not node.is_lost(setup.gateway.registry.lost_after_secs)
-    await asyncio.sleep(0.35)
-    assert node.is_lost(setup.gateway.registry.lost_after_secs) and node.down_since is not None
+    await until(lambda: not node.healthy, "unhealthy")
+    assert node.failures >= 3
+    assert not node.is_lost(registry.lost_after_secs)
+    await until(lambda: node.is_lost(registry.lost_after_secs), "lost")
+    assert node.down_since is not None
     candidates = {c.name: c.taking_new for c in setup.gateway.registry.candidates()}
     assert candidates == {"n1": False, "n2": True}
 
@@ -498,11 +537,7 @@ async def test_cordon_and_drain_of_a_silent_node_change_nothing(setup: Setup) ->
     assert server is not None
     await server.close()
     node = setup.gateway.registry.nodes["n2"]
-    for _ in range(100):
-        if not node.healthy:
-            break
-        await asyncio.sleep(0.02)
-    assert not node.healthy
+    await until(lambda: not node.healthy, "unhealthy")
     before = _admin_state(setup.gateway)
     cordon = await setup.client.post(
         "/v1/admin/nodes/n2/cordon", json={"cordoned": True}, headers=bearer(setup.admin)

@@ -142,6 +142,14 @@ def test_create_full_request() -> None:
     assert "cpus" in req.fields_given and "snapshot_id" not in req.fields_given
 
 
+def test_create_secret_env_is_kept_apart_from_env() -> None:
+    req = m.parse_create(body({"env": {"A": "1"}, "secret_env": {"TOKEN": "s3cret", "EMPTY": ""}}), CONFIG)
+    assert (req.env, req.secret_env) == ({"A": "1"}, {"TOKEN": "s3cret", "EMPTY": ""})
+    assert "secret_env" in req.fields_given
+    assert "s3cret" not in repr(req)  # a logged spec never shows a value
+    assert m.parse_create(b"{}", CONFIG).secret_env == {}
+
+
 def test_create_accepts_eight_mounts_side_by_side() -> None:
     mounts = [{"name": f"v{i}", "path": f"/data/m{i}", "read_only": i % 2 == 0} for i in range(8)]
     req = m.parse_create(body({"volumes": mounts}), CONFIG)
@@ -197,6 +205,13 @@ def test_create_idle_timeout(idle: int, config: NodeConfig, expected: int) -> No
         pytest.param({"env": {"1A": "x"}}, InvalidRequest, "not a valid environment variable name", id="env-name"),
         pytest.param({"env": {"LD_PRELOAD": "/x.so"}}, Refused, "LD_PRELOAD is reserved", id="env-reserved"),
         pytest.param({"env": {"A": "\ud800"}}, InvalidRequest, "unpaired surrogate", id="env-lone-surrogate"),
+        pytest.param({"secret_env": []}, InvalidRequest, "secret_env: expected an object", id="secret-env-type"),
+        pytest.param({"secret_env": {"A": 1}}, InvalidRequest, "secret_env.A: expected a string", id="secret-env-value-type"),
+        pytest.param({"secret_env": {"1A": "x"}}, InvalidRequest, "secret_env: '1A' is not a valid environment variable name", id="secret-env-name"),
+        pytest.param({"secret_env": {"A": "a\u0000b"}}, InvalidRequest, "secret_env.A: the value contains a NUL", id="secret-env-nul"),
+        pytest.param({"secret_env": {"LD_PRELOAD": "/x.so"}}, Refused, "secret_env: LD_PRELOAD is reserved (it controls sandbox start-up, the loader or the shell); remove it from secret_env", id="secret-env-reserved"),
+        pytest.param({"env": {"B": "1", "A": "1"}, "secret_env": {"A": "2", "B": "2"}}, InvalidRequest, "secret_env: A, B also in env; give each variable in one of env and secret_env", id="secret-env-also-in-env"),
+        pytest.param({"secret_env": {"BASH_ENV": "x"}, "labels": {"K": "v"}}, InvalidRequest, "lowercase", id="400-before-403-secret-env"),
         pytest.param({"labels": {"K": "v"}}, InvalidRequest, "lowercase", id="label-key"),
         pytest.param({"labels": {"k": 1}}, InvalidRequest, "labels.k: expected a string", id="label-value-type"),
         pytest.param({"labels": {f"k{i}": "v" for i in range(33)}}, InvalidRequest, "at most 32", id="33-labels"),

@@ -170,6 +170,8 @@ class AgentClient:
         # only then may spawn pipeline stdin frames (see spawn).
         self._handles_known = False
         self._closed_error: AgentError | None = None
+        #: QUIESCE was written: nothing more may be (see :meth:`quiesce`).
+        self._quiesced = False
         self.closed = asyncio.Event()
         """Set when the channel is gone (agent exited, sandbox stopped, or a newer client took over)."""
         self.agent_pid = 0
@@ -436,13 +438,27 @@ class AgentClient:
 
         Returns when the connection is closed, after every frame the agent sent before it was read (so
         output records are complete up to the close). Needs protocol version 3.
+
+        Nothing more is written on this connection once QUIESCE is (no ACK, no request: those raise
+        AgentConnectionLost). The agent closes the connection right after its answer, and a write that meets
+        the closed socket makes asyncio abort the transport at once, dropping what the agent sent and this
+        host had not read yet: the answer itself and the output before it.
         """
         if self.version < 3:
             raise AgentProtocolError(
                 f"the agent in this sandbox speaks protocol version {self.version}, which cannot quiesce "
                 "for a checkpoint; sandboxes started before the upgrade cannot be suspended or snapshotted"
             )
-        await self._call(p.Quiesce(wake_path))
+        try:
+            await self._call(p.Quiesce(wake_path), last=True)
+        except AgentRequestError:
+            # Refused: the agent keeps the connection, so writing resumes, with the ACKs held back meanwhile.
+            self._quiesced = False
+            for handle, st in self._procs.items():
+                for stream in (0, 1):
+                    if st.sink is not None and st.acked[stream]:
+                        self._send_nowait(p.Ack(handle, stream, st.acked[stream]), 0)
+            raise
         try:
             await asyncio.wait_for(self.closed.wait(), timeout_secs)
         except TimeoutError:
@@ -600,6 +616,10 @@ class AgentClient:
     def _check_open(self) -> None:
         if self._closed_error is not None:
             raise type(self._closed_error)(self._closed_error.message)
+        if self._quiesced:
+            raise AgentConnectionLost(
+                "the sandbox agent is closing this connection for a checkpoint (QUIESCE); reconnect after it"
+            )
 
     def _register(self, streamed: bool) -> tuple[int, _Request]:
         self._check_open()
@@ -629,12 +649,15 @@ class AgentClient:
         self._transfers.discard(fid)
         self._requests.pop(fid, None)
 
-    async def _send(self, msg: p.Message, frame_id: int = 0) -> None:
-        await self._send_bytes(p.encode(msg, frame_id))
+    async def _send(self, msg: p.Message, frame_id: int = 0, *, last: bool = False) -> None:
+        await self._send_bytes(p.encode(msg, frame_id), last=last)
 
-    async def _send_bytes(self, frames: bytes) -> None:
+    async def _send_bytes(self, frames: bytes, *, last: bool = False) -> None:
+        """Write ``frames`` and wait for the transport; ``last``: nothing may be written after them."""
         self._check_open()
         self._writer.write(frames)
+        # Set before the first await: no other task may slip a frame in behind these.
+        self._quiesced = self._quiesced or last
         try:
             await self._writer.drain()
         except (ConnectionError, OSError) as e:
@@ -643,7 +666,7 @@ class AgentClient:
 
     def _send_nowait(self, msg: p.Message, frame_id: int) -> None:
         """Queue a small frame without waiting for the transport (acks, closes); no-op once closed."""
-        if self._closed_error is None and not self._writer.is_closing():
+        if self._closed_error is None and not self._quiesced and not self._writer.is_closing():
             self._writer.write(p.encode(msg, frame_id))
 
     async def _await(self, fid: int, req: _Request) -> p.Message:
@@ -660,10 +683,10 @@ class AgentClient:
             raise item
         return item
 
-    async def _call(self, msg: p.Message, file_path: str | None = None) -> p.Message:
+    async def _call(self, msg: p.Message, file_path: str | None = None, *, last: bool = False) -> p.Message:
         fid, req = self._register(streamed=False)
         try:
-            await self._send(msg, fid)
+            await self._send(msg, fid, last=last)
         except BaseException:
             self._requests.pop(fid, None)
             raise
@@ -708,7 +731,7 @@ class AgentClient:
                 return
             await sink.on_output(p.STREAM_NAMES[stream], data)
             st.acked[stream] = value + len(data)
-            if not self.closed.is_set():
+            if not self.closed.is_set() and not self._quiesced:
                 with contextlib.suppress(AgentError):
                     await self._send(p.Ack(handle, stream, value + len(data)))
 

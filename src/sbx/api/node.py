@@ -50,12 +50,14 @@ class Resources(msgspec.Struct, frozen=True):
 #: Capability flag of the WebSocket form of attach (an addition: ``GET .../processes/{pid}/attach/websocket``,
 #: the ``sbx-stream/1`` frames in binary messages, for browsers, which cannot send ``Upgrade: sbx-stream/1``).
 WEBSOCKET_ATTACH = "websocket_attach"
+#: Capability flag of ``secret_env`` in a create request (an addition): environment the node holds in memory only.
+SECRET_ENV = "secret_env"
 
 
 class Capabilities(msgspec.Struct, kw_only=True):
     """``GET /v1/capabilities``: what this server offers; a client asks rather than assumes. Flags in
     ``capabilities``: the spec's (``network_policy_update``, ``suspend``, ``memory_snapshot``, ``disk_snapshot``,
-    ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``)."""
+    ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``)."""
 
     api_version: str
     backend: str

@@ -70,6 +70,7 @@ class CreateSpec:
     omitted). ``fields_given`` names the fields the request actually had, for the rules that depend on
     it (a memory fork refuses resources; a disk fork takes the original's for omitted ones).
     ``snapshot_every_secs`` and ``snapshot_keep`` None: not asked for (keep then defaults to 1).
+    ``secret_env``: environment whose values the node keeps in memory only (never on disk).
     """
 
     image: str
@@ -86,6 +87,7 @@ class CreateSpec:
     volumes: tuple[VolumeMount, ...] = ()
     snapshot_id: str | None = None
     fields_given: frozenset[str] = frozenset()
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,14 @@ def check_create(req: CreateRequest, limits: Limits | None = None) -> None:
     for env_name, env_value in (req.env or {}).items():
         v.validate_env_name(env_name)
         v.validate_env_value(env_name, env_value)
+    for env_name, env_value in (req.secret_env or {}).items():
+        v.validate_env_name(env_name, "secret_env")
+        v.validate_env_value(env_name, env_value, "secret_env")
+    both = sorted(set(req.env or {}) & set(req.secret_env or {}))
+    if both:
+        raise InvalidRequest(
+            f"secret_env: {', '.join(both)} also in env; give each variable in one of env and secret_env"
+        )
     if req.labels is not UNSET:
         v.validate_labels(req.labels)
     if req.volumes:
@@ -195,6 +205,7 @@ def parse_create(body: bytes, rules: Rules) -> CreateSpec:
     )
     # 403s last: the request is well formed by now.
     env = v.validate_env(req.env or {})
+    secret_env = v.validate_env(req.secret_env or {}, "secret_env")
     network = resolve_policy(req.network or None, rules.network)
     defaults = rules.defaults
     given = frozenset(name for name in CreateRequest.__struct_fields__ if getattr(req, name) is not UNSET)
@@ -213,6 +224,7 @@ def parse_create(body: bytes, rules: Rules) -> CreateSpec:
         volumes=volumes,
         snapshot_id=_opt(req.snapshot_id),
         fields_given=given,
+        secret_env=secret_env,
     )
 
 

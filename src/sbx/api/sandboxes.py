@@ -34,7 +34,9 @@ class SnapshotProgress(msgspec.Struct):
 class Sandbox(msgspec.Struct, kw_only=True):
     """The spec's Sandbox. ``env_names`` are names only (values are never returned). ``snapshotting`` is
     present only while a snapshot is being taken; ``terminated_at`` and ``terminated_reason`` (``request``,
-    ``idle``, ``crashed``, ``lost``) only once terminated."""
+    ``idle``, ``crashed``, ``lost``) only once terminated. Additions, present only for a sandbox created with
+    ``secret_env``: ``secret_env_names`` (names only) and ``secret_env_lost``, true once a restart of the node
+    dropped the values it held in memory (processes started since do not get them)."""
 
     id: str
     name: str | None
@@ -53,6 +55,8 @@ class Sandbox(msgspec.Struct, kw_only=True):
     snapshotting: SnapshotProgress | UnsetType = UNSET
     terminated_at: str | UnsetType = UNSET
     terminated_reason: str | UnsetType = UNSET
+    secret_env_names: list[str] | UnsetType = UNSET
+    secret_env_lost: bool | UnsetType = UNSET
 
 
 class SandboxList(msgspec.Struct):
@@ -68,7 +72,11 @@ _BIND_REMOVED = (
 
 
 class CreateRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/sandboxes``: every field optional (UNSET: the server's default or nothing)."""
+    """``POST /v1/sandboxes``: every field optional (UNSET: the server's default or nothing).
+
+    ``secret_env`` (an addition, capability ``secret_env``): environment like ``env``, whose values the node holds
+    in memory only, never on its disk, in its audit log or in an answer; a restart of the node loses them
+    (docs/node-api.md, "Secret environment"). A name may not be in both."""
 
     removed_fields: ClassVar[dict[str, str]] = {"bind": _BIND_REMOVED}
 
@@ -85,6 +93,7 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     snapshot_keep: int | UnsetType = UNSET
     volumes: list[VolumeMount] | UnsetType = UNSET
     snapshot_id: str | UnsetType = UNSET
+    secret_env: dict[str, str] | UnsetType = UNSET
 
 
 class PatchRequest(msgspec.Struct, kw_only=True):

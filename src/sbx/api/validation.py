@@ -195,7 +195,7 @@ def check_env_not_reserved(name: str, field: str = "env") -> None:
     if is_reserved_env_name(name):
         raise Refused(
             f"{field}: {name} is reserved (it controls sandbox start-up, the loader or the shell); "
-            "remove it from env"
+            f"remove it from {field}"
         )
 
 

@@ -51,8 +51,9 @@ class Sandboxes:
 
     async def create(self, request: CreateRequest | None = None, **fields: Any) -> Sandbox:
         """``POST /v1/sandboxes`` with a ``CreateRequest`` or the spec's create fields as keywords (all
-        optional): ``name``, ``image``, ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``network``,
-        ``labels``, ``idle_timeout_secs``, ...; an unknown field or a wrong type is ``InvalidRequest``."""
+        optional): ``name``, ``image``, ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``secret_env`` (environment
+        the node keeps in memory only; capability ``secret_env``), ``network``, ``labels``, ``idle_timeout_secs``,
+        ...; an unknown field or a wrong type is ``InvalidRequest``."""
         body = request if request is not None else convert_request(fields, CreateRequest)
         return Sandbox(self._client, await self._client.call("POST", "/v1/sandboxes", SandboxInfo, json=body))
 

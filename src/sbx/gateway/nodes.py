@@ -71,6 +71,11 @@ class Node:
         status = self.status
         return status.defaults if status is not None and status.defaults is not UNSET else None
 
+    def offers(self, capability: str) -> bool:
+        """Whether the node's last status has the capability flag (False before its first answer)."""
+        status = self.status
+        return status is not None and status.capabilities.capabilities.get(capability, False)
+
     def candidate(self, cordoned: bool) -> Candidate:
         status = self.status
         return Candidate(

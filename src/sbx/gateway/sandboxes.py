@@ -32,7 +32,7 @@ from msgspec import UNSET
 from msgspec.structs import replace
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
-from sbx.api.node import Resources
+from sbx.api.node import SECRET_ENV, Resources
 from sbx.api.requests import check_create
 from sbx.api.sandboxes import CreateRequest, Sandbox
 from sbx.api.snapshots import Snapshot
@@ -194,10 +194,20 @@ class Sandboxes:
         gw = self.gw
         tried: set[str] = set()
         over_quota: Refused | None = None
+        lacking: set[str] = set()
         while True:
             candidates = gw.registry.candidates()
             if pinned is not None:
                 candidates = [c for c in candidates if c.name == pinned]
+            if req.secret_env:
+                # Only a node that keeps secret environment off its disk gets it (an older one would write it
+                # into its sandbox record).
+                lacking = {
+                    c.name
+                    for c in candidates
+                    if c.taking_new and not gw.registry.nodes[c.name].offers(SECRET_ENV)
+                }
+                candidates = [c for c in candidates if c.name not in lacking]
             # Nodes to avoid are asked only once every other node has been.
             choice = choose_node(candidates, tried | avoid, requested) or choose_node(
                 candidates, tried, requested
@@ -225,6 +235,11 @@ class Sandboxes:
             gw.metrics.refused.labels("quota").inc()
             raise over_quota
         gw.metrics.refused.labels("capacity").inc()
+        if lacking and not tried:
+            raise Unavailable(
+                f"no node can take secret environment now: {', '.join(sorted(lacking))} cannot keep it off their "
+                f"disk (capability {SECRET_ENV}); upgrade sandboxd there"
+            )
         where = f"node {pinned}" if pinned else "any node"
         raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned); "
                           "try again later or ask for fewer resources")  # fmt: skip

@@ -85,12 +85,15 @@ def create_request(
     env: Mapping[str, str],
     network: NetworkRequest | UnsetType,
     snapshot_id: str | UnsetType = UNSET,
+    secret_env: Mapping[str, str] | None = None,
 ) -> CreateRequest:
-    """The create request of one replica or run (``env`` with the secrets' values already in)."""
+    """The create request of one replica or run: the spec's ``env``, and the secrets' values as ``secret_env``,
+    which the node keeps in memory only (docs/node-api.md, "Secret environment")."""
     res = resources if resources is not UNSET else ResourceRequest()
     return CreateRequest(
         image=image, cpus=res.cpus, memory_mb=res.memory_mb, disk_mb=res.disk_mb,
         env=dict(env) if env else UNSET, network=network, snapshot_id=snapshot_id,
+        secret_env=dict(secret_env) if secret_env else UNSET,
     )  # fmt: skip
 
 

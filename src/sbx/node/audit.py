@@ -58,7 +58,7 @@ EVENT_TYPES = frozenset(
 """The node audit event types the spec names (Events, Node audit events)."""
 
 FORBIDDEN_FIELDS = frozenset(
-    {"env", "argv", "args", "stdin", "stdout", "stderr", "data", "content", "contents"}
+    {"env", "secret_env", "argv", "args", "stdin", "stdout", "stderr", "data", "content", "contents"}
 )
 """Field names that would carry environment values, process arguments or file contents."""
 

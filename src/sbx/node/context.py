@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sbx import __version__
-from sbx.api.node import WEBSOCKET_ATTACH, Capabilities, NodeStatus, Resources
+from sbx.api.node import SECRET_ENV, WEBSOCKET_ATTACH, Capabilities, NodeStatus, Resources
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.config import NodeConfig
@@ -56,6 +56,7 @@ class NodeContext:
                 "audit": self.config.audit.enabled,
                 "images": True,
                 WEBSOCKET_ATTACH: True,
+                SECRET_ENV: True,
             },
             limits=self.config.limits,
             network=self.config.network,

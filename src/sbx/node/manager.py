@@ -342,6 +342,8 @@ class SandboxManager:
             snapshot_id=req.snapshot_id,
             snapshot_every_secs=req.snapshot_every_secs or 0,
             snapshot_keep=(req.snapshot_keep or 1) if req.snapshot_every_secs else 0,
+            secret_env_names=sorted(req.secret_env),
+            secret_env=dict(req.secret_env),
         )
         try:
             sandbox = await self._start(record, image, req, snapshot)
@@ -393,7 +395,8 @@ class SandboxManager:
             "sandbox.created", record.id,
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
             env_names=sorted(record.env), snapshot=record.snapshot_id,
-            volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes], **extra,
+            volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes],
+            **({"secret_env_names": record.secret_env_names} if record.secret_env_names else {}), **extra,
         )  # fmt: skip
 
     async def boot(
@@ -411,7 +414,8 @@ class SandboxManager:
             raise
 
     def adopt(self, pooled: PooledSandbox, req: CreateSpec) -> SandboxRecord:
-        """Make a pooled sandbox the requester's: name, labels, env, network and idle timeout from ``req``.
+        """Make a pooled sandbox the requester's: name, labels, env (secret env too), network and idle timeout
+        from ``req``.
 
         Nothing inside the sandbox changes (env is given per process; nothing has run in it), so this only
         writes the record and the create answers in milliseconds. Audit ``sandbox.created`` reason ``pool``.
@@ -420,6 +424,8 @@ class SandboxManager:
         record.name = req.name
         record.labels = dict(req.labels)
         record.env = dict(req.env)
+        record.secret_env_names = sorted(req.secret_env)
+        record.secret_env = dict(req.secret_env)
         record.network = req.network
         record.idle_timeout_secs = req.idle_timeout_secs
         record.created_at = utc_now()
@@ -507,6 +513,7 @@ class SandboxManager:
         record.state = SandboxState.TERMINATED
         record.terminated_at = utc_now()
         record.terminated_reason = reason
+        record.secret_env = {}  # no process will start again: the values are not kept a moment longer
         sandbox.save()
         self.volumes.drop_holder(record.id)  # rule 1 counts live sandboxes; the mount stays until _destroy
         agent = sandbox.processes.agent

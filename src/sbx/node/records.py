@@ -44,7 +44,8 @@ def new_sandbox_id(node_id: str | None) -> str:
 
 @dataclass
 class SandboxRecord:
-    """One sandbox. ``env`` holds values and is never put on the wire or in a log; only its names are."""
+    """One sandbox. ``env`` holds values and is never put on the wire or in a log; only its names are.
+    ``secret_env`` holds values in memory only: never on disk either (see :meth:`to_disk`)."""
 
     id: str
     state: SandboxState
@@ -70,6 +71,17 @@ class SandboxRecord:
     snapshot_id: str | None = None
     #: The spec's Snapshot progress while a snapshot is being taken; in memory only (never on disk).
     snapshotting: SnapshotProgress | None = field(default=None, compare=False)
+    #: Names of the environment given as ``secret_env`` at create (on disk: names only).
+    secret_env_names: list[str] = field(default_factory=list)
+    #: Their values, in memory only: never on disk, on the wire or in a log. A restart of sandboxd reads the
+    #: record back without them (``secret_env_lost``); processes started since do not get them.
+    secret_env: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def secret_env_lost(self) -> bool:
+        """A live sandbox given secret environment that this sandboxd does not hold (it restarted since).
+        (A terminated sandbox holds none: no process starts in it again.)"""
+        return self.live and bool(self.secret_env_names) and not self.secret_env
 
     @property
     def live(self) -> bool:
@@ -94,12 +106,14 @@ class SandboxRecord:
             snapshotting=self.snapshotting if self.snapshotting is not None else UNSET,
             terminated_at=self.terminated_at if self.terminated_at is not None else UNSET,
             terminated_reason=self.terminated_reason if self.terminated_reason is not None else UNSET,
+            secret_env_names=list(self.secret_env_names) if self.secret_env_names else UNSET,
+            secret_env_lost=self.secret_env_lost if self.secret_env_names else UNSET,
         )  # fmt: skip
 
     def to_disk(self) -> dict[str, Any]:
-        """The on-disk form (includes env values; the state dir is root-only)."""
+        """The on-disk form: env values included (the state dir is root-only), secret env values never."""
         data = asdict(self)
-        del data["snapshotting"]
+        del data["snapshotting"], data["secret_env"]
         data["state"] = self.state.value
         data["network"] = self.network.to_wire()
         data["volumes"] = [{"name": m.name, "path": m.path, "read_only": m.read_only} for m in self.volumes]

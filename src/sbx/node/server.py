@@ -88,7 +88,7 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
     try:
         app = build_app(config, options)
         tls = server_tls(options.tls_cert, options.tls_key) if options.listen is not None else None
-        listen = Listen(options.socket_path, options.listen, tls, backlog=256)
+        listen = Listen(options.socket_path, options.listen, tls)
 
         def ready() -> None:
             log.info(

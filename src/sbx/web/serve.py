@@ -47,7 +47,35 @@ class Renders(Protocol):
     def render(self) -> tuple[bytes, str]: ...
 
 
-def unix_listener(path: Path, backlog: int = 256) -> socket.socket:
+#: Connections the kernel queues for a listener until the server accepts them (listen(2)'s backlog), on the unix
+#: socket and TCP alike. Past it a nonblocking unix connect fails with EAGAIN (a blocking one waits) and a TCP SYN
+#: is dropped (the client retries after 1 s, 3 s, ...), so a burst must fit: 4096 takes a burst of 1,000 connects with room
+#: to spare. The kernel caps it at ``net.core.somaxconn`` (4096 since Linux 5.4; :func:`listen_backlog` warns
+#: when it is lower). A queued connection costs the kernel about a socket's worth of memory, nothing before.
+LISTEN_BACKLOG = 4096
+SOMAXCONN_PATH = Path("/proc/sys/net/core/somaxconn")
+
+
+def listen_backlog(wanted: int = LISTEN_BACKLOG, somaxconn_path: Path = SOMAXCONN_PATH) -> int:
+    """The backlog the kernel gives a listener asking for ``wanted``: at most ``net.core.somaxconn`` (read from
+    ``somaxconn_path``; ``wanted`` when it cannot be read). Logs a warning, saying what to change, when the kernel
+    cuts it."""
+    try:
+        cap = int(somaxconn_path.read_text().strip())
+    except (OSError, ValueError):
+        return wanted
+    if cap >= wanted:
+        return wanted
+    log.warning(
+        "the kernel caps the listen backlog below what this server asks for: a burst of more simultaneous "
+        "connects than the cap is refused (EAGAIN on a unix socket); raise it with "
+        f"sysctl -w net.core.somaxconn={wanted}",
+        extra={"somaxconn": cap, "backlog": wanted},
+    )
+    return max(cap, 0)
+
+
+def unix_listener(path: Path, backlog: int = LISTEN_BACKLOG) -> socket.socket:
     """A listening unix socket at ``path`` (a stale one replaced) with mode 0600 from the start: never open
     to other users, even briefly. Non-blocking, for an event loop."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,7 +164,7 @@ class Listen:
     socket_path: Path | None = None
     address: tuple[str, int] | None = None
     tls: ssl.SSLContext | None = None
-    backlog: int = 512
+    backlog: int = LISTEN_BACKLOG
 
 
 async def run(
@@ -160,9 +188,13 @@ async def run(
         keepalive_timeout=idle_timeout_secs,
     )  # fmt: skip
     await runner.setup()
+    listen_backlog(listen.backlog)  # a warning when the kernel cuts it
     try:
         if listen.socket_path is not None:
-            await web.SockSite(runner, unix_listener(listen.socket_path, backlog=listen.backlog)).start()
+            # The backlog goes to the site too: asyncio calls listen() again with the backlog it is given
+            # (aiohttp's default 128), replacing the socket's own.
+            sock = unix_listener(listen.socket_path, backlog=listen.backlog)
+            await web.SockSite(runner, sock, backlog=listen.backlog).start()
         if listen.address is not None:
             host, port = listen.address
             await web.TCPSite(runner, host, port, ssl_context=listen.tls, backlog=listen.backlog).start()

@@ -29,7 +29,8 @@ from sbx.api.errors import InvalidRequest
 WEBSOCKET_PATHS: Final = frozenset(ep.path for ep in ENDPOINTS if ep.upgrade == "websocket")
 #: Seconds between pings; a client that has not answered within half of it is closed.
 HEARTBEAT_SECS: Final = 30.0
-#: Largest client message (bytes): a frame at its limit with its header, or several smaller ones.
+#: Largest client message (bytes): a frame at its limit with its header, or several smaller ones. A longer one
+#: is closed with 1009 (message too big).
 MAX_MESSAGE_BYTES: Final = frames.MAX_PAYLOAD_BYTES + frames.HEADER_BYTES
 #: Seconds a server waits for the client's answer to its close.
 CLOSE_TIMEOUT_SECS: Final = 2.0
@@ -89,8 +90,9 @@ def check_websocket(request: web.Request) -> None:
 
 
 def _response() -> web.WebSocketResponse:
+    # aiohttp refuses a message of max_msg_size bytes itself (its bound is exclusive), hence the + 1.
     return web.WebSocketResponse(
-        protocols=(frames.WEBSOCKET_PROTOCOL,), heartbeat=HEARTBEAT_SECS, max_msg_size=MAX_MESSAGE_BYTES,
+        protocols=(frames.WEBSOCKET_PROTOCOL,), heartbeat=HEARTBEAT_SECS, max_msg_size=MAX_MESSAGE_BYTES + 1,
         timeout=CLOSE_TIMEOUT_SECS, compress=False,
     )  # fmt: skip
 

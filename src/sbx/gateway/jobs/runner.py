@@ -156,10 +156,11 @@ class Runner:
             if not auth.has_access(self.gw.store, job.user, job.tenant):
                 raise JobCancelled(REVOKED)
             try:
-                env = {**(spec.env or {}), **self.gw.secrets.values(job.tenant, spec.secrets or ())}
+                secret_env = self.gw.secrets.values(job.tenant, spec.secrets or ())
                 sandbox, node = await self.gw.sandboxes.create(
                     Principal.owner(job.user, job.tenant),
-                    create_request(spec.image, spec.resources, env, spec.network, spec.from_snapshot),
+                    create_request(spec.image, spec.resources, spec.env or {}, spec.network, spec.from_snapshot,
+                                   secret_env),
                     gateway_labels={JOB_LABEL: job.id, RUN_LABEL: str(run.n)},
                 )  # fmt: skip
             except (Unavailable, OverQuota) as exc:
@@ -195,7 +196,11 @@ class Runner:
         else:
             if job.prompt is not None:
                 await client.write_file(run.sandbox, PROMPT_PATH, job.prompt.encode("utf-8", "surrogatepass"))
-            pid = (await client.start_process(run.sandbox, ProcessRequest(argv=command))).pid
+            # The secrets go with the command too: the node holds the sandbox's secret environment in memory only,
+            # and one restarted since the create would start the command without it.
+            secret_env = self.gw.secrets.values(job.tenant, job.spec.secrets or ())
+            request = ProcessRequest(argv=command, env=secret_env or UNSET)
+            pid = (await client.start_process(run.sandbox, request)).pid
         run = dataclasses.replace(run, pid=pid)
         await self.db.put(run=run, full=False)
         return run

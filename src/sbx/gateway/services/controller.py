@@ -453,15 +453,14 @@ class ServiceController:
 
     async def _create_one(self, svc: ServiceRecord, rt: ServiceRuntime, revision: int) -> None:
         spec = self.db.revisions[(svc.id, revision)]
-        env = dict(spec.env or {})
-        env.update(self.gw.secrets.values(svc.tenant, spec.secrets or ()))
+        secret_env = self.gw.secrets.values(svc.tenant, spec.secrets or ())
         avoid: set[str] = set()
         if svc.spec.placement is not UNSET:
             avoid = {r.rec.node for r in rt.replicas.values() if r.state in ("starting", "healthy")}
         labels = {SERVICE_LABEL: svc.name, REVISION_LABEL: str(revision), SERVICE_ID_LABEL: svc.id}
         sandbox, node_name = await self.gw.sandboxes.create(
             Principal.owner(svc.user, svc.tenant),
-            create_request(spec.image, spec.resources, env, spec.network),
+            create_request(spec.image, spec.resources, spec.env or {}, spec.network, secret_env=secret_env),
             gateway_labels=labels, avoid=avoid,
         )  # fmt: skip
         inherited = rt.pending_restarts.get(revision) or []
@@ -492,9 +491,11 @@ class ServiceController:
             if running:
                 pid = running[-1].pid
             else:
-                pid = (
-                    await node.client.start_process(rep.rec.sandbox, ProcessRequest(argv=spec.command))
-                ).pid
+                # The secrets go with the command too: the node holds the replica's secret environment in memory
+                # only, and one restarted since the create would start the command without it.
+                secret_env = self.gw.secrets.values(svc.tenant, spec.secrets or ())
+                request = ProcessRequest(argv=spec.command, env=secret_env or UNSET)
+                pid = (await node.client.start_process(rep.rec.sandbox, request)).pid
         except SandboxError as exc:
             rep.state = "unhealthy"
             rep.last_error = f"the command could not start: {exc.message}"

@@ -17,7 +17,14 @@ from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_bo
 def process_env(sandbox: Sandbox, request_env: dict[str, str]) -> dict[str, str]:
     """The environment a process starts with: base, then the image's (its Env), then the sandbox's, then
     the request's."""
-    return {**base_env(sandbox.processes.guest), **sandbox.image_env, **sandbox.record.env, **request_env}
+    record = sandbox.record
+    return {
+        **base_env(sandbox.processes.guest),
+        **sandbox.image_env,
+        **record.env,
+        **record.secret_env,
+        **request_env,
+    }
 
 
 def process_cwd(sandbox: Sandbox, cwd: str | None) -> str:
