@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import Sandboxd, free_port
 
 BURST = 1000
 #: Seconds a queued TCP handshake may take (it takes microseconds on loopback; one not queued never completes
@@ -134,3 +134,49 @@ def test_the_gateways_listener_takes_a_burst_of_a_thousand(sandboxd: Sandboxd, t
     finally:
         gw.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_the_gateways_ssh_listener_takes_a_burst_of_a_thousand(sandboxd: Sandboxd) -> None:
+    """The SSH listener queues as many as the API's (asyncssh's own default is 100): every handshake is done
+    while the gateway is stopped, and each connection then gets the server's version line (the per-address cap
+    on connections still logging in closes most of them after it, as it should)."""
+    workdir = Path(tempfile.mkdtemp(prefix="sbxbl-", dir="/var/tmp"))
+    port = free_port()
+    gw = GatewayProcess(workdir, [("n1", sandboxd)], [*FAST_ARGS, "--ssh-listen", f"127.0.0.1:{port}"])
+    try:
+        gw.start()
+        with stopped(gw.proc):
+            socks, problems = burst(socket.AF_INET, ("127.0.0.1", port))
+        try:
+            assert problems == [], f"{len(problems)} of {BURST} connects not taken: {sorted(set(problems))}"
+            firsts = first_lines(socks)
+        finally:
+            for sock in socks:
+                sock.close()
+        assert all(line.startswith(b"SSH-2.0-sbx_gateway") for line in firsts), {
+            line: firsts.count(line) for line in set(firsts)
+        }
+    finally:
+        gw.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def first_lines(socks: list[socket.socket]) -> list[bytes]:
+    """The first line each socket receives (b"" for a connection closed before a whole line)."""
+    got = dict.fromkeys(socks, b"")
+    reading = selectors.DefaultSelector()
+    for sock in socks:
+        reading.register(sock, selectors.EVENT_READ)
+    deadline = time.monotonic() + ANSWER_SECS
+    while reading.get_map() and time.monotonic() < deadline:
+        for key, _ in reading.select(timeout=1):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            try:
+                data = sock.recv(4096)
+            except ConnectionResetError:
+                data = b""
+            got[sock] += data
+            if not data or b"\n" in got[sock]:
+                reading.unregister(sock)
+    return [value.split(b"\r\n", 1)[0] if b"\n" in value else b"" for value in got.values()]

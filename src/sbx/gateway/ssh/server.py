@@ -43,6 +43,7 @@ from sbx.gateway.ssh.keys import fingerprint, is_token
 from sbx.gateway.ssh.sessions import Session
 from sbx.gateway.ssh.sftp import SandboxSftp
 from sbx.gateway.ssh.throttle import LoginLimits, SourceThrottle
+from sbx.web.serve import listen_backlog
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -107,7 +108,7 @@ class SshServer:
             line_editor=False, allow_pty=True, agent_forwarding=False, x11_forwarding=False,
             password_auth=False, kbdint_auth=False, host_based_auth=False, gss_host=None,
             login_timeout=self.options.login_timeout_secs, keepalive_interval=KEEPALIVE_SECS,
-            keepalive_count_max=3,
+            keepalive_count_max=3, backlog=listen_backlog(),  # as the API listeners
         )  # fmt: skip
         self.port = self._acceptor.get_port()
         self.gw.watchers.append(self)
