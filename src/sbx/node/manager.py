@@ -473,6 +473,8 @@ class SandboxManager:
         sandbox = self._new_sandbox(record, directory)
         sandbox.set_image_config(pooled.image.config, pooled.image.rootfs)
         sandbox.processes.agent = pooled.agent  # a fresh table, and the agent has run nothing yet
+        if pooled.parked:
+            self.parking.adopt(sandbox)  # its first request wakes it
         self._sandboxes[record.id] = sandbox
         sandbox.save_image_config()
         sandbox.save()

@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from sbx.agent.client import AgentClient, AgentError
 from sbx.api.errors import Internal
@@ -72,8 +73,9 @@ class Parking:
         #: Parks and wakes since start.
         self.parks = 0
         self.unparks = 0
-        self.on_parked: list[Callable[[Sandbox], Awaitable[None]]] = []
+        self.on_parked: list[Callable[[Sandbox], Coroutine[Any, Any, None]]] = []
         self.on_unparked: list[Callable[[Sandbox], None]] = []
+        self._hooks: set[asyncio.Task[None]] = set()
 
     def _why_not_idle(self, sandbox: Sandbox, seen: float) -> str | None:
         """Why ``sandbox`` must not be parked now (None: it may), without waiting on anything. ``seen``: its
@@ -197,6 +199,17 @@ class Parking:
             return True
         await self.backend.unpark(sandbox_id)
         return False
+
+    def adopt(self, sandbox: Sandbox) -> None:
+        """Count ``sandbox``, handed over parked (a pooled sandbox), as parked; the ``on_parked`` hooks run in
+        the background (the caller does not wait)."""
+        sandbox.parked = True
+        self.parked.add(sandbox.record.id)
+        for hook in self.on_parked:
+            task = asyncio.get_running_loop().create_task(hook(sandbox))
+            self._hooks.add(task)
+            task.add_done_callback(self._hooks.discard)
+        self._on_change(sandbox)
 
     def forget(self, sandbox: Sandbox) -> None:
         """The sandbox is terminated: it is no longer counted as parked (the backend's destroy unparks it)."""

@@ -130,7 +130,7 @@ def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     )
     pools = Pools(
         manager, backend, manager.image_service, reservations, config.defaults, config.pools,
-        options.state_dir / "pool", manager.root,
+        options.state_dir / "pool", manager.root, park_ready=config.parking.park_after_secs > 0,
     )  # fmt: skip
     manager.pools = pools
     metrics = NodeMetrics(lambda: _snapshot(manager, pools))
