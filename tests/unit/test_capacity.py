@@ -13,6 +13,8 @@ import pytest
 from sbx.api.node import Resources
 from sbx.node.capacity import (
     FILES_PER_SANDBOX,
+    INSTALLED_NOFILE,
+    INSTALLED_PID_MAX,
     MEMORY_PER_IDLE_SANDBOX_MB,
     TASKS_PER_SANDBOX,
     HostState,
@@ -134,3 +136,10 @@ def test_the_binding_limit(
     report = sandbox_capacity(capacity, DEFAULT, max_sandboxes, (500, 50.0, 200.0), 3, host)
     assert (report.limited_by, report.max_sandboxes) == (limited_by, count)
     assert report.max_sandboxes == min(limit.sandboxes for limit in report.limits)
+
+
+def test_the_limits_named_in_refusals_are_those_install_sh_sets() -> None:
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "install.sh").read_text()
+    assert f"\nPID_MAX={INSTALLED_PID_MAX}\n" in script
+    assert f"\nNOFILE_LIMIT={INSTALLED_NOFILE}\n" in script
+    assert "LimitNOFILE=$NOFILE_LIMIT" in script and 'ulimit -n "$NOFILE_LIMIT"' in script

@@ -47,6 +47,9 @@ TASKS_RESERVE_FRACTION: Final = 0.02
 #: sandboxd's descriptors kept free for its clients (requests, streams, egress): the larger of these.
 FILES_RESERVE_MIN: Final = 256
 FILES_RESERVE_FRACTION: Final = 0.05
+#: What scripts/install.sh sets: kernel.pid_max (its 64-bit maximum) and sandboxd's LimitNOFILE.
+INSTALLED_PID_MAX: Final = 4_194_304
+INSTALLED_NOFILE: Final = 1_048_576
 
 
 @dataclass(frozen=True)
@@ -144,13 +147,14 @@ def host_shortage(host: HostState) -> str | None:
         return (
             f"the host runs {host.tasks} tasks of at most {host.tasks_limit} (kernel.pid_max {host.pid_max}, "
             f"kernel.threads-max {host.threads_max}) and keeps {host.tasks_reserve} free; a sandbox needs about "
-            f"{TASKS_PER_SANDBOX}: raise kernel.pid_max (scripts/install.sh sets 4194304) or delete sandboxes"
+            f"{TASKS_PER_SANDBOX}: raise kernel.pid_max (scripts/install.sh sets {INSTALLED_PID_MAX}) or delete "
+            "sandboxes"
         )
     if host.open_files_limit - host.open_files - FILES_PER_BOOT < host.open_files_reserve:
         return (
             f"sandboxd holds {host.open_files} open files of its limit {host.open_files_limit} (RLIMIT_NOFILE) "
             f"and keeps {host.open_files_reserve} for its clients: raise LimitNOFILE of sandboxd.service "
-            "(scripts/install.sh sets 1048576) or delete sandboxes"
+            f"(scripts/install.sh sets {INSTALLED_NOFILE}) or delete sandboxes"
         )
     return None
 
