@@ -91,9 +91,12 @@ class Parking:
             return "a request or stream is open"
         if processes.running:
             return "a process runs"
-        if processes.paused_reason is not None or processes.agent is None or processes.agent.closed.is_set():
-            return "its agent is not connected"
         return None
+
+    @staticmethod
+    def _agent_missing(sandbox: Sandbox) -> bool:
+        processes = sandbox.processes
+        return processes.paused_reason is not None or processes.agent is None or processes.agent.closed.is_set()
 
     async def try_park(self, sandbox: Sandbox) -> str | None:
         """Park ``sandbox`` if it is idle and its guest runs nothing but the agent; None when it was parked,
@@ -105,9 +108,11 @@ class Parking:
             seen = sandbox.last_activity
             why = self._why_not_idle(sandbox, seen)
             if why is not None:
-                return why
+                return why  # its timer knows when to look again
             agent = sandbox.processes.agent
-            assert agent is not None
+            if agent is None or self._agent_missing(sandbox):
+                # Being snapshotted or reconnected: nothing the timer sees, so the retry is delayed here.
+                return self._refused(sandbox, "its agent is not connected")
             guest = sandbox.processes.guest
             try:
                 others = await asyncio.wait_for(
@@ -123,6 +128,8 @@ class Parking:
             why = self._why_not_idle(sandbox, seen)  # again: the listing let other work in
             if why is not None:
                 return why
+            if self._agent_missing(sandbox):
+                return self._refused(sandbox, "its agent is not connected")
             # From here a request naming it finds it parked and waits for this lock, then wakes it.
             sandbox.parked = True
             self.parked.add(sandbox_id)
