@@ -155,8 +155,9 @@ class Backend(Protocol):
         sandbox is destroyed as well (unparked first where the backend needs it)."""
 
     async def usage(self, sandbox_id: str) -> BackendUsage | None:
-        """Host-side counters of a running sandbox, None when it is not running. Cheap (file reads, no
-        subprocess): the metrics sampler calls it for every running sandbox every few seconds."""
+        """Host-side counters of a running sandbox (parked too), None when it is not running. Cheap (file
+        reads, no subprocess): the metrics sampler calls it for every awake running sandbox every few seconds,
+        and once for one being parked."""
 
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Apply ``policy`` to a running or suspended sandbox at once, cutting connections it no longer
