@@ -96,7 +96,9 @@ class Parking:
     @staticmethod
     def _agent_missing(sandbox: Sandbox) -> bool:
         processes = sandbox.processes
-        return processes.paused_reason is not None or processes.agent is None or processes.agent.closed.is_set()
+        return (
+            processes.paused_reason is not None or processes.agent is None or processes.agent.closed.is_set()
+        )
 
     async def try_park(self, sandbox: Sandbox) -> str | None:
         """Park ``sandbox`` if it is idle and its guest runs nothing but the agent; None when it was parked,
