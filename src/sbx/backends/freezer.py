@@ -97,7 +97,7 @@ class CgroupFreezer:
             else (group / "freezer.state", "FROZEN" if frozen else "THAWED")
         )
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         except OSError as exc:
