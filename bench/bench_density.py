@@ -103,9 +103,10 @@ class Step:
 class Node:
     """The benchmark's sandboxd and the sandboxes it filled, with the teardown of all of them."""
 
-    def __init__(self, server: Sandboxd, concurrency: int) -> None:
+    def __init__(self, server: Sandboxd, concurrency: int, network: str = "none") -> None:
         self.server = server
         self.concurrency = concurrency
+        self.body: dict[str, Any] = {} if network == "none" else {"network": {"mode": network}}
         self.made: list[str] = []
         self.lock = threading.Lock()
 
@@ -121,7 +122,7 @@ class Node:
         client = KeepAlive(self.server)
         try:
             started = time.monotonic()
-            resp = self.server.request("POST", "/v1/sandboxes", {})
+            resp = self.server.request("POST", "/v1/sandboxes", self.body)
             if resp.status != 201:
                 return 0.0, None, f"{resp.status} {resp.body.decode(errors='replace')[:300]}"
             sandbox_id = resp.json()["id"]
@@ -263,7 +264,7 @@ def measure(
 def report(empty: Step, steps: list[Step], args: argparse.Namespace) -> None:
     print()
     print(f"# density, {time.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} cores, park_after_secs "
-          f"{args.park_after}, at rest over {args.rest_secs:g} s")  # fmt: skip
+          f"{args.park_after}, network {args.network}, at rest over {args.rest_secs:g} s")  # fmt: skip
     print("| Idle sandboxes | fill | host CPU at rest | their cgroups | sandboxd | load avg | MemAvailable drop "
           "per sandbox | cgroup memory | host tasks | sandboxd fds | create + first run p50 | run round trip p50 | "
           "first run after park p50 / p95 |")  # fmt: skip
@@ -308,6 +309,9 @@ def main() -> None:
     parser.add_argument(
         "--raise-pid-max", action="store_true", help=f"set kernel.pid_max to {INSTALLED_PID_MAX}"
     )
+    parser.add_argument(
+        "--network", choices=("none", "open"), default="none", help="the sandboxes' network mode"
+    )
     args = parser.parse_args()
     counts = sorted(int(c) for c in args.counts.split(","))
     if args.raise_pid_max and int(Path("/proc/sys/kernel/pid_max").read_text()) < INSTALLED_PID_MAX:
@@ -316,11 +320,12 @@ def main() -> None:
         f"[capacity]\ncpu_overcommit = 1000\nmemory_overcommit = 100\ndisk_overcommit = 100\n"
         f"[limits]\nmax_idle_timeout_secs = 0\n[defaults]\nidle_timeout_secs = 0\n"
         f"[parking]\npark_after_secs = {args.park_after}\n"
+        '[network]\nceiling = "open"\n'
     )
     print(f"MemAvailable {mem_available_kib() // 1024} MiB, kernel.pid_max "
           f"{Path('/proc/sys/kernel/pid_max').read_text().strip()}, load {load_average()}", flush=True)  # fmt: skip
     with sigterm_as_interrupt(), bench_node("sbx-density-", config) as (server, _):
-        node = Node(server, args.concurrency)
+        node = Node(server, args.concurrency, args.network)
         try:
             print("empty node", flush=True)
             baseline_kib = mem_available_kib()
