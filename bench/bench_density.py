@@ -14,7 +14,14 @@ all of them are parked:
   the sandboxes' cgroup usage; host tasks and sandboxd descriptors per sandbox;
 - the time the step's fill took;
 - create + first run p50 and run round trip p50 (a fresh awake sandbox, keep-alive HTTP), against the empty
-  node's; and the first request to a parked sandbox (p50/p95): what the wake-up adds.
+  node's, beside a raw ``runsc run`` of ``true`` timed at the same moment (what the host itself gives: the
+  machine is shared, so a slower create next to an equally slower raw runsc is the host's load, not the node);
+  and the first request to a parked sandbox (p50/p95);
+- the processes that used the host's CPU during the rest (top five, by name), so that the host figure can be
+  told apart from other work on the machine.
+
+First, unless ``--wake-cycles 0``, two one-sandbox nodes (parking on, and off) compare the first run after the
+same idle time: what a wake-up itself adds.
 
 Stops a fill early, saying why, when MemAvailable falls below ``--min-available-mb`` or the node refuses a create
 (503: it names the limit that binds). Every sandbox and mount it made is torn down at the end, on Ctrl-C or
@@ -42,7 +49,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_sandboxd import KeepAlive, bench_node, mem_available_kib, pct
+from bench_sandboxd import KeepAlive, RawRunsc, bench_node, default_rootfs, mem_available_kib, pct
 from sandboxd_harness import Sandboxd
 
 from sbx.backends.freezer import CgroupFreezer
@@ -97,6 +104,8 @@ class Step:
     woken_p50_ms: float
     woken_p95_ms: float
     parked: int
+    raw_run_ms: float = 0.0
+    top: str = ""
     stopped: str = ""
 
 
@@ -224,40 +233,77 @@ def cgroup_figures(ids: list[str]) -> tuple[float, float, int]:
     return (statistics.mean(memory) if memory else 0.0, statistics.mean(tasks) if tasks else 0.0, cpu)
 
 
-def at_rest(node: Node, secs: float) -> tuple[float, float, float, str]:
-    """(host busy %, sandboxes' cgroups % of the host's CPUs, sandboxd % of one core, load) over ``secs``."""
+def process_ticks() -> dict[int, tuple[str, int]]:
+    """(name, user+system ticks) of every process on the host, kernel threads included."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        found[int(entry)] = (name, int(fields[11]) + int(fields[12]))
+    return found
+
+
+def top_consumers(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], secs: float) -> str:
+    """The five process names that used the most CPU between the two readings, as % of one core."""
+    by_name: dict[str, int] = {}
+    for pid, (name, ticks) in after.items():
+        used = ticks - before.get(pid, (name, 0))[1] if pid in before else 0
+        by_name[name] = by_name.get(name, 0) + max(0, used)
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:5]
+    return ", ".join(f"{name} {100 * ticks / CLOCK_TICKS / secs:.0f} %" for name, ticks in top if ticks)
+
+
+def at_rest(node: Node, secs: float) -> tuple[float, float, float, str, str]:
+    """(host busy %, sandboxes' cgroups % of the host's CPUs, sandboxd % of one core, load, top consumers)
+    over ``secs``."""
     busy0, total0 = cpu_times()
     d0 = process_cpu_secs(node.pid())
     _, _, c0 = cgroup_figures(node.made)
+    ticks0 = process_ticks()
     started = time.monotonic()
     time.sleep(secs)
     elapsed = time.monotonic() - started
     busy1, total1 = cpu_times()
     d1 = process_cpu_secs(node.pid())
     _, _, c1 = cgroup_figures(node.made)
+    ticks1 = process_ticks()
     cores = os.cpu_count() or 1
     host = 100 * (busy1 - busy0) / max(1, total1 - total0)
     sandboxes = 100 * (c1 - c0) / 1e9 / elapsed / cores
-    return host, sandboxes, 100 * (d1 - d0) / elapsed, load_average()
+    top = top_consumers(ticks0, ticks1, elapsed)
+    return host, sandboxes, 100 * (d1 - d0) / elapsed, load_average(), top
 
 
 def measure(
-    node: Node, count: int, fill_secs: float, why: str, baseline_kib: int, args: argparse.Namespace
+    node: Node,
+    count: int,
+    fill_secs: float,
+    why: str,
+    baseline_kib: int,
+    args: argparse.Namespace,
+    raw: RawRunsc,
 ) -> Step:
     parked = node.wait_parked(args.park_after + 60 + len(node.made) * 0.05)
-    host, sandboxes, sandboxd, load = at_rest(node, args.rest_secs)
+    host, sandboxes, sandboxd, load, top = at_rest(node, args.rest_secs)
     n = max(1, len(node.made))
     cgroup_mib, tasks, _ = cgroup_figures(node.made)
     fds = len(os.listdir(f"/proc/{node.pid()}/fd"))
     drop = (baseline_kib - mem_available_kib()) / 1024 / n
     woken = node.woken(args.samples)
     create_ms, trip_ms = node.latencies(args.samples)
+    raw_ms = pct(raw.run_samples(args.samples), 50)
     return Step(
         count=len(node.made), fill_secs=fill_secs, host_busy_pct=host, sandboxes_cpu_pct=sandboxes,
         sandboxd_cpu_pct=sandboxd, load=load, mem_drop_mib_each=drop, cgroup_mib_each=cgroup_mib,
         tasks_each=tasks, fds_each=fds / n, create_run_ms=create_ms, round_trip_ms=trip_ms,
         woken_p50_ms=p50_ms(woken) if woken else 0.0, woken_p95_ms=pct(woken, 95) if woken else 0.0,
-        parked=parked, stopped=why,
+        parked=parked, raw_run_ms=raw_ms, top=top, stopped=why,
     )  # fmt: skip
 
 
@@ -266,8 +312,8 @@ def report(empty: Step, steps: list[Step], args: argparse.Namespace) -> None:
     print(f"# density, {time.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} cores, park_after_secs "
           f"{args.park_after}, network {args.network}, at rest over {args.rest_secs:g} s")  # fmt: skip
     print("| Idle sandboxes | fill | host CPU at rest | their cgroups | sandboxd | load avg | MemAvailable drop "
-          "per sandbox | cgroup memory | host tasks | sandboxd fds | create + first run p50 | run round trip p50 | "
-          "first run after park p50 / p95 |")  # fmt: skip
+          "per sandbox | cgroup memory | host tasks | sandboxd fds | create + first run p50 | raw runsc run p50 | "
+          "run round trip p50 | first run after park p50 / p95 |")  # fmt: skip
     print("|" + "---|" * 14)
     for step in [empty, *steps]:
         ratio_create = step.create_run_ms / empty.create_run_ms if empty.create_run_ms else 0
@@ -277,9 +323,13 @@ def report(empty: Step, steps: list[Step], args: argparse.Namespace) -> None:
             f"{step.host_busy_pct:.1f} % | {step.sandboxes_cpu_pct:.3f} % | {step.sandboxd_cpu_pct:.2f} % of a core | "
             f"{step.load} | {step.mem_drop_mib_each:.1f} MiB | {step.cgroup_mib_each:.1f} MiB | "
             f"{step.tasks_each:.1f} | {step.fds_each:.2f} | {step.create_run_ms:.0f} ms ({ratio_create:.2f}x) | "
+            f"{step.raw_run_ms:.0f} ms ({step.raw_run_ms / empty.raw_run_ms if empty.raw_run_ms else 0:.2f}x) | "
             f"{step.round_trip_ms:.1f} ms ({ratio_trip:.2f}x) | "
             + (f"{step.woken_p50_ms:.1f} / {step.woken_p95_ms:.1f} ms |" if step.count else "- |")
         )  # fmt: skip
+    print()
+    for step in [empty, *steps]:
+        print(f"CPU at rest with {step.count}, top processes: {step.top or 'none'}")
 
 
 @contextmanager
@@ -312,6 +362,9 @@ def main() -> None:
     parser.add_argument(
         "--network", choices=("none", "open"), default="none", help="the sandboxes' network mode"
     )
+    parser.add_argument(
+        "--wake-cycles", type=int, default=8, help="parks timed by the wake-up comparison (0: skip)"
+    )
     args = parser.parse_args()
     counts = sorted(int(c) for c in args.counts.split(","))
     if args.raise_pid_max and int(Path("/proc/sys/kernel/pid_max").read_text()) < INSTALLED_PID_MAX:
@@ -324,32 +377,65 @@ def main() -> None:
     )
     print(f"MemAvailable {mem_available_kib() // 1024} MiB, kernel.pid_max "
           f"{Path('/proc/sys/kernel/pid_max').read_text().strip()}, load {load_average()}", flush=True)  # fmt: skip
-    with sigterm_as_interrupt(), bench_node("sbx-density-", config) as (server, _):
-        node = Node(server, args.concurrency, args.network)
-        try:
-            print("empty node", flush=True)
-            baseline_kib = mem_available_kib()
-            host, _, sandboxd, load = at_rest(node, args.rest_secs)
-            create_ms, trip_ms = node.latencies(args.samples)
-            empty = Step(
-                0, 0.0, host, 0.0, sandboxd, load, 0.0, 0.0, 0.0, 0.0, create_ms, trip_ms, 0.0, 0.0, 0
-            )
-            steps = []
-            for count in counts:
-                print(f"filling to {count}", flush=True)
-                fill_secs, why = node.fill(count, args.min_available_mb)
-                steps.append(measure(node, count, fill_secs, why, baseline_kib, args))
-                report(empty, steps, args)
-                if why:
-                    print(f"stopped at {len(node.made)}: {why}", flush=True)
-                    break
-            status = node.status()
-            print("sandbox_capacity:", status.get("sandbox_capacity", {}).get("limited_by"),
-                  status.get("sandbox_capacity", {}).get("max_sandboxes"))  # fmt: skip
-        except (KeyboardInterrupt, Stop):
-            print("interrupted: tearing everything down", flush=True)
-        finally:
-            node.teardown_all()
+    with sigterm_as_interrupt():
+        if args.wake_cycles:
+            wake_comparison(args.wake_cycles)
+        with bench_node("sbx-density-", config) as (server, workdir):
+            fill_node(server, RawRunsc(workdir / "raw", default_rootfs()), counts, args)
+
+
+def wake_comparison(cycles: int, idle_secs: float = 6.0) -> None:
+    """The first run after ``idle_secs`` without a request, on a node that parks (after 2 s) and on one that
+    does not: what a wake-up adds, apart from the sandbox having been idle."""
+    for park_after in (2, 0):
+        with bench_node("sbx-wake-", f"[parking]\npark_after_secs = {park_after}\n") as (server, _):
+            client = KeepAlive(server)
+            try:
+                sandbox_id = client.call("POST", "/v1/sandboxes", {})["id"]
+                path = f"/v1/sandboxes/{sandbox_id}/run"
+                client.call("POST", path, {"argv": ["true"]})
+                firsts, nexts = [], []
+                for _ in range(cycles):
+                    time.sleep(idle_secs)
+                    assert (FREEZER.state(sandbox_id) == "frozen") == (park_after > 0)
+                    firsts.append(client.timed("POST", path, {"argv": ["true"]})[0])
+                    nexts.append(client.timed("POST", path, {"argv": ["true"]})[0])
+            finally:
+                client.close()
+        print(f"wake-up: parking {'on ' if park_after else 'off'}, first run after {idle_secs:g} s idle p50 "
+              f"{pct(firsts, 50):.1f} ms (p95 {pct(firsts, 95):.1f}), the next {pct(nexts, 50):.1f} ms, "
+              f"load {load_average()}", flush=True)  # fmt: skip
+
+
+def fill_node(server: Sandboxd, raw: RawRunsc, counts: list[int], args: argparse.Namespace) -> None:
+    """The empty node, then each fill step; everything made is torn down, on an interrupt too."""
+    node = Node(server, args.concurrency, args.network)
+    try:
+        print("empty node", flush=True)
+        baseline_kib = mem_available_kib()
+        host, _, sandboxd, load, top = at_rest(node, args.rest_secs)
+        create_ms, trip_ms = node.latencies(args.samples)
+        empty = Step(
+            count=0, fill_secs=0.0, host_busy_pct=host, sandboxes_cpu_pct=0.0, sandboxd_cpu_pct=sandboxd,
+            load=load, mem_drop_mib_each=0.0, cgroup_mib_each=0.0, tasks_each=0.0, fds_each=0.0,
+            create_run_ms=create_ms, round_trip_ms=trip_ms, woken_p50_ms=0.0, woken_p95_ms=0.0, parked=0,
+            raw_run_ms=pct(raw.run_samples(args.samples), 50), top=top,
+        )  # fmt: skip
+        steps = []
+        for count in counts:
+            print(f"filling to {count}", flush=True)
+            fill_secs, why = node.fill(count, args.min_available_mb)
+            steps.append(measure(node, count, fill_secs, why, baseline_kib, args, raw))
+            report(empty, steps, args)
+            if why:
+                print(f"stopped at {len(node.made)}: {why}", flush=True)
+                break
+        capacity = node.status().get("sandbox_capacity", {})
+        print(f"sandbox_capacity: limited by {capacity.get('limited_by')} at {capacity.get('max_sandboxes')}")
+    except (KeyboardInterrupt, Stop):
+        print("interrupted: tearing everything down", flush=True)
+    finally:
+        node.teardown_all()
 
 
 if __name__ == "__main__":
