@@ -122,7 +122,7 @@ def test_capacity_names_every_limit_and_the_one_that_binds() -> None:
     ("capacity", "max_sandboxes", "host", "limited_by", "count"),
     [
         # Overcommitted for density (docs/config.md): the host's own limits bind.
-        (Resources(2000, 1_000_000, 10_000_000), 0, HOST, "host_memory", 3 + 18_800 // 24),
+        (Resources(2000, 1_000_000, 10_000_000), 0, HOST, "host_memory", 3 + 18_800 // MEMORY_PER_IDLE_SANDBOX_MB),
         (Resources(2000, 1_000_000, 10_000_000), 0, replace(HOST, pid_max=32768, memory_available_mb=90_000), "tasks", 3 + (32768 - 1024 - 5000) // 32),
         (Resources(2000, 1_000_000, 10_000_000), 500, HOST, "max_sandboxes", 500),
         (Resources(2000, 1_000_000, 10_000_000), 0, replace(HOST, open_files_limit=1024, open_files=20), "open_files", 3 + (1024 - 256 - 20) // 2),

@@ -27,9 +27,9 @@ from sbx.api.node import HostHeadroom, Resources, SandboxCapacity, SandboxLimit
 #: Host tasks (threads, each with a pid) one idle gVisor sandbox holds: measured 21-28 (sentry, gofer and
 #: systrap stubs), with room for a few guest processes (each adds a stub thread or two).
 TASKS_PER_SANDBOX: Final = 32
-#: Host memory one idle sandbox takes, MiB: measured 15-20 (MemAvailable drop per sandbox at 1,000 idle ones);
-#: rounded up. Used only to say how many more the available memory holds.
-MEMORY_PER_IDLE_SANDBOX_MB: Final = 24
+#: Host memory one idle sandbox takes, MiB: measured 12.9-16.4 (MemAvailable drop per sandbox with 100 to 1,000
+#: idle ones, bench/bench_density.py); rounded up. Used only to say how many more the available memory holds.
+MEMORY_PER_IDLE_SANDBOX_MB: Final = 16
 #: Memory a sandbox being created takes before its first command, MiB (sentry, gofer, page cache of the boot):
 #: what must be available beyond the reserve for a create to go ahead.
 MEMORY_PER_BOOT_MB: Final = 64
