@@ -1,12 +1,13 @@
 """Benchmark creates from a warm pool against raw runsc, measured in one run on the same machine.
 
-    sudo .venv/bin/python bench/bench_pool.py [--sandboxes 30] [--pool 2]
+    sudo .venv/bin/python bench/bench_pool.py [--sandboxes 30] [--pool 2] [--park-after 30]
 
 Starts sandboxd with a pool of the default image, then for each sample waits until the pool is full and
 times create-to-first-run-result (POST /v1/sandboxes, then POST .../run of `true`, over one keep-alive
 connection, as a client would), and the same for `runsc run` of `true` on the same image root. Prints
 p50/p95 of both and checks the targets: pooled p50 at most 25 ms and at most a third of `runsc run`'s.
-Exit status 1 when a target is missed.
+Exit status 1 when a target is missed. ``--park-after`` is the node's ``[parking] park_after_secs`` (30, the
+default: ready pooled sandboxes wait parked and the create's first run wakes one; 0: they wait awake).
 """
 
 from __future__ import annotations
@@ -65,10 +66,16 @@ def main() -> None:
     )
     parser.add_argument("--sandboxes", type=int, default=30)
     parser.add_argument("--pool", type=int, default=2)
+    parser.add_argument(
+        "--park-after", type=int, default=30, help="[parking] park_after_secs (0: no parking)"
+    )
     args = parser.parse_args()
-    pool = f'[[pools]]\nimage = "default"\nsize = {args.pool}\n'
+    pool = (
+        f'[[pools]]\nimage = "default"\nsize = {args.pool}\n[parking]\npark_after_secs = {args.park_after}\n'
+    )
     with bench_node("sbx-bench-pool-", pool) as (server, workdir):
-        print(f"# warm pool vs runsc run, {time.strftime('%Y-%m-%d %H:%M')} UTC, pool of {args.pool}")
+        print(f"# warm pool vs runsc run, {time.strftime('%Y-%m-%d %H:%M')} UTC, pool of {args.pool}, "
+              f"park_after_secs {args.park_after}")  # fmt: skip
         raw_runs = RawRunsc(workdir / "raw", default_rootfs()).run_samples(args.sandboxes)
         ours = pooled_creates(server, args.sandboxes, args.pool)
     print(summary("runsc run (true)", raw_runs))

@@ -8,8 +8,9 @@
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
 # Steps: apt packages (apt-get update only when one is missing; runsc from bookworm-backports, whose apt
 # source is added when the machine has none), the virtualenv .venv with this checkout installed editable, the
-# web console (npm ci and its build, docs/console.md), the guest agent binary, the default image, then sandboxd
-# under systemd (when systemd is PID 1) or as a daemon with a pidfile. Paths and details: docs/install.md.
+# web console (npm ci and its build, docs/console.md), the guest agent binary, the default image, the kernel
+# limits a node of many sandboxes needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1,
+# with LimitNOFILE raised) or as a daemon with a pidfile. Paths and details: docs/install.md.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,6 +22,11 @@ SOCKET=/run/sandboxd.sock
 PIDFILE=/run/sandboxd.pid
 LOG=/var/log/sandboxd.log
 UNIT=/etc/systemd/system/sandboxd.service
+# Kernel limits a node of many sandboxes needs (docs/install.md, "Limits for many sandboxes").
+SYSCTL_FILE=/etc/sysctl.d/60-sandboxd.conf
+PID_MAX=4194304
+# sandboxd's open files: one or two per sandbox, plus its clients' connections and the egress proxy's.
+NOFILE_LIMIT=1048576
 VENV=$REPO/.venv
 # Debian's own interpreter: the venv must not depend on a pyenv or other python found first on PATH.
 SYSTEM_PYTHON=/usr/bin/python3
@@ -255,12 +261,29 @@ step "default image in $IMAGES_DIR"
     die "building the default image failed" "see the messages above; rebuild later with:" \
         "$VENV/bin/python -m sbx.images.default_image --images-dir $IMAGES_DIR --force"
 
+# --- 5. kernel limits for many sandboxes ---------------------------------------------------------------------
+# Every host thread takes a pid, and an idle gVisor sandbox holds 21-28 of them (its sentry, gofer and systrap
+# stubs; more per guest process): the default kernel.pid_max of 32768 stops a node near 1,000 sandboxes with
+# everything else the host runs, so it is raised to the 64-bit maximum (it only widens the range of pid numbers).
+# kernel.threads-max (sized from memory by the kernel: about 190,000 on 24 GiB) is left as it is.
+step "kernel limits ($SYSCTL_FILE)"
+sysctl_text="# Written by sbx's scripts/install.sh: room for thousands of gVisor sandboxes (docs/install.md).
+kernel.pid_max = $PID_MAX"
+if [ "$(cat "$SYSCTL_FILE" 2>/dev/null)" != "$sysctl_text" ]; then
+    printf '%s\n' "$sysctl_text" >"$SYSCTL_FILE"
+fi
+current_pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)
+if [ "$current_pid_max" -lt "$PID_MAX" ]; then
+    sysctl -q -w "kernel.pid_max=$PID_MAX" >/dev/null 2>&1 ||
+        note "kernel.pid_max stays $current_pid_max here (read-only /proc/sys, e.g. a container): sandboxd then holds fewer sandboxes and says why in GET /v1/node"
+fi
+
 if [ "$START" -eq 0 ]; then
     step "installed in $((SECONDS - T0)) s (sandboxd not started: --no-start)"
     exit 0
 fi
 
-# --- 5. start sandboxd --------------------------------------------------------------------------------------
+# --- 6. start sandboxd --------------------------------------------------------------------------------------
 SANDBOXD=("$VENV/bin/sandboxd" --socket "$SOCKET" --state-dir "$STATE_DIR")
 "$VENV/bin/python" -c 'import sbx.node.main' 2>/dev/null ||
     die "sbx.node.main cannot be imported, so sandboxd cannot start" \
@@ -293,6 +316,9 @@ Type=simple
 ExecStart=${exec_start# }
 # Sandboxes run outside sandboxd (runsc run --detach); stopping or restarting sandboxd must not kill them.
 KillMode=process
+# One or two descriptors per sandbox, plus clients and the egress proxy (systemd's default soft limit, 1024,
+# would stop a node at a few hundred sandboxes).
+LimitNOFILE=$NOFILE_LIMIT
 Restart=on-failure
 RestartSec=2
 StandardOutput=append:$LOG
@@ -320,8 +346,11 @@ else
         fi
     fi
     rm -f "$PIDFILE"
+    # As LimitNOFILE under systemd: room for the descriptors of thousands of sandboxes (a subshell, so this
+    # shell keeps its own limit).
     # setsid: the daemon leaves this shell's session, so it survives the terminal or CI step that ran us.
-    nohup setsid "${SANDBOXD[@]}" >>"$LOG" 2>&1 </dev/null &
+    (ulimit -n "$NOFILE_LIMIT" 2>/dev/null || note "could not raise the open-file limit to $NOFILE_LIMIT"
+     exec nohup setsid "${SANDBOXD[@]}" >>"$LOG" 2>&1 </dev/null) &
     echo $! >"$PIDFILE"
 fi
 

@@ -244,7 +244,11 @@ class Sandboxd:
                 text=True,
                 check=False,
             )
+            from sbx.backends.freezer import CgroupFreezer
+
             for sandbox_id in listing.stdout.split():
+                # A parked sandbox first: runsc's kill would wait for its thaw for ever.
+                CgroupFreezer("/sandboxd").thaw(sandbox_id)
                 # A sandbox with a network answers only inside its namespace (docs/network.md).
                 netns = Path(f"/var/run/netns/sbx-{sandbox_id}")
                 runsc = ["nsenter", f"--net={netns}"] if netns.exists() else []

@@ -2,7 +2,9 @@
 (tests/support/fake_backend.py). What it checks is what the node relies on: a booted sandbox's agent answers
 as the backend's guest user; destroy is idempotent; a failed boot leaves nothing; counters exist exactly while
 a sandbox runs; a sandbox created with network mode none cannot be given a network; volumes keep their
-contents across attach and detach, which are idempotent."""
+contents across attach and detach, which are idempotent; a parked sandbox uses no CPU, its agent answers only
+once it is unparked, and it goes on where it stood; park and unpark are idempotent and a parked sandbox is still
+running and can be destroyed."""
 
 from __future__ import annotations
 
@@ -151,3 +153,73 @@ async def test_volumes_keep_their_contents_across_attach_and_detach(backend: Bac
         assert (source / "kept").read_bytes() == b"contents"
     finally:
         await disks.detach(directory)
+
+
+async def _cpu_ns(backend: Backend, sandbox_id: str) -> int:
+    usage = await backend.usage(sandbox_id)
+    assert usage is not None
+    return usage.cpu_ns
+
+
+async def test_a_parked_sandbox_uses_no_cpu_and_goes_on_where_it_stood(backend: Backend) -> None:
+    spec = _spec()
+    await backend.boot(spec)
+    sandbox_id = spec.sandbox_id
+    agent = await backend.connect_agent(sandbox_id, 10)
+    try:
+        await backend.unpark(sandbox_id)  # idempotent: a sandbox that is not parked is left as it is
+        assert not await backend.is_parked(sandbox_id)
+        # A guest process that uses CPU all the time: while parked it must not.
+        guest = backend.guest
+        spinner = _Output()
+        await agent.list_processes()
+        await agent.spawn(1, ["sh", "-c", "while :; do :; done"], {"PATH": "/usr/bin:/bin"}, guest.home,
+                          guest.uid, guest.gid, sink=spinner)  # fmt: skip
+        before = await _cpu_ns(backend, sandbox_id)
+        await asyncio.sleep(0.5)
+        assert await _cpu_ns(backend, sandbox_id) > before  # it spins while awake
+
+        await backend.park(sandbox_id)
+        await backend.park(sandbox_id)  # idempotent
+        assert await backend.is_parked(sandbox_id)
+        # Still running, answered at once (runsc would wait for the thaw: is_running must not ask it).
+        assert await asyncio.wait_for(backend.is_running(sandbox_id), 10)
+        parked_at = await _cpu_ns(backend, sandbox_id)
+        pending = asyncio.create_task(agent.list_processes())
+        await asyncio.sleep(1.0)
+        assert await _cpu_ns(backend, sandbox_id) == parked_at  # not a nanosecond
+        assert not pending.done()  # the agent does not answer while parked
+
+        await backend.unpark(sandbox_id)
+        await backend.unpark(sandbox_id)  # idempotent
+        assert not await backend.is_parked(sandbox_id)
+        processes = await asyncio.wait_for(pending, 10)  # answered once unparked
+        assert [p.exit_code for p in processes if p.handle == 1] == [None]  # the spinner goes on
+        assert not spinner.exited.done()
+        await asyncio.sleep(0.3)
+        assert await _cpu_ns(backend, sandbox_id) > parked_at
+        await agent.signal(1, 9)
+        assert await asyncio.wait_for(spinner.exited, 30) != 0
+    finally:
+        await agent.close()
+        await backend.destroy(sandbox_id)
+
+
+async def test_a_parked_sandbox_is_destroyed_like_any_other(backend: Backend) -> None:
+    spec = _spec()
+    await backend.boot(spec)
+    await backend.park(spec.sandbox_id)
+    try:
+        assert await backend.is_parked(spec.sandbox_id)
+    finally:
+        await asyncio.wait_for(
+            backend.destroy(spec.sandbox_id), 60
+        )  # never waits for a thaw that never comes
+    assert not await backend.is_running(spec.sandbox_id)
+    assert not await backend.is_parked(spec.sandbox_id)
+    assert await backend.usage(spec.sandbox_id) is None
+    never = f"sbx_{uuid.uuid4().hex[:16]}"
+    await backend.unpark(never)  # a sandbox that is not there: nothing to do
+    assert not await backend.is_parked(never)
+    with pytest.raises(BackendError):
+        await backend.park(never)  # and nothing parked

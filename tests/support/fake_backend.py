@@ -11,7 +11,8 @@ Processes run as ``nobody`` in a home shared by all sandboxes (made in the host'
 :meth:`FakeBackend.check`, where nobody can reach it, and removed by :meth:`FakeBackend.close`), on the host's
 files.
 Volumes are plain directories (:class:`DirVolumes`), whose size is not enforced, and cannot be shown in a
-sandbox (a boot with volumes is refused).
+sandbox (a boot with volumes is refused). Parking stops every process of the sandbox with SIGSTOP (SIGCONT
+lets them go on); a sandbox is parked while its agent is stopped.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (``T`` stopped, ``Z`` zombie), "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _tree(pid: int) -> list[int]:
@@ -187,6 +197,48 @@ class FakeBackend:
 
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         raise BackendError("the fake backend has no network to change")
+
+    def _agent_pid(self, sandbox_id: str) -> int | None:
+        """The agent's pid (the child of ``unshare``), None when the sandbox does not run."""
+        pid = self._pid(sandbox_id)
+        if pid is None or not _alive(pid):
+            return None
+        tree = _tree(pid)
+        return tree[1] if len(tree) > 1 else None
+
+    def _signal_tree(self, sandbox_id: str, signum: int) -> bool:
+        """Send ``signum`` to every process of the sandbox, repeated until no new one appears (one forked
+        while the signals went out is caught by the next pass); False when the sandbox does not run."""
+        pid = self._pid(sandbox_id)
+        if pid is None or not _alive(pid):
+            return False
+        signalled: set[int] = set()
+        while True:
+            fresh = [p for p in _tree(pid) if p not in signalled]
+            if not fresh:
+                return True
+            for each in fresh:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(each, signum)
+                signalled.add(each)
+
+    async def park(self, sandbox_id: str) -> None:
+        if not self._signal_tree(sandbox_id, signal.SIGSTOP):
+            raise BackendError(f"sandbox {sandbox_id} is not running")
+        agent = self._agent_pid(sandbox_id)
+        for _ in range(500):  # stopped within a few ms
+            if agent is None or _state(agent) == "T":
+                return
+            await asyncio.sleep(0.01)
+        self._signal_tree(sandbox_id, signal.SIGCONT)
+        raise BackendError("the sandbox's agent did not stop")
+
+    async def unpark(self, sandbox_id: str) -> None:
+        self._signal_tree(sandbox_id, signal.SIGCONT)
+
+    async def is_parked(self, sandbox_id: str) -> bool:
+        agent = self._agent_pid(sandbox_id)
+        return agent is not None and _state(agent) == "T"
 
     def runtime_report(self) -> Runtime:
         return Runtime(platform="host", platform_reason="the fake backend runs the agent on the host",

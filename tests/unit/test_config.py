@@ -145,6 +145,13 @@ enabled = false
         pytest.param("", lambda c: c.gvisor.dentry_cache == 0, id="dentry-cache-sized-by-default"),
         pytest.param("[gvisor]\ndentry_cache = 100", lambda c: c.gvisor.dentry_cache == 100, id="dentry-cache-smallest"),
         pytest.param("[gvisor]\ndentry_cache = 50000", lambda c: c.gvisor.dentry_cache == 50000, id="dentry-cache-set"),
+        pytest.param("", lambda c: c.parking.park_after_secs == 30, id="parking-default"),
+        pytest.param("[parking]\npark_after_secs = 0", lambda c: c.parking.park_after_secs == 0, id="parking-off"),
+        pytest.param("[parking]\npark_after_secs = 5", lambda c: c.parking.park_after_secs == 5, id="parking-short"),
+        pytest.param("", lambda c: (c.capacity.memory_overcommit, c.capacity.disk_overcommit, c.capacity.max_sandboxes) == (1.0, 1.0, 0), id="density-defaults"),
+        pytest.param("[capacity]\nmemory_overcommit = 2.5\ndisk_overcommit = 20", lambda c: (c.capacity.memory_overcommit, c.capacity.disk_overcommit) == (2.5, 20.0), id="overcommit-int-or-float"),
+        pytest.param("[capacity]\nmemory_overcommit = 1", lambda c: c.capacity.memory_overcommit == 1.0, id="overcommit-one"),
+        pytest.param("[capacity]\nmax_sandboxes = 1000", lambda c: c.capacity.max_sandboxes == 1000, id="max-sandboxes"),
     ],
 )  # fmt: skip
 def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig], bool]) -> None:
@@ -236,6 +243,15 @@ def test_valid_variants(tmp_path: Path, text: str, check: Callable[[NodeConfig],
         pytest.param("[gvisor]\ndentry_cache = 99", "gvisor.dentry_cache = 99: expected 0 (sized from the open-file limit) or at least 100", id="dentry-cache-too-small"),
         pytest.param("[gvisor]\ndentry_cache = -1", "gvisor.dentry_cache = -1: expected an integer of at least 0", id="dentry-cache-negative"),
         pytest.param("[gvisor]\ndentry_cache = \"big\"", "gvisor.dentry_cache: expected an integer, got string 'big'", id="dentry-cache-not-a-number"),
+        # Parking and density.
+        pytest.param("[parking]\npark_after_secs = -1", "parking.park_after_secs = -1: expected an integer of at least 0", id="parking-negative"),
+        pytest.param("[parking]\npark_after_secs = 1.5", "parking.park_after_secs: expected an integer, got number 1.5", id="parking-float"),
+        pytest.param("[parking]\nafter = 30", "unknown key parking.after; known: parking.park_after_secs", id="parking-unknown-key"),
+        pytest.param("[capacity]\nmemory_overcommit = 0.5", "capacity.memory_overcommit = 0.5: expected a number from 1 (no overcommit) to 1000", id="overcommit-below-one"),
+        pytest.param("[capacity]\ndisk_overcommit = 5000", "capacity.disk_overcommit = 5000: expected a number from 1", id="overcommit-too-large"),
+        pytest.param("[capacity]\nmemory_overcommit = \"2\"", "capacity.memory_overcommit: expected a number such as 1.5 or 4, got string '2'", id="overcommit-string"),
+        pytest.param("[capacity]\ndisk_overcommit = true", "expected a number such as 1.5 or 4, got boolean true", id="overcommit-bool"),
+        pytest.param("[capacity]\nmax_sandboxes = -3", "capacity.max_sandboxes = -3", id="max-sandboxes-negative"),
         # Syntax.
         pytest.param("[limits\nmax_cpus = 1", "is not valid TOML", id="bad-toml"),
     ],
@@ -282,6 +298,30 @@ def test_measured_capacity_matches_the_host_less_reserves(tmp_path: Path) -> Non
     reserve = max(1024, int(total_disk_mb * 0.05))
     # Free space moves while tests run; allow a few MiB of drift.
     assert abs(measured.disk_mb - max(0, free_mb - reserve)) < 64
+
+
+@pytest.mark.parametrize(
+    ("memory_overcommit", "disk_overcommit", "expected"),
+    [
+        (1.0, 1.0, Capacity(3, 1000, 5000)),
+        (2.0, 1.0, Capacity(3, 2000, 5000)),  # cpus are not touched: cpu_overcommit applies to measured cores
+        (1.5, 10.0, Capacity(3, 1500, 50000)),
+        (1.25, 1.0, Capacity(3, 1250, 5000)),
+    ],
+)
+def test_memory_and_disk_overcommit_multiply_the_capacity(
+    tmp_path: Path, memory_overcommit: float, disk_overcommit: float, expected: Capacity
+) -> None:
+    config = CapacityConfig(
+        3, 1000, 5000, memory_overcommit=memory_overcommit, disk_overcommit=disk_overcommit
+    )
+    assert resolve_capacity(config, tmp_path) == expected
+
+
+def test_overcommit_applies_to_the_measured_memory_too(tmp_path: Path) -> None:
+    measured = measure_capacity(tmp_path)
+    got = resolve_capacity(CapacityConfig(cpus=2, memory_mb=0, disk_mb=1, memory_overcommit=3.0), tmp_path)
+    assert got.memory_mb == measured.memory_mb * 3
 
 
 def test_zero_fields_are_measured_one_by_one(tmp_path: Path) -> None:

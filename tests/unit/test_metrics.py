@@ -24,6 +24,9 @@ SNAPSHOT = NodeSnapshot(
     free_memory_mb=40000,
     free_disk_mb=400000,
     cordoned=True,
+    sandboxes_parked=2,
+    parks=9,
+    unparks=6,
 )
 
 SPEC_FAMILIES = {
@@ -41,6 +44,10 @@ SPEC_FAMILIES = {
     "sandboxd_cordoned",
     "sandboxd_creates",  # exposed as sandboxd_creates_total
     "sandboxd_create_seconds",
+    # additions: parking (docs/node-api.md, "Parking")
+    "sandboxd_sandboxes_parked",
+    "sandboxd_parks",  # sandboxd_parks_total
+    "sandboxd_unparks",  # sandboxd_unparks_total
 }
 
 
@@ -83,6 +90,9 @@ def test_gauge_values_come_from_the_snapshot() -> None:
         ("sandboxd_free_memory_bytes", ()): 40000 * 2**20,
         ("sandboxd_free_disk_bytes", ()): 400000 * 2**20,
         ("sandboxd_cordoned", ()): 1,
+        ("sandboxd_sandboxes_parked", ()): 2,
+        ("sandboxd_parks_total", ()): 9,
+        ("sandboxd_unparks_total", ()): 6,
     }
     for key, value in expected.items():
         assert samples[key] == value, key

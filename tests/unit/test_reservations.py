@@ -39,3 +39,39 @@ def test_a_create_that_does_not_fit_is_503_naming_what_is_short(wanted: Resource
     assert info.value.message == f"not enough free capacity on this node: {message}"
     assert not reservations.fits(wanted)
     reservations.check(Resources(4, 7168, 10_000))  # exactly what is free fits
+
+
+def test_max_sandboxes_counts_every_holder_and_refuses_the_next() -> None:
+    reservations = Reservations(Resources(100, 100_000, 1_000_000), max_sandboxes=3)
+    live = [Resources(1, 512, 2048), Resources(1, 512, 2048)]
+    reservations.add_holder("sandboxes", lambda: live)
+    reservations.add_holder("pools", lambda: [Resources(1, 512, 2048)])
+    assert reservations.sandboxes() == 3
+    with pytest.raises(Unavailable) as info:
+        reservations.check(Resources(1, 512, 2048))
+    assert info.value.message == (
+        "this node holds 3 sandboxes (pooled ones included), its limit [capacity] max_sandboxes = 3: delete one "
+        "or retry on another node"
+    )
+    assert not reservations.fits(Resources(1, 512, 2048))
+    live.pop()
+    reservations.check(Resources(1, 512, 2048))  # room for one again
+    assert Reservations(Resources(100, 100_000, 1_000_000)).fits(Resources(1, 1, 1))  # 0: no cap
+
+
+def test_the_host_check_refuses_after_the_accounting() -> None:
+    why: list[str | None] = ["the host has 100 MiB of memory available ..."]
+    reservations = Reservations(Resources(8, 8192, 10_000), host_check=lambda: why[0])
+    with pytest.raises(Unavailable) as info:
+        reservations.check(Resources(1, 512, 2048))
+    assert (
+        info.value.message
+        == "this node takes no new sandbox now: the host has 100 MiB of memory available ..."
+    )
+    assert not reservations.fits(Resources(1, 512, 2048))
+    with pytest.raises(Unavailable) as info:  # what the accounting finds short is named first
+        reservations.check(Resources(9, 512, 2048))
+    assert info.value.message.startswith("not enough free capacity on this node: cpus")
+    why[0] = None
+    reservations.check(Resources(1, 512, 2048))
+    assert reservations.fits(Resources(1, 512, 2048))

@@ -20,6 +20,7 @@ from sbx.node.reservations import Reservations
 from sbx.node.sampler import (
     CounterTotal,
     MetricsSampler,
+    Round,
     Sample,
     SampleRing,
     SampleTarget,
@@ -252,3 +253,105 @@ async def test_the_manager_tells_the_sampler_what_it_forgets(tmp_path: Path) -> 
     await manager.close()
     assert f"sbx_{0:016x}" not in sampler._series
     assert len(sampler._series) == KEEP_TERMINATED
+
+
+# -- parked sandboxes: never read, their samples known ----------------------------------------------------------
+
+
+def _usage(cpu_secs: float, memory: int, rx: int) -> BackendUsage:
+    return BackendUsage(cpu_ns=int(cpu_secs * 1e9), memory_bytes=memory, net_rx_bytes=rx)
+
+
+async def test_a_parked_sandbox_is_not_read_and_its_samples_are_exact() -> None:
+    target = SampleTarget("sbx_a", 1, GIB)
+    awake = [True]
+    counters = FakeCounters(
+        {"sbx_a": [_usage(0, 100, 5), _usage(1, 200, 7), _usage(2, 300, 9), _usage(2.5, 310, 9)]}
+    )
+    clock = Clock()
+    sampler = MetricsSampler(lambda: [target] if awake[0] else [], counters, clock=clock, wall=clock)
+    await sampler.sample_once()  # 1000
+    clock.now += 5
+    await sampler.sample_once()  # 1005: 1 s of CPU over 5 s
+    clock.now += 2
+    awake[0] = False  # parked at 1007, after one more second of CPU: read once, then never
+    await sampler.park(target)
+    counters.calls.clear()
+    for now in (1010.0, 1015.0, 1020.0):
+        clock.now = now
+        await sampler.sample_once()
+    assert counters.calls == []
+    expected = [
+        (1000.0, 0.0, 100, 5),
+        (1005.0, 20.0, 200, 7),
+        (1010.0, 20.0, 300, 9),  # its last second before the park, over the interval
+        (1015.0, 0.0, 300, 9),
+        (1020.0, 0.0, 300, 9),
+    ]
+    got = [(x.time, x.cpu_percent, x.memory_bytes, x.net_rx_bytes) for x in sampler.samples("sbx_a")]
+    assert got == [(t, pytest.approx(c), m, r) for t, c, m, r in expected]
+    clock.now = 1022  # woken: what was shown stays, and reading goes on from the last parked sample
+    sampler.unpark("sbx_a")
+    awake[0] = True
+    assert [(x.time, x.cpu_percent) for x in sampler.samples("sbx_a")] == [
+        (t, pytest.approx(c)) for t, c, _, _ in expected
+    ]
+    clock.now = 1025
+    await sampler.sample_once()
+    last = sampler.samples("sbx_a")[-1]
+    assert (last.time, last.cpu_percent, last.memory_bytes) == (1025.0, pytest.approx(10.0), 310)
+
+
+async def test_a_park_within_one_interval_leaves_no_gap_and_counts_the_cpu_before_it() -> None:
+    target = SampleTarget("sbx_a", 1, GIB)
+    counters = FakeCounters({"sbx_a": [_usage(0, 100, 0), _usage(1, 100, 0), _usage(1.5, 100, 0)]})
+    clock = Clock()
+    sampler = MetricsSampler(lambda: [target], counters, clock=clock, wall=clock)
+    await sampler.sample_once()  # 1000
+    clock.now = 1002
+    await sampler.park(target)  # 1 s used before it
+    clock.now = 1003
+    sampler.unpark("sbx_a")  # woken before any round passed
+    clock.now = 1005
+    await sampler.sample_once()
+    assert [(x.time, x.cpu_percent) for x in sampler.samples("sbx_a")] == [
+        (1000.0, 0.0),
+        (1005.0, pytest.approx(30.0)),
+    ]
+
+
+async def test_a_sandbox_parked_before_its_first_sample_starts_at_zero() -> None:
+    target = SampleTarget("sbx_a", 2, GIB)  # e.g. taken back parked after a restart
+    sampler = MetricsSampler(list, FakeCounters({"sbx_a": [_usage(40, 500, 3)]}), clock=Clock(), wall=Clock())
+    await sampler.park(target)
+    await sampler.sample_once()
+    samples = sampler.samples("sbx_a")
+    assert [(x.cpu_percent, x.memory_bytes, x.net_rx_bytes, x.memory_limit_bytes) for x in samples] == [
+        (0.0, 500, 3, GIB)
+    ]
+
+
+def test_a_round_sampled_while_parked_is_not_sampled_again_when_woken_in_it() -> None:
+    target = SampleTarget("sbx_a", 1, GIB)
+    series = SandboxSeries()
+    series.observe(target, _usage(0, 1, 0), 100.0, 100.0, round_index=0)
+    series.park(target, _usage(1, 2, 0))
+    series.unpark(
+        [Round(0, 100.0, 100.0), Round(1, 105.0, 105.0)]
+    )  # woken during round 1, not yet read in it
+    assert (
+        series.observe(target, _usage(1, 3, 0), 105.1, 105.1, round_index=1) is None
+    )  # round 1 has its sample
+    fresh = series.observe(target, _usage(2, 3, 0), 110.0, 110.0, round_index=2)
+    assert fresh is not None and fresh.cpu_percent == pytest.approx(20.0)
+    assert [x.time for x in series.ring.samples()] == [100.0, 105.0, 110.0]
+
+
+def test_parked_samples_are_kept_to_the_hour() -> None:
+    target = SampleTarget("sbx_a", 1, GIB)
+    series = SandboxSeries(capacity=4)
+    series.observe(target, _usage(0, 1, 0), 0.0, 0.0, round_index=0)
+    series.park(target, _usage(0, 1, 0))
+    rounds = [Round(i, 5.0 * i, 5.0 * i) for i in range(1, 10)]
+    series.unpark(rounds)
+    assert [x.time for x in series.ring.samples()] == [30.0, 35.0, 40.0, 45.0]

@@ -78,12 +78,53 @@ class Runtime(msgspec.Struct, kw_only=True):
     runsc_path: str | UnsetType = UNSET
 
 
+class SandboxLimit(msgspec.Struct, frozen=True, kw_only=True):
+    """One limit on how many sandboxes a node holds (an addition, in ``sandbox_capacity``): the ``resource``
+    (``cpus``, ``memory``, ``disk`` and ``max_sandboxes`` of the node's accounting; ``host_memory``, ``tasks``
+    and ``open_files`` read from the host), how many sandboxes of the default size it allows in all
+    (``sandboxes``), and ``why``, one sentence with the figures it was computed from."""
+
+    resource: str
+    sandboxes: int
+    why: str
+
+
+class HostHeadroom(msgspec.Struct, kw_only=True):
+    """The host's live figures every create is checked against (an addition, in ``sandbox_capacity``): memory
+    available and the reserve kept (MiB), host tasks (threads) running, the most the kernel allows (the smaller
+    of ``kernel.pid_max`` and ``kernel.threads-max``) and the reserve kept, and the server's open files, its
+    limit (RLIMIT_NOFILE) and the reserve kept. A create is refused (503) when one would fall below its
+    reserve."""
+
+    memory_available_mb: int
+    memory_reserve_mb: int
+    tasks: int
+    tasks_limit: int
+    tasks_reserve: int
+    open_files: int
+    open_files_limit: int
+    open_files_reserve: int
+
+
+class SandboxCapacity(msgspec.Struct, kw_only=True):
+    """How many sandboxes a node can hold and why (an addition to NodeStatus): ``max_sandboxes`` of the default
+    size, the smallest of ``limits``, the one that binds (``limited_by``), how many it holds now
+    (``sandboxes``, pooled ones included) and the host's live figures (``host``)."""
+
+    max_sandboxes: int
+    limited_by: str
+    sandboxes: int
+    limits: list[SandboxLimit]
+    host: HostHeadroom
+
+
 class NodeStatus(msgspec.Struct, kw_only=True):
     """``GET /v1/node``: a node's name (empty when standalone), version, capabilities, capacity and what is
     free (capacity less what every live sandbox holds, pooled ones included), sandboxes running, pooled
     sandboxes ready by image, installed images, labels and cordon. Additions: ``defaults`` (what a create
-    gets for what it omits; a gateway counts quotas with it) and ``runtime`` (the backend's own facts, such
-    as its version and platform)."""
+    gets for what it omits; a gateway counts quotas with it), ``runtime`` (the backend's own facts, such
+    as its version and platform), ``parked`` (running sandboxes parked for idleness: counted in ``running``
+    too) and ``sandbox_capacity`` (how many sandboxes it can hold, and why)."""
 
     name: str
     version: str
@@ -97,6 +138,8 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     cordoned: bool
     defaults: Defaults | UnsetType = UNSET
     runtime: Runtime | UnsetType = UNSET
+    parked: int | UnsetType = UNSET
+    sandbox_capacity: SandboxCapacity | UnsetType = UNSET
 
 
 class CordonRequest(msgspec.Struct):

@@ -147,18 +147,41 @@ class Backend(Protocol):
         boot or a restore). Any number may be made, across sandboxd restarts too."""
 
     async def is_running(self, sandbox_id: str) -> bool:
-        """Whether the sandbox still runs (used when sandboxd restarts to take sandboxes back)."""
+        """Whether the sandbox still runs, parked or not (used when sandboxd restarts to take sandboxes
+        back)."""
 
     async def destroy(self, sandbox_id: str) -> None:
-        """Stop the sandbox and discard its disk; idempotent (a missing sandbox is not an error)."""
+        """Stop the sandbox and discard its disk; idempotent (a missing sandbox is not an error). A parked
+        sandbox is destroyed as well (unparked first where the backend needs it)."""
 
     async def usage(self, sandbox_id: str) -> BackendUsage | None:
-        """Host-side counters of a running sandbox, None when it is not running. Cheap (file reads, no
-        subprocess): the metrics sampler calls it for every running sandbox every few seconds."""
+        """Host-side counters of a running sandbox (parked too), None when it is not running. Cheap (file
+        reads, no subprocess): the metrics sampler calls it for every awake running sandbox every few seconds,
+        and once for one being parked."""
 
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Apply ``policy`` to a running or suspended sandbox at once, cutting connections it no longer
         permits; BackendError (message safe to show) when this sandbox's policy cannot change."""
+
+    async def park(self, sandbox_id: str) -> None:
+        """Stop every host process of a running sandbox where it stands, so that it uses no CPU at all; its
+        memory, disk and connections stay as they are, and nothing inside notices but the time that passed.
+
+        While it is parked its agent does not answer (a request to it waits for :meth:`unpark`), and the
+        backend's own commands about it (a checkpoint, a kill) would wait too: the node unparks a sandbox
+        before anything that reaches it, and :meth:`destroy` and :meth:`is_running` work on a parked one by
+        themselves. Idempotent: a parked sandbox stays parked. On failure (BackendError, message safe to show)
+        the sandbox is left running, not parked.
+        """
+
+    async def unpark(self, sandbox_id: str) -> None:
+        """Let a parked sandbox run again from where it stood (in a few milliseconds). Idempotent: a sandbox
+        that is not parked, or not running at all, is left as it is. On failure (BackendError) the sandbox may
+        still be parked, and a retry is safe."""
+
+    async def is_parked(self, sandbox_id: str) -> bool:
+        """Whether the sandbox is parked, read from the host (a restarted sandboxd finds it so). A park that a
+        crash left half done counts as not parked (:meth:`unpark` finishes undoing it)."""
 
     def runtime_report(self) -> Runtime:
         """What runs the sandboxes (platform, why, limitations), as ``GET /v1/node`` reports it; valid after

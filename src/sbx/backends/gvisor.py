@@ -44,6 +44,7 @@ from sbx.api.validation import DEFAULT_CWD
 from sbx.backends.base import BackendError, BackendUsage, BootSpec, GuestUser, VolumeBind, VolumeDisks
 from sbx.backends.ctl_dir import touch_regular
 from sbx.backends.disk_copy import copy_frozen
+from sbx.backends.freezer import CgroupFreezer
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
@@ -222,6 +223,8 @@ class GVisorBackend:
             else None
         )
         self.network_modes = frozenset({"none", "allowlist", "open"} if egress is not None else {"none"})
+        #: Parks sandboxes by freezing their cgroups (freezer.py).
+        self.freezer = CgroupFreezer(CGROUP_PARENT)
 
     async def start(self) -> None:
         """Background work: keep the layer pool filled."""
@@ -254,6 +257,8 @@ class GVisorBackend:
             raise BackendError("sandboxd must run as root to create gVisor sandboxes")
         if self.net is not None and not self.net.usable():
             self.network_modes = frozenset({"none"})  # why is logged; the ceiling is lowered to match
+        if not self.freezer.usable():
+            log.warning("this host has no cgroup freezer: idle sandboxes cannot be parked and keep using CPU")
         self.runsc_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.platform, self.platform_reason = choose_platform(
             info, self.requested_platform, self.agent_path, self.base
@@ -276,10 +281,13 @@ class GVisorBackend:
     def runtime_report(self) -> Runtime:
         """The runsc and platform sandboxes run on, and what they cannot do (``GET /v1/node`` ``runtime``)."""
         info = self.runsc_info
+        limitations = info.limitations(self.platform) if info is not None else []
+        if not self.freezer.usable():
+            limitations.append("no cgroup freezer on this host: idle sandboxes are never parked")
         return Runtime(
             platform=self.platform,
             platform_reason=self.platform_reason,
-            limitations=info.limitations(self.platform) if info is not None else [],
+            limitations=limitations,
             runsc_version=info.version if info is not None else "",
             runsc_path=info.path if info is not None else "",
         )
@@ -416,6 +424,10 @@ class GVisorBackend:
             raise BackendError(f"runsc could not {what} the sandbox (exit {code}): {tail}")
 
     async def is_running(self, sandbox_id: str) -> bool:
+        if self.freezer.state(sandbox_id) in ("frozen", "freezing"):
+            # `runsc state` asks the sandbox and would wait for the thaw (measured: it hangs). A frozen group
+            # with processes in it is a sandbox that runs, parked.
+            return self.freezer.has_tasks(sandbox_id)
         proc = await asyncio.create_subprocess_exec(
             *self._runsc_for(sandbox_id, "state", sandbox_id),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
@@ -538,6 +550,8 @@ class GVisorBackend:
 
     async def _destroy(self, sandbox_id: str) -> None:
         directory = self._dir(sandbox_id)
+        # A parked sandbox first: runsc's kill asks the sentry, and a v1 frozen task ignores SIGKILL until thawed.
+        self.freezer.thaw(sandbox_id)
         if self._has_runsc_state(sandbox_id):
             # kill may fail when it already stopped; delete --force then cleans up what is left.
             for args in (("kill", sandbox_id, "KILL"), ("delete", "--force", sandbox_id)):
@@ -570,6 +584,19 @@ class GVisorBackend:
     def host_interface(self, sandbox_id: str) -> str | None:
         """The host end of the sandbox's veth; None for a sandbox without network (mode ``none``)."""
         return self.net.host_interface(sandbox_id) if self.net is not None else None
+
+    # -- parking (freezer.py) ---------------------------------------------------------------------------
+
+    async def park(self, sandbox_id: str) -> None:
+        """Freeze the sandbox's cgroup (sentry, gofer and systrap stubs: no CPU at all); see freezer.py."""
+        await self.freezer.freeze(sandbox_id)
+
+    async def unpark(self, sandbox_id: str) -> None:
+        """Thaw the sandbox's cgroup; nothing when it is not frozen or does not exist."""
+        self.freezer.thaw(sandbox_id)
+
+    async def is_parked(self, sandbox_id: str) -> bool:
+        return self.freezer.state(sandbox_id) == "frozen" and self.freezer.has_tasks(sandbox_id)
 
     async def usage(self, sandbox_id: str) -> BackendUsage | None:
         """The counters of the sandbox's cgroup, processes and interface (see host_counters.py)."""

@@ -128,6 +128,7 @@ class Checkpoints:
                 )
             image = sandbox.directory / SUSPEND_IMAGE
             shutil.rmtree(image, ignore_errors=True)
+            await sandbox.wake()  # a parked sandbox's agent answers only once woken
             await self._quiesce(sandbox, "suspending")
             try:
                 await self.backend.checkpoint(record.id, image)
@@ -137,6 +138,7 @@ class Checkpoints:
             sandbox.processes.paused_reason = "suspended"
             record.state = SandboxState.SUSPENDED
             sandbox.save()
+            self.host.state_changed(sandbox)
             self.host.audit.record("sandbox.suspended", record.id)
             return record
 
@@ -156,6 +158,7 @@ class Checkpoints:
                 raise Internal(f"the sandbox could not be resumed: {exc}") from exc
             record.state = SandboxState.RUNNING
             sandbox.save()
+            self.host.state_changed(sandbox)
             sandbox.touch()
             self.host.audit.record("sandbox.resumed", record.id)
             await asyncio.to_thread(shutil.rmtree, image, True)
@@ -217,6 +220,17 @@ class Checkpoints:
         return await asyncio.shield(task)
 
     async def _take(self, sandbox: Sandbox, kind: SnapshotKind, scheduled: bool) -> SnapshotRecord:
+        # Held for the whole snapshot (a scheduled one is no request): it must not be parked under the copy or
+        # the capture, and a parked one is woken (its agent must quiesce; runsc's checkpoint asks the sentry).
+        sandbox.hold()
+        try:
+            await sandbox.wake()
+            return await self._take_woken(sandbox, kind, scheduled)
+        finally:
+            # A scheduled snapshot is no activity: an idle sandbox is parked again right after it.
+            sandbox.release(activity=not scheduled)
+
+    async def _take_woken(self, sandbox: Sandbox, kind: SnapshotKind, scheduled: bool) -> SnapshotRecord:
         record = sandbox.record
         snapshot_id = new_snapshot_id(self.host.node_id)
         staging = self.store.staging(snapshot_id)

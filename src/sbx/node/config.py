@@ -50,6 +50,7 @@ __all__ = [
     "LimitsConfig",
     "NetworkConfig",
     "NodeConfig",
+    "ParkingConfig",
     "PathsConfig",
     "PoolConfig",
     "ServerConfig",
@@ -94,6 +95,23 @@ class CapacityConfig:
     disk_mb: int = 0
     #: vCPUs offered per measured core when ``cpus`` is 0 (vCPUs are time-shared, as in every cloud).
     cpu_overcommit: int = 8
+    #: Memory and disk given out per MiB of capacity (1: none). A sandbox's ``memory_mb`` is a limit, most of
+    #: which an idle one never touches, and its disk a sparse file; the host's own headroom is checked live at
+    #: every create (sbx.node.capacity), whatever these say.
+    memory_overcommit: float = 1.0
+    disk_overcommit: float = 1.0
+    #: The most sandboxes (pooled ones included) the node holds at once; 0: no cap of its own.
+    max_sandboxes: int = 0
+
+
+@dataclass(frozen=True)
+class ParkingConfig:
+    """``[parking]``: ``park_after_secs``, the idle time (seconds, no request naming it, no process running,
+    nothing open on it) after which a running sandbox whose guest runs nothing but its agent is parked: its
+    processes are stopped on the host (no CPU at all) and woken in milliseconds by the next request
+    (sbx.node.parking). 0 never parks."""
+
+    park_after_secs: int = 30
 
 
 #: Capacity with every 0 replaced by a measurement (cpus in cores, memory and disk in MiB).
@@ -201,6 +219,7 @@ class NodeConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     pools: tuple[PoolConfig, ...] = ()
+    parking: ParkingConfig = field(default_factory=ParkingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     gvisor: GVisorConfig = field(default_factory=GVisorConfig)
     source: Path | None = None
@@ -215,6 +234,7 @@ _SECTIONS: Final = (
     "paths",
     "audit",
     "images",
+    "parking",
     "backend",
     "gvisor",
 )
@@ -310,6 +330,15 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
         memory_mb=_int(cap, "capacity.memory_mb", 0),
         disk_mb=_int(cap, "capacity.disk_mb", 0),
         cpu_overcommit=_int(cap, "capacity.cpu_overcommit", CapacityConfig.cpu_overcommit, minimum=1),
+        memory_overcommit=_overcommit(cap, "capacity.memory_overcommit"),
+        disk_overcommit=_overcommit(cap, "capacity.disk_overcommit"),
+        max_sandboxes=_int(cap, "capacity.max_sandboxes", 0),
+    )
+
+    prk = sections["parking"]
+    _no_unknown(prk, _fields(ParkingConfig), "parking.")
+    parking = ParkingConfig(
+        park_after_secs=_int(prk, "parking.park_after_secs", ParkingConfig.park_after_secs)
     )
 
     srv = sections["server"]
@@ -358,7 +387,7 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
 
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
-        paths=paths, audit=audit, images=images, pools=pools, backend=BackendConfig(kind),
+        paths=paths, audit=audit, images=images, pools=pools, parking=parking, backend=BackendConfig(kind),
         gvisor=GVisorConfig(platform=platform, dentry_cache=dentry_cache), source=source,
     )  # fmt: skip
 
@@ -646,6 +675,20 @@ def _builtin(sec: Mapping[str, Any], key: str) -> str:
     return "" if key.rsplit(".", 1)[1] in sec else " (the built-in default)"
 
 
+#: The largest overcommit factor accepted: far beyond what any host holds, so a typo (1000 for 10.00) is caught.
+MAX_OVERCOMMIT: Final = 1000.0
+
+
+def _overcommit(sec: Mapping[str, Any], key: str) -> float:
+    """An overcommit factor: a number (integer or not) from 1 to MAX_OVERCOMMIT; 1 by default."""
+    value = sec.get(key.rsplit(".", 1)[1], 1.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number such as 1.5 or 4, got {_kind(value)}")
+    if not 1.0 <= value <= MAX_OVERCOMMIT:
+        raise ConfigError(f"{key} = {value}: expected a number from 1 (no overcommit) to {MAX_OVERCOMMIT:g}")
+    return float(value)
+
+
 def _bool(sec: Mapping[str, Any], key: str, default: bool) -> bool:
     value = sec.get(key.rsplit(".", 1)[1], default)
     if not isinstance(value, bool):
@@ -704,14 +747,17 @@ def _kind(value: object) -> str:
 
 
 def resolve_capacity(config: CapacityConfig, state_dir: Path) -> Capacity:
-    """The capacity this node offers: each configured value, or the measurement where it is 0."""
+    """The capacity this node offers: each configured value, or the measurement where it is 0; memory and disk
+    times their overcommit (a configured value too: it says what the host has, the factor how far to go)."""
     measured: Capacity | None = None
     if 0 in (config.cpus, config.memory_mb, config.disk_mb):
         measured = measure_capacity(state_dir)
+    memory = config.memory_mb or (measured.memory_mb if measured else 0)
+    disk = config.disk_mb or (measured.disk_mb if measured else 0)
     return Capacity(
         cpus=config.cpus or (measured.cpus * config.cpu_overcommit if measured else 0),
-        memory_mb=config.memory_mb or (measured.memory_mb if measured else 0),
-        disk_mb=config.disk_mb or (measured.disk_mb if measured else 0),
+        memory_mb=int(memory * config.memory_overcommit),
+        disk_mb=int(disk * config.disk_overcommit),
     )
 
 

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sbx import __version__
-from sbx.api.node import SECRET_ENV, WEBSOCKET_ATTACH, Capabilities, NodeStatus, Resources
+from sbx.api.node import SECRET_ENV, WEBSOCKET_ATTACH, Capabilities, NodeStatus, Resources, SandboxCapacity
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
+from sbx.node.capacity import read_host, sandbox_capacity
 from sbx.node.config import NodeConfig
 from sbx.node.images import ImageService
 from sbx.node.manager import SandboxManager
@@ -79,4 +80,15 @@ class NodeContext:
             cordoned=manager.cordoned,
             defaults=self.config.defaults,
             runtime=self.backend.runtime_report(),
+            parked=manager.parked_count(),
+            sandbox_capacity=self.sandbox_capacity(),
         )
+
+    def sandbox_capacity(self) -> SandboxCapacity:
+        """How many sandboxes of the default size this node can hold, and why (sbx.node.capacity)."""
+        cap, defaults = self.config.capacity, self.config.defaults
+        return sandbox_capacity(
+            self.manager.capacity, Resources(defaults.cpus, defaults.memory_mb, defaults.disk_mb),
+            cap.max_sandboxes, (cap.cpu_overcommit, cap.memory_overcommit, cap.disk_overcommit),
+            self.manager.reservations.sandboxes(), read_host(),
+        )  # fmt: skip

@@ -40,6 +40,9 @@ class SandboxHost(Protocol):
     async def reattach_agent(self, sandbox: Sandbox) -> None:
         """Connect to the sandbox's agent again and take its processes back."""
 
+    def state_changed(self, sandbox: Sandbox) -> None:
+        """The sandbox's state changed (suspended, resumed): its idle timer and metrics follow."""
+
     async def terminate_locked(self, sandbox: Sandbox, reason: str) -> None:
         """Terminate a live sandbox; the caller holds its lock."""
 

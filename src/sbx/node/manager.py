@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,11 +24,14 @@ from sbx.api.node import Resources
 from sbx.api.requests import CreateSpec, PatchSpec
 from sbx.backends.base import Backend, BackendError, CheckpointBackend, VolumeBind
 from sbx.images.store import ImageStore, InstalledImage
+from sbx.node.activity import hold_for_request
 from sbx.node.audit import AuditLog
 from sbx.node.checkpoints import Checkpoints
 from sbx.node.config import NodeConfig
 from sbx.node.host import PoolSource
+from sbx.node.idle import IdleTimers
 from sbx.node.images import ImageService
+from sbx.node.parking import Parking
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.node.reservations import Reservations
 from sbx.node.sandbox import Sandbox
@@ -49,8 +51,6 @@ KEEP_TERMINATED = 100
 AGENT_CONNECT_TIMEOUT_SECS = 10.0
 #: How long a stopping sandboxd waits for teardowns under way, in seconds (a restart finishes the rest).
 DESTROY_GRACE_SECS = 10.0
-#: How often idle timeouts are checked, in seconds.
-IDLE_CHECK_INTERVAL_SECS = 1.0
 #: Labels a gateway stamps on the sandboxes it creates; names are unique per value of the pair (docs/node-api.md).
 NAME_SCOPE_LABELS = ("gateway.owner", "gateway.tenant")
 
@@ -98,6 +98,13 @@ class SandboxManager:
         #: Where a create finds a sandbox booted ahead of it (the warm pools; None: a node without them).
         self.pools: PoolSource | None = None
         self._sandboxes: dict[str, Sandbox] = {}
+        #: The running sandboxes that are not parked (what the metrics sampler reads), kept by _state_changed.
+        self._awake: dict[str, Sandbox] = {}
+        #: Idle timeouts and parks, one timer per sandbox (idle.py), and the parking itself (parking.py).
+        self.timers = IdleTimers(config.parking.park_after_secs, self._idle_out, self._park_soon)
+        self.parking = Parking(
+            backend, config.parking.park_after_secs, self._state_changed, self.reattach_agent
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self._destroys: set[asyncio.Task[None]] = set()
         #: Called with a sandbox's id when the node forgets it (what is kept of it elsewhere goes too).
@@ -119,7 +126,7 @@ class SandboxManager:
             if not isinstance(data, dict):
                 continue
             record = SandboxRecord.from_disk(data)
-            sandbox = Sandbox(record, path.parent, self.audit, self.backend.guest)
+            sandbox = self._new_sandbox(record, path.parent)
             self._sandboxes[record.id] = sandbox
             # Before anything can fail: a sandbox that is lost or was stopping releases its volumes later.
             self.volumes.take_back(record.id, record.volumes, live=record.live)
@@ -139,11 +146,12 @@ class SandboxManager:
                     "sandbox could not be taken back", extra={"sandbox": record.id, "error": str(exc)}
                 )
                 await self._terminate(sandbox, "lost")
+            else:
+                self._state_changed(sandbox)
         self._forget_old_terminated()
         await self.volumes.settle()
         if self.checkpoints is not None:
             self.checkpoints.start()
-        self._spawn(self._idle_loop())
 
     def _image_config_from_store(self, sandbox: Sandbox) -> None:
         try:
@@ -163,6 +171,11 @@ class SandboxManager:
             return
         if record.state is SandboxState.PENDING:
             raise BackendError("the sandbox was still starting when sandboxd stopped")
+        if await self.parking.take_back(sandbox):
+            # Parked: left so. Its agent is connected when it is first woken (parking.py).
+            sandbox.processes.load()
+            log.info("parked sandbox taken back", extra={"sandbox": record.id})
+            return
         if not await self.backend.is_running(record.id):
             if self.checkpoints is not None and await self.checkpoints.take_back_stopped(sandbox):
                 return
@@ -186,6 +199,28 @@ class SandboxManager:
             agent = sandbox.processes.agent
             if agent is not None:
                 await agent.close()
+
+    def _new_sandbox(self, record: SandboxRecord, directory: Path) -> Sandbox:
+        """A Sandbox for ``record`` whose activity drives its idle timer and whose wake unparks it."""
+        sandbox = Sandbox(record, directory, self.audit, self.backend.guest)
+        sandbox.on_change = self.timers.changed
+        sandbox.waker = self.parking.wake
+        return sandbox
+
+    def _state_changed(self, sandbox: Sandbox) -> None:
+        """After a sandbox's state or parked flag changed: keep the awake index and its timer right."""
+        if sandbox.record.state is SandboxState.RUNNING and not sandbox.parked:
+            self._awake[sandbox.record.id] = sandbox
+        else:
+            self._awake.pop(sandbox.record.id, None)
+        if sandbox.record.live:
+            self.timers.changed(sandbox)
+        else:
+            self.timers.cancel(sandbox)
+
+    def state_changed(self, sandbox: Sandbox) -> None:
+        """Tell the manager that ``sandbox``'s state changed (suspended, resumed, restored)."""
+        self._state_changed(sandbox)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -214,6 +249,7 @@ class SandboxManager:
         if sandbox is None:
             raise NotFound(f"no sandbox {ref!r} on this node")
         if touch:
+            hold_for_request(sandbox)  # before the touch: a park starting now sees the hold
             sandbox.touch()
         return sandbox
 
@@ -243,6 +279,13 @@ class SandboxManager:
 
     def live(self) -> Iterable[Sandbox]:
         return (s for s in self._sandboxes.values() if s.record.live)
+
+    def awake(self) -> Iterable[Sandbox]:
+        """The running sandboxes that are not parked (kept as an index: no walk over idle ones)."""
+        return self._awake.values()
+
+    def parked_count(self) -> int:
+        return len(self.parking.parked)
 
     @property
     def capacity(self) -> Resources:
@@ -352,6 +395,7 @@ class SandboxManager:
         record.state = SandboxState.RUNNING
         sandbox.touch()
         sandbox.save()
+        self._state_changed(sandbox)
         self._audit_created(record)
         if record.snapshot_every_secs and self.checkpoints is not None:
             self.checkpoints.set_schedule(record.id, record.snapshot_every_secs, record.snapshot_keep)
@@ -366,7 +410,7 @@ class SandboxManager:
             directory = self.root / record.id
             directory.mkdir(mode=0o700)
             undo.callback(shutil.rmtree, directory, True)
-            sandbox = Sandbox(record, directory, self.audit, self.backend.guest)
+            sandbox = self._new_sandbox(record, directory)
             sandbox.set_image_config(image.config, image.rootfs)
             # Registered before the first await, so a concurrent create sees the name and the capacity taken.
             self._sandboxes[record.id] = sandbox
@@ -432,15 +476,18 @@ class SandboxManager:
         record.state = SandboxState.RUNNING
         directory = self.root / record.id
         directory.mkdir(mode=0o700)
-        sandbox = Sandbox(record, directory, self.audit, self.backend.guest)
+        sandbox = self._new_sandbox(record, directory)
         sandbox.set_image_config(pooled.image.config, pooled.image.rootfs)
         sandbox.processes.agent = pooled.agent  # a fresh table, and the agent has run nothing yet
+        if pooled.parked:
+            self.parking.adopt(sandbox)  # its first request wakes it
         self._sandboxes[record.id] = sandbox
         sandbox.save_image_config()
         sandbox.save()
         pooled.release()  # after the record is saved: a restart now takes it back instead of destroying it
         self._watch_agent(sandbox, pooled.agent)
         sandbox.touch()
+        self._state_changed(sandbox)
         self._audit_created(record, reason="pool")
         return record
 
@@ -470,6 +517,7 @@ class SandboxManager:
                 # Last check, first change: applied live by the backend (open connections the new policy
                 # does not permit are cut); when it cannot be, nothing of the PATCH has changed.
                 try:
+                    await sandbox.wake()  # a parked sandbox's connections are cut as a running one's
                     await self.backend.update_network(record.id, req.network)
                 except BackendError as exc:
                     raise Conflict(
@@ -490,6 +538,7 @@ class SandboxManager:
             if req.idle_timeout_secs is not None and req.idle_timeout_secs != record.idle_timeout_secs:
                 record.idle_timeout_secs = req.idle_timeout_secs
                 changed["idle_timeout_secs"] = record.idle_timeout_secs
+                self.timers.changed(sandbox)  # a shorter timeout needs an earlier timer
             if changed:
                 sandbox.save()
                 self.audit.record("sandbox.updated", record.id, **changed)
@@ -515,6 +564,8 @@ class SandboxManager:
         record.terminated_reason = reason
         record.secret_env = {}  # no process will start again: the values are not kept a moment longer
         sandbox.save()
+        self.parking.forget(sandbox)  # the backend's destroy unparks it
+        self._state_changed(sandbox)
         self.volumes.drop_holder(record.id)  # rule 1 counts live sandboxes; the mount stays until _destroy
         agent = sandbox.processes.agent
         sandbox.processes.agent = None
@@ -589,21 +640,32 @@ class SandboxManager:
 
         self._spawn(watch())
 
-    async def _idle_loop(self) -> None:
-        while True:
-            await asyncio.sleep(IDLE_CHECK_INTERVAL_SECS)
-            now = time.monotonic()
-            for sandbox in list(self.live()):
-                timeout = sandbox.record.idle_timeout_secs
-                if (
-                    sandbox.record.state is SandboxState.RUNNING
-                    and timeout > 0
-                    and sandbox.processes.running == 0
-                    and now - sandbox.last_activity >= timeout
-                ):
-                    async with sandbox.lock:
-                        if sandbox.record.live:
-                            await self._terminate(sandbox, "idle")
+    # -- idle timeout and parking (idle.py, parking.py) ----------------------------------------------------
+
+    def _idle_out(self, sandbox: Sandbox) -> None:
+        """Its timer says the sandbox is idle past its timeout: terminate it (reason ``idle``)."""
+
+        async def terminate() -> None:
+            async with sandbox.lock:
+                # Checked again under the lock: a request may have come meanwhile.
+                if sandbox.record.live and self.timers.idle_now(sandbox):
+                    await self._terminate(sandbox, "idle")
+                elif sandbox.record.live:
+                    self.timers.changed(sandbox)
+
+        self._spawn(terminate())
+
+    def _park_soon(self, sandbox: Sandbox) -> None:
+        """Its timer says the sandbox may be parked: try (parking.py decides), then look at its timer again."""
+
+        async def park() -> None:
+            try:
+                await self.parking.try_park(sandbox)
+            finally:
+                if sandbox.record.live:
+                    self.timers.changed(sandbox)
+
+        self._spawn(park())
 
 
 async def _shielded(step: Callable[[str], Coroutine[Any, Any, None]], sandbox_id: str) -> None:

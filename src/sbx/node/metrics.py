@@ -10,6 +10,9 @@ Exactly these series, in a private registry (never the process-global one)::
     sandboxd_capacity_cpus|memory_bytes|disk_bytes   gauge  what the node offers (CPUs, bytes, bytes)
     sandboxd_free_cpus|memory_bytes|disk_bytes       gauge  capacity less what live sandboxes hold
     sandboxd_cordoned                     gauge      1 while cordoned
+    sandboxd_sandboxes_parked             gauge      running sandboxes parked for idleness (counted as running too)
+    sandboxd_parks_total                  counter    sandboxes parked since start
+    sandboxd_unparks_total                counter    parked sandboxes woken since start
     sandboxd_creates_total{status}        counter    creates by status (``created`` or an error code)
     sandboxd_create_seconds               histogram  create latency, seconds
 
@@ -59,6 +62,9 @@ class NodeSnapshot:
     pool_target: Mapping[str, int] = field(default_factory=dict)
     pool_ready: Mapping[str, int] = field(default_factory=dict)
     pool_booting: Mapping[str, int] = field(default_factory=dict)
+    sandboxes_parked: int = 0
+    parks: int = 0
+    unparks: int = 0
 
 
 class NodeMetrics:
@@ -115,6 +121,15 @@ class NodeMetrics:
             "sandboxd_free_disk_bytes", "Disk not given to a live sandbox, bytes.", snap.free_disk_mb * MIB
         )
         yield _gauge("sandboxd_cordoned", "1 while the node is cordoned.", 1 if snap.cordoned else 0)
+        yield _gauge(
+            "sandboxd_sandboxes_parked",
+            "Running sandboxes parked for idleness (their processes stopped; counted as running too).",
+            snap.sandboxes_parked,
+        )
+        yield CounterMetricFamily("sandboxd_parks", "Sandboxes parked since start.", value=snap.parks)
+        yield CounterMetricFamily(
+            "sandboxd_unparks", "Parked sandboxes woken since start.", value=snap.unparks
+        )
 
         with self._lock:
             creates = dict(self._creates)

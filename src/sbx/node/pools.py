@@ -10,8 +10,11 @@ about 4 ms less on systrap, measured), so its ``/tmp``, home and processes are t
 given per process, so nothing inside has to change.
 
 Pooled sandboxes are not listed, never idle out, and count against the node's free capacity. A pool only
-boots while the node has room for one more sandbox of the default size, and a failed boot or install is
-retried after :data:`RETRY_SECS`. Cordoning the node leaves the pools as they are.
+boots while the node has room for one more sandbox of the default size (its capacity, ``max_sandboxes`` and the
+host's live headroom: sbx.node.reservations), and a failed boot or install is retried after :data:`RETRY_SECS`.
+Cordoning the node leaves the pools as they are. Where parking is on (``[parking] park_after_secs`` > 0), a
+ready sandbox is parked as soon as it is warm (nothing runs in it: it would only spin the sentry's timers) and
+handed over parked; its first request wakes it (sbx.node.parking).
 
 On disk: ``<state>/pool/<id>`` (an empty directory) marks a pooled sandbox from before its boot until it
 is adopted. Pooled sandboxes are destroyed when sandboxd stops, and whatever a killed sandboxd left marked
@@ -63,6 +66,8 @@ class PooledSandbox:
     agent: AgentClient
     image: InstalledImage
     marker: Path
+    #: Parked by the pool (its processes stopped); the node counts it parked once it is adopted.
+    parked: bool = False
 
     def release(self) -> None:
         """Drop the pool's marker: the sandbox is someone's now (called once its record is saved)."""
@@ -92,9 +97,11 @@ class Pools:
         pools: tuple[PoolConfig, ...],
         directory: Path,
         sandboxes_dir: Path,
+        park_ready: bool = False,
     ) -> None:
         """``host`` boots pooled sandboxes (and adopts them, keeping them under ``sandboxes_dir``);
-        ``reservations`` counts what the pools hold; ``directory`` keeps their markers."""
+        ``reservations`` counts what the pools hold; ``directory`` keeps their markers; ``park_ready``: park
+        each ready sandbox (parking is on)."""
         self.host = host
         self.backend = backend
         self.images = images
@@ -102,6 +109,7 @@ class Pools:
         self.defaults = defaults
         self.directory = directory
         self.sandboxes_dir = sandboxes_dir
+        self.park_ready = park_ready
         self.size = Resources(defaults.cpus, defaults.memory_mb, defaults.disk_mb)
         self._pools = {p.image: _Pool(p) for p in pools if p.size > 0}
         self._destroying: set[asyncio.Task[None]] = set()
@@ -209,12 +217,7 @@ class Pools:
         while len(pool.ready) + pool.booting < pool.config.size:
             if pool.paused:
                 return True  # resumed (and woken) when the install that paused it ends
-            free = self.reservations.free()
-            if (
-                free.cpus < self.size.cpus
-                or free.memory_mb < self.size.memory_mb
-                or free.disk_mb < self.size.disk_mb
-            ):
+            if not self.reservations.fits(self.size):
                 return False
             pool.booting += 1
             try:
@@ -254,8 +257,17 @@ class Pools:
             shutil.rmtree(marker, ignore_errors=True)
             raise
         await _warm_up(agent, image, self.backend.guest)
-        log.info("pooled sandbox ready", extra={"sandbox": record.id, "image": image.reference})
-        return PooledSandbox(record, agent, image, marker)
+        parked = False
+        if self.park_ready:
+            try:
+                await self.backend.park(record.id)
+                parked = True
+            except BackendError as exc:  # it is handed over awake, as without parking
+                log.warning("pooled sandbox not parked", extra={"sandbox": record.id, "error": str(exc)})
+        log.info(
+            "pooled sandbox ready", extra={"sandbox": record.id, "image": image.reference, "parked": parked}
+        )
+        return PooledSandbox(record, agent, image, marker, parked)
 
     # -- image changes --------------------------------------------------------------------------------------
 

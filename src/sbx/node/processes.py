@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import signal as signals
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -105,9 +105,13 @@ class _Sink:
         await self.table._finish(self.proc, exit_code)
 
 
+async def _awake() -> None:
+    return None
+
+
 class ProcessTable:
     """The processes of one sandbox, run as ``guest``. ``on_change`` is called when one starts or exits (for
-    idle tracking)."""
+    idle tracking); ``wake`` is awaited before every call to the agent (a parked sandbox is woken first)."""
 
     def __init__(
         self,
@@ -116,12 +120,14 @@ class ProcessTable:
         audit: AuditLog,
         guest: GuestUser,
         on_change: Callable[[], None] = lambda: None,
+        wake: Callable[[], Awaitable[None]] = _awake,
     ) -> None:
         self.sandbox_id = sandbox_id
         self.guest = guest
         self.directory = directory
         self.audit = audit
         self.on_change = on_change
+        self.wake = wake
         self.agent: AgentClient | None = None
         #: Why there is no agent connection for a while ("being snapshotted"), None normally.
         self.paused_reason: str | None = None
@@ -215,6 +221,7 @@ class ProcessTable:
 
         ``stdin`` is sent right behind the spawn (and ``close_stdin`` ends the input), saving round trips.
         """
+        await self.wake()
         agent = self.require_agent()
         pid = self._next_pid
         self._next_pid += 1
@@ -329,6 +336,7 @@ class ProcessTable:
     async def write_stdin(self, pid: int, chunks: AsyncIterator[bytes], close: bool) -> int:
         """Send the chunks to the process's stdin, optionally closing it after; returns bytes sent."""
         proc = self._require_running(pid)
+        await self.wake()
         agent = self.require_agent()
         sent = 0
         async for chunk in chunks:
@@ -343,11 +351,13 @@ class ProcessTable:
     async def send_stdin(self, pid: int, data: bytes) -> None:
         """Send ``data`` to the process's stdin without closing it."""
         self._require_running(pid)
+        await self.wake()
         await self.require_agent().write_stdin(pid, data)
 
     async def close_stdin(self, pid: int) -> None:
         """Close the process's stdin (a terminal gets ^D)."""
         self._require_running(pid)
+        await self.wake()
         await self.require_agent().close_stdin(pid)
 
     async def resize(self, pid: int, rows: int, cols: int) -> None:
@@ -355,11 +365,13 @@ class ProcessTable:
         proc = self._require_running(pid)
         if not proc.record.tty:
             raise InvalidRequest(f"process {pid} has no terminal to resize")
+        await self.wake()
         await self.require_agent().resize(pid, rows, cols)
 
     async def signal(self, pid: int, signum: int) -> None:
         """Deliver ``signum`` to the process's group."""
         self._require_running(pid)
+        await self.wake()
         await self.require_agent().signal(pid, signum)
 
     async def follow(self, pid: int) -> AsyncIterator[OutputChunk | OutputExit]:

@@ -5,6 +5,13 @@ Kept with the sandbox only: a terminated sandbox's samples stay readable until t
 (``forget``), and nothing survives a restart (a sandbox taken back starts a new hour). The counters come from
 the backend (``Backend.usage``); the sampler turns them into the spec's sample: a CPU share of the given vCPUs
 since the previous sample, and byte totals since the sandbox started that never go back.
+
+A parked sandbox (sbx.node.parking) is not read at all: its processes are stopped, so its counters cannot
+change. Its counters are read once when it is parked (:meth:`MetricsSampler.park`), and its samples for the
+rounds while it stays parked are known without reading anything: the first one's CPU is what it used between
+its last sample and the park, every later one's is 0, and memory and byte totals are those read at the park.
+They are made when asked for (and kept when it is woken), from a log of the rounds' times that costs the
+same whatever the number of sandboxes, so a round reads only the awake ones.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import logging
 import time
 from array import array
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
@@ -147,6 +155,25 @@ class SampleTarget:
     running: Callable[[], bool] = _always
 
 
+@dataclass(frozen=True)
+class Round:
+    """One sampling round: its number (counting from 0) and when it began (monotonic and Unix seconds)."""
+
+    index: int
+    monotonic: float
+    wall: float
+
+
+@dataclass(frozen=True)
+class _Parked:
+    """What a parked sandbox's samples are made of: its CPU total at the park (ns, as the series counts it),
+    the other fields as read then, and its vCPUs."""
+
+    cpu_total: int
+    cpus: int
+    fields: dict[str, int]
+
+
 class SandboxSeries:
     """One sandbox's ring and the previous readings its next sample is computed from."""
 
@@ -158,9 +185,21 @@ class SandboxSeries:
         self._totals = {
             k: CounterTotal() for k in ("net_rx_bytes", "net_tx_bytes", "disk_read_bytes", "disk_write_bytes")
         }
+        #: The round of the newest sample (-1: none yet); a round is sampled once.
+        self.last_round = -1
+        self._parked: _Parked | None = None
 
-    def observe(self, target: SampleTarget, usage: BackendUsage, monotonic: float, wall: float) -> Sample:
-        """Add the sample made of ``usage`` read at ``monotonic``/``wall`` seconds; the first one's CPU is 0."""
+    @property
+    def parked(self) -> bool:
+        return self._parked is not None
+
+    def observe(
+        self, target: SampleTarget, usage: BackendUsage, monotonic: float, wall: float, round_index: int = -1
+    ) -> Sample | None:
+        """Add the sample made of ``usage`` read at ``monotonic``/``wall`` seconds in round ``round_index``;
+        the first one's CPU is 0. None (nothing added) while parked or when that round has its sample."""
+        if self._parked is not None or (round_index >= 0 and round_index <= self.last_round):
+            return None
         cpu_total = self._cpu.update(usage.cpu_ns)
         percent = 0.0
         if self._last_cpu_ns is not None:
@@ -176,7 +215,52 @@ class SandboxSeries:
             **totals,
         )
         self.ring.append(sample)
+        self.last_round = max(self.last_round, round_index)
         return sample
+
+    def park(self, target: SampleTarget, usage: BackendUsage) -> None:
+        """The sandbox is parked and ``usage`` is what its counters say (they no longer change)."""
+        if self._parked is not None:
+            return
+        cpu_total = self._cpu.update(usage.cpu_ns)
+        fields = {k: total.update(getattr(usage, k)) for k, total in self._totals.items()}
+        fields["memory_bytes"] = usage.memory_bytes
+        fields["memory_limit_bytes"] = usage.memory_limit_bytes or target.memory_bytes
+        fields["processes"] = usage.processes
+        self._parked = _Parked(cpu_total, target.cpus, fields)
+
+    def parked_samples(self, rounds: Iterable[Round]) -> list[Sample]:
+        """The samples of the ``rounds`` (oldest first) after the newest one sampled, while parked."""
+        parked = self._parked
+        if parked is None:
+            return []
+        out = []
+        last_cpu, last_at = self._last_cpu_ns, self._last_at
+        for each in rounds:
+            if each.index <= self.last_round:
+                continue
+            percent = 0.0
+            if last_cpu is not None:
+                percent = cpu_share(parked.cpu_total - last_cpu, each.monotonic - last_at, parked.cpus)
+            last_cpu, last_at = parked.cpu_total, each.monotonic
+            out.append(Sample(time=each.wall, cpu_percent=percent, **parked.fields))
+        return out
+
+    def unpark(self, rounds: Iterable[Round]) -> None:
+        """The sandbox is awake again (or terminated): its samples while parked are kept, and the next one is
+        computed from the last of them."""
+        parked = self._parked
+        if parked is None:
+            return
+        rounds = list(rounds)
+        made = self.parked_samples(rounds)
+        for sample in made:
+            self.ring.append(sample)
+        if made:
+            newest = [r for r in rounds if r.index > self.last_round][-1]
+            self.last_round = newest.index
+            self._last_cpu_ns, self._last_at = parked.cpu_total, newest.monotonic
+        self._parked = None
 
 
 class MetricsSampler:
@@ -202,21 +286,54 @@ class MetricsSampler:
         self._wall = wall
         self._series: dict[str, SandboxSeries] = {}
         self._task: asyncio.Task[None] | None = None
-        #: How long the last round took, in seconds (every running sandbox read once).
+        #: How long the last round took, in seconds (every awake running sandbox read once).
         self.last_round_secs = 0.0
+        #: The rounds of the last ``capacity`` intervals (what parked sandboxes' samples are dated by).
+        self._rounds: deque[Round] = deque(maxlen=capacity)
+        self._round_count = 0
 
     def samples(self, sandbox_id: str) -> list[Sample]:
         """The sandbox's samples, oldest first; [] for one never sampled or forgotten."""
         series = self._series.get(sandbox_id)
-        return series.ring.samples() if series is not None else []
+        if series is None:
+            return []
+        kept = series.ring.samples()
+        if series.parked:
+            kept = (kept + series.parked_samples(self._rounds))[-self.capacity :]
+        return kept
 
     def forget(self, sandbox_id: str) -> None:
         """Drop a sandbox's samples (the node forgot the sandbox)."""
         self._series.pop(sandbox_id, None)
 
+    async def park(self, target: SampleTarget) -> None:
+        """The sandbox is parked: read its counters once, then no more until :meth:`unpark`."""
+        try:
+            usage = await self._usage(target.sandbox_id)
+        except OSError as exc:
+            log.warning(
+                "sandbox counters unreadable", extra={"sandbox": target.sandbox_id, "error": str(exc)}
+            )
+            return
+        if usage is None:
+            return
+        series = self._series.get(target.sandbox_id)
+        if series is None:
+            series = self._series[target.sandbox_id] = SandboxSeries(self.capacity)
+        series.park(target, usage)
+
+    def unpark(self, sandbox_id: str) -> None:
+        """The sandbox is awake again or terminated: its parked samples are kept, reading goes on."""
+        series = self._series.get(sandbox_id)
+        if series is not None:
+            series.unpark(self._rounds)
+
     async def sample_once(self) -> None:
         """One round: read and record every target once."""
         started = self._clock()
+        current = Round(self._round_count, started, self._wall())
+        self._round_count += 1
+        self._rounds.append(current)
         for target in list(self._targets()):
             # Terminated (perhaps forgotten) since the round began: never sampled after the end.
             if not target.running():
@@ -234,7 +351,7 @@ class MetricsSampler:
             # Forgotten while its counters were read: the sample goes nowhere rather than bring the series back.
             if usage is None or self._series.get(target.sandbox_id) is not series:
                 continue
-            series.observe(target, usage, self._clock(), self._wall())
+            series.observe(target, usage, self._clock(), self._wall(), current.index)
             # Let requests in between sandboxes: a round over hundreds of them must not hold the loop at once.
             await asyncio.sleep(0)
         self.last_round_secs = self._clock() - started
@@ -266,13 +383,16 @@ class MetricsSampler:
 
 
 def running_targets(manager: SandboxManager) -> list[SampleTarget]:
-    """The manager's running sandboxes (pending and terminated ones are not sampled)."""
-    return [
-        SampleTarget(s.record.id, s.record.cpus, s.record.memory_mb * 1024 * 1024, partial(_is_running, s))
-        for s in manager.live()
-        if s.record.state is SandboxState.RUNNING
-    ]
+    """The manager's running sandboxes that are not parked (pending, suspended, parked and terminated ones are
+    not read), from its index of them: no walk over the idle ones."""
+    return [target_of(s) for s in manager.awake()]
 
 
-def _is_running(sandbox: Sandbox) -> bool:
-    return sandbox.record.state is SandboxState.RUNNING
+def target_of(sandbox: Sandbox) -> SampleTarget:
+    """What the sampler reads of ``sandbox``."""
+    record = sandbox.record
+    return SampleTarget(record.id, record.cpus, record.memory_mb * 1024 * 1024, partial(_is_awake, sandbox))
+
+
+def _is_awake(sandbox: Sandbox) -> bool:
+    return sandbox.record.state is SandboxState.RUNNING and not sandbox.parked

@@ -1,5 +1,5 @@
-"""One sandbox as this node holds it: its record, processes, agent connection, lock, and what its image says
-about how processes run (Env, WorkingDir)."""
+"""One sandbox as this node holds it: its record, processes, agent connection, lock, what its image says about
+how processes run (Env, WorkingDir), and what its idle timeout and parking go by (activity, holds, parked)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from sbx.backends.base import GuestUser
@@ -27,9 +28,30 @@ class Sandbox:
         """``guest``: who its processes and file transfers run as (the backend's)."""
         self.record = record
         self.directory = directory
+        #: When a request last named it or a process last started or exited (time.monotonic seconds).
         self.last_activity = time.monotonic()
-        self.processes = ProcessTable(record.id, directory / "processes", audit, guest, on_change=self.touch)
+        self.processes = ProcessTable(
+            record.id, directory / "processes", audit, guest, on_change=self.touch, wake=self.wake
+        )
         self.lock = asyncio.Lock()
+        #: Requests and operations under way that need the sandbox awake (see :meth:`hold`): none may be
+        #: parked under them.
+        self.holds = 0
+        #: Parked: its processes are stopped on the host (sbx.node.parking); the API still says running.
+        self.parked = False
+        #: Held while it is being parked or woken (one at a time).
+        self.park_lock = asyncio.Lock()
+        #: No park is tried before this (time.monotonic seconds) after one found the guest busy or failed,
+        #: and how many did in a row (the delay doubles; sbx.node.idle.park_retry_delay).
+        self.park_retry_at = 0.0
+        self.park_refusals = 0
+        #: Its idle timer (sbx.node.idle.IdleTimers): the handle and the monotonic time it fires at.
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        #: Called when its activity, holds or processes change (the node re-arms its timer), and what wakes
+        #: it when parked (sbx.node.parking.Parking.wake); set by the manager.
+        self.on_change: Callable[[Sandbox], None] | None = None
+        self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
         #: Environment from the image, below the sandbox's own env (see routes/processes.py).
         self.image_env: dict[str, str] = {}
         #: Default cwd of processes: the image's WorkingDir when it names a directory, else None (home).
@@ -72,6 +94,31 @@ class Sandbox:
     def touch(self) -> None:
         """Note activity: a request naming the sandbox, or a process starting or exiting."""
         self.last_activity = time.monotonic()
+        self.changed()
+
+    def changed(self) -> None:
+        """Tell the node that what its idle timer goes by changed (activity, holds, processes)."""
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def hold(self) -> None:
+        """Keep the sandbox from being parked until :meth:`release` (a request or operation under way)."""
+        self.holds += 1
+
+    def release(self, activity: bool = True) -> None:
+        """End a :meth:`hold`; with ``activity`` (a request ending) the idle time counts from now."""
+        self.holds -= 1
+        if activity:
+            self.touch()
+        else:
+            self.changed()
+
+    async def wake(self) -> None:
+        """Make sure the sandbox is not parked (a few milliseconds when it is; nothing otherwise). Call before
+        anything that reaches its agent or the backend's commands about it, under a :meth:`hold` or a
+        request (which holds it) so that it cannot be parked again meanwhile."""
+        if self.parked and self.waker is not None:
+            await self.waker(self)
 
     def save(self, durable: bool = True) -> None:
         """Persist the record atomically (``durable``: fsynced, surviving a power loss too)."""

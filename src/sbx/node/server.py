@@ -16,8 +16,11 @@ from aiohttp import web
 from sbx.api.network_policy import MODE_ORDER, mode_rank
 from sbx.backends.base import BackendError
 from sbx.images.store import ImageStore
+from sbx.net.limits import raise_descriptor_limit
+from sbx.node.activity import activity_middleware
 from sbx.node.audit import AuditLog
 from sbx.node.backend_kinds import make_backend
+from sbx.node.capacity import host_shortage, read_host
 from sbx.node.config import NodeConfig, resolve_capacity
 from sbx.node.context import NodeContext
 from sbx.node.manager import SandboxManager
@@ -25,7 +28,7 @@ from sbx.node.metrics import NodeMetrics, NodeSnapshot
 from sbx.node.pools import Pools
 from sbx.node.reservations import Reservations
 from sbx.node.routes import all_routes
-from sbx.node.sampler import MetricsSampler, running_targets
+from sbx.node.sampler import MetricsSampler, running_targets, target_of
 from sbx.statefile import try_lock
 from sbx.web.guard import make_guard
 from sbx.web.http import JSON_BODY_CAP, error_middleware
@@ -109,23 +112,32 @@ async def serve(config: NodeConfig, options: ServerOptions) -> None:
 def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     """sandboxd's application: every component built here, started and stopped in order by ``cleanup_ctx``
     (backend, manager, image leftovers, pools, metrics sampler, the loopback metrics server)."""
+    # Each sandbox holds a descriptor or two of sandboxd's (sbx.node.capacity): the soft limit (1024 under
+    # systemd) would cap a node at a few hundred sandboxes, the hard one (LimitNOFILE) is what the host allows.
+    raise_descriptor_limit()
     backend = make_backend(config, options.state_dir)
     backend.check()
     config = within_backend(config, backend.network_modes)
     images = ImageStore(config.paths.images_dir)
     audit = AuditLog(options.state_dir / "audit")
-    reservations = Reservations(resolve_capacity(config.capacity, options.state_dir))
+    reservations = Reservations(
+        resolve_capacity(config.capacity, options.state_dir),
+        max_sandboxes=config.capacity.max_sandboxes,
+        host_check=lambda: host_shortage(read_host()),
+    )
     manager = SandboxManager(
         config, options.state_dir, backend, images, audit, reservations, node_id=options.node_id
     )
     pools = Pools(
         manager, backend, manager.image_service, reservations, config.defaults, config.pools,
-        options.state_dir / "pool", manager.root,
+        options.state_dir / "pool", manager.root, park_ready=config.parking.park_after_secs > 0,
     )  # fmt: skip
     manager.pools = pools
     metrics = NodeMetrics(lambda: _snapshot(manager, pools))
     sampler = MetricsSampler(lambda: running_targets(manager), backend.usage)
     manager.on_forget.append(sampler.forget)
+    manager.parking.on_parked.append(lambda sandbox: sampler.park(target_of(sandbox)))
+    manager.parking.on_unparked.append(lambda sandbox: sampler.unpark(sandbox.record.id))
     ctx = NodeContext(
         config=config, backend=backend, manager=manager, audit=audit, node_name=options.node_id or "",
         on_create=metrics.observe_create, pools=pools, sampler=sampler,
@@ -134,7 +146,7 @@ def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     app = web.Application(
         middlewares=[error_middleware, make_guard(
             frozenset(config.server.allowed_hosts), frozenset(config.server.allowed_origins), options.token
-        )],
+        ), activity_middleware],
         client_max_size=JSON_BODY_CAP,
     )  # fmt: skip
     app.add_routes(all_routes(ctx))
@@ -182,4 +194,7 @@ def _snapshot(manager: SandboxManager, pools: Pools) -> NodeSnapshot:
         free_memory_mb=free.memory_mb,
         free_disk_mb=free.disk_mb,
         cordoned=manager.cordoned,
+        sandboxes_parked=manager.parked_count(),
+        parks=manager.parking.parks,
+        unparks=manager.parking.unparks,
     )

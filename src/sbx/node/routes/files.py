@@ -50,14 +50,15 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     uid, gid = ctx.backend.guest.uid, ctx.backend.guest.gid
 
-    def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
-        """The running sandbox, the checked guest path, and the agent that will act on it."""
+    async def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
+        """The running sandbox (woken if parked), the checked guest path, and the agent that will act on it."""
         sandbox = ctx.manager.resolve_running(request.match_info["ref"])
         path = validate_guest_path(query_one(request, "path"))
+        await sandbox.wake()
         return sandbox, path, sandbox.processes.require_agent()
 
     async def read(request: web.Request) -> web.StreamResponse:
-        sandbox, path, agent = target(request)
+        sandbox, path, agent = await target(request)
         try:
             reader = await agent.open_read(path, uid, gid)
         except AgentFileError as exc:
@@ -77,7 +78,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return response
 
     async def write(request: web.Request) -> web.Response:
-        sandbox, path, agent = target(request)
+        sandbox, path, agent = await target(request)
         if path == "/":
             raise InvalidRequest("cannot write to /: name a file")
         counted = _Counted(stream_body(request, FILE_BODY_CAP))
@@ -89,7 +90,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return web.Response(status=204)
 
     async def remove(request: web.Request) -> web.Response:
-        sandbox, path, agent = target(request)
+        sandbox, path, agent = await target(request)
         if path == "/":
             raise InvalidRequest("cannot remove /")
         try:
@@ -101,7 +102,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return web.Response(status=204)
 
     async def list_dir(request: web.Request) -> web.Response:
-        _, path, agent = target(request)
+        _, path, agent = await target(request)
         try:
             entries = await agent.list_dir(path, uid, gid)
         except AgentFileError as exc:

@@ -42,6 +42,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         sandbox = ctx.manager.resolve_running(request.match_info["ref"])
         port = parse_port(query_one(request, "port"))
         check_upgrade(request, PROTOCOL)
+        await sandbox.wake()
         agent = sandbox.processes.require_agent()
         with holding(ctx.streams.tunnels, sandbox.record.id, "tunnels"):
             try:
