@@ -93,8 +93,9 @@ class CapacityConfig:
     cpus: int = 0
     memory_mb: int = 0
     disk_mb: int = 0
-    #: vCPUs offered per measured core when ``cpus`` is 0 (vCPUs are time-shared, as in every cloud).
-    cpu_overcommit: int = 8
+    #: vCPUs offered per measured core when ``cpus`` is 0 (vCPUs are time-shared, as in every cloud). 16, so
+    #: a core holds 8 sandboxes of the default 2 vCPUs, as it held 8 of 1 vCPU at 8.
+    cpu_overcommit: int = 16
     #: Memory and disk given out per MiB of capacity (1: none). A sandbox's ``memory_mb`` is a limit, most of
     #: which an idle one never touches, and its disk a sparse file; the host's own headroom is checked live at
     #: every create (sbx.node.capacity), whatever these say.
