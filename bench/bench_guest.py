@@ -62,13 +62,9 @@ rm -rf "pip-$n" "clone-$n"
 """
 
 
-def make_inputs(directory: Path, only: list[str]) -> None:
-    """The inputs every side gets: wheels, a git repository of 5,000 files, a C project, and the round's
-    script running the workloads in ``only``."""
-    wheels = directory / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "-d", str(wheels), *WHEELS], check=True)  # fmt: skip
-    repo = directory / "repo"
+def make_git_repo(repo: Path) -> None:
+    """A git repository of 5,000 small text files in 50 directories, one commit (what the clone workloads
+    clone)."""
     for i in range(5000):
         path = repo / f"dir{i % 50:02d}" / f"file{i:04d}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +72,16 @@ def make_inputs(directory: Path, only: list[str]) -> None:
     git = ["git", "-C", str(repo), "-c", "user.name=bench", "-c", "user.email=bench@example.invalid"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "5000 files"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "5,000 files"], check=True)
+
+
+def make_inputs(directory: Path, only: list[str]) -> None:
+    """The inputs every side gets: wheels, a git repository of 5,000 files, a C project, and the round's
+    script running the workloads in ``only``."""
+    wheels = directory / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "-d", str(wheels), *WHEELS], check=True)  # fmt: skip
+    make_git_repo(directory / "repo")
     cproj = directory / "cproj"
     cproj.mkdir()
     for i in range(40):

@@ -101,6 +101,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_guest import make_git_repo
 from bench_sandboxd import bench_node, default_rootfs, pct
 from sandboxd_harness import IMAGES_DIR, Sandboxd
 
@@ -355,15 +356,7 @@ def make_inputs(directory: Path) -> None:
     directory.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "-d", str(directory / "wheels"), *WHEELS], check=True)  # fmt: skip
-    repo = directory / "repo"
-    for i in range(5000):
-        path = repo / f"dir{i % 50:02d}" / f"file{i:04d}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"line {i}\n" * (i % 40 + 1))
-    git = ["git", "-C", str(repo), "-c", "user.name=bench", "-c", "user.email=bench@example.invalid"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "."], check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "5,000 files"], check=True)
+    make_git_repo(directory / "repo")
     source, expected = gen_c()
     assert source.count("\n") == 1200, source.count("\n")
     (directory / "gen.c").write_text(source)

@@ -121,15 +121,7 @@ def test_node_reports_the_runtime(sandboxd: Sandboxd) -> None:
 def _sandbox_platform(sandbox_id: str) -> str:
     """The platform of the running ``runsc boot`` of ``sandbox_id``, from its --platform flag in /proc (runsc
     passes the flag on only when it is not its default, the first platform its help lists)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "boot" in argv and sandbox_id in argv:
-            flags = [a.split("=", 1)[1] for a in argv if a.startswith("--platform=")]
-            return flags[0] if flags else inspect_runsc().platforms[0]
-    raise AssertionError(f"no runsc boot process for {sandbox_id}")
+    return _boot_flag(sandbox_id, "platform") or inspect_runsc().platforms[0]
 
 
 def _boot_flag(sandbox_id: str, flag: str) -> str | None:

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,13 +66,11 @@ def burst(family: int, address: str | tuple[str, int]) -> tuple[list[socket.sock
     return socks, problems
 
 
-def status_lines(socks: list[socket.socket], request: bytes) -> list[bytes]:
-    """Send ``request`` (with ``Connection: close``) on every socket and read each answer to its end: the
-    status lines, one per socket (b"" for a connection closed without an answer)."""
-    answers = dict.fromkeys(socks, b"")
+def read_each(socks: list[socket.socket], enough: Callable[[bytes], bool]) -> list[bytes]:
+    """Read every socket until ``enough`` of what it has sent, its end, or ``ANSWER_SECS``: what each sent."""
+    got = dict.fromkeys(socks, b"")
     reading = selectors.DefaultSelector()
     for sock in socks:
-        sock.send(request)  # a few bytes: the socket's buffer takes them whole
         reading.register(sock, selectors.EVENT_READ)
     deadline = time.monotonic() + ANSWER_SECS
     while reading.get_map() and time.monotonic() < deadline:
@@ -83,11 +81,18 @@ def status_lines(socks: list[socket.socket], request: bytes) -> list[bytes]:
                 data = sock.recv(65536)
             except ConnectionResetError:
                 data = b""
-            if data:
-                answers[sock] += data
-            else:
+            got[sock] += data
+            if not data or enough(got[sock]):
                 reading.unregister(sock)
-    return [answer.split(b"\r\n", 1)[0] for answer in answers.values()]
+    return list(got.values())
+
+
+def status_lines(socks: list[socket.socket], request: bytes) -> list[bytes]:
+    """Send ``request`` (with ``Connection: close``) on every socket and read each answer to its end: the
+    status lines, one per socket (b"" for a connection closed without an answer)."""
+    for sock in socks:
+        sock.send(request)  # a few bytes: the socket's buffer takes them whole
+    return [answer.split(b"\r\n", 1)[0] for answer in read_each(socks, lambda _: False)]
 
 
 def request(path: str) -> bytes:
@@ -163,20 +168,5 @@ def test_the_gateways_ssh_listener_takes_a_burst_of_a_thousand(sandboxd: Sandbox
 
 def first_lines(socks: list[socket.socket]) -> list[bytes]:
     """The first line each socket receives (b"" for a connection closed before a whole line)."""
-    got = dict.fromkeys(socks, b"")
-    reading = selectors.DefaultSelector()
-    for sock in socks:
-        reading.register(sock, selectors.EVENT_READ)
-    deadline = time.monotonic() + ANSWER_SECS
-    while reading.get_map() and time.monotonic() < deadline:
-        for key, _ in reading.select(timeout=1):
-            sock = key.fileobj
-            assert isinstance(sock, socket.socket)
-            try:
-                data = sock.recv(4096)
-            except ConnectionResetError:
-                data = b""
-            got[sock] += data
-            if not data or b"\n" in got[sock]:
-                reading.unregister(sock)
-    return [value.split(b"\r\n", 1)[0] if b"\n" in value else b"" for value in got.values()]
+    got = read_each(socks, lambda data: b"\n" in data)
+    return [value.split(b"\r\n", 1)[0] if b"\n" in value else b"" for value in got]
