@@ -175,8 +175,9 @@ def start_world(
 
 
 @contextmanager
-def world(extra_args: list[str] | None = None) -> Iterator[World]:
-    w, nodes = start_world(extra_args)
+def world(extra_args: list[str] | None = None, prefix: str = "sbxsvc-") -> Iterator[World]:
+    """A gateway over two nodes for the block's length (``start_world``), stopped and removed after it."""
+    w, nodes = start_world(extra_args, prefix)
     try:
         yield w
     finally:

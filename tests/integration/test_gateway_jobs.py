@@ -6,7 +6,6 @@ gateways without --notify-allow-private and with --no-notify."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 from gateway_harness import GatewayProcess, wait_for
 from sandboxd_harness import free_port
-from services_world import Receiver, World, start_world
+from services_world import Receiver, World, world
 
 #: A job writing a file, both streams, more stdout than is kept, and what it knows of its env and secret.
 JOB_SCRIPT = (
@@ -28,15 +27,9 @@ JOB_SCRIPT = (
 
 @pytest.fixture(scope="module")
 def w() -> Iterator[World]:
-    world, nodes = start_world()
-    try:
-        world.ok("PUT", "/v1/secrets/TOKEN", {"value": "s3cret-value"}, status=204)
-        yield world
-    finally:
-        world.gw.stop()
-        for node in nodes:
-            node.teardown()
-        shutil.rmtree(world.workdir, ignore_errors=True)
+    with world() as started:
+        started.ok("PUT", "/v1/secrets/TOKEN", {"value": "s3cret-value"}, status=204)
+        yield started
 
 
 BAD_JOBS = [

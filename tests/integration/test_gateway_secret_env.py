@@ -10,12 +10,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-import shutil
 from collections.abc import Iterator
 
 import pytest
 from sandboxd_harness import files_holding
-from services_world import SERVE, World, start_world
+from services_world import SERVE, World, world
 
 HEALTH = {"http": "/", "every_secs": 1, "failures": 2}
 #: Prints the SHA-256 of $TOKEN: process output is kept on the node's disk, so never the value itself.
@@ -28,14 +27,8 @@ def digest(value: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def w() -> Iterator[World]:
-    world, nodes = start_world(prefix="sbxsec-")
-    try:
-        yield world
-    finally:
-        world.gw.stop()
-        for node in nodes:
-            node.teardown()
-        shutil.rmtree(world.workdir, ignore_errors=True)
+    with world(prefix="sbxsec-") as started:
+        yield started
 
 
 def started_with(w: World, node: str, sandbox: str) -> list[list[str]]:

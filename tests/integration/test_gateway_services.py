@@ -12,24 +12,16 @@ from typing import Any
 
 import pytest
 from gateway_harness import wait_for
-from services_world import SERVE, World, raw_upgrade, start_world, world
+from services_world import SERVE, World, raw_upgrade, world
 
 HEALTH = {"http": "/", "every_secs": 1, "failures": 2}
 
 
 @pytest.fixture(scope="module")
 def w() -> Iterator[World]:
-    world, nodes = start_world()
-    try:
-        world.ok("PUT", "/v1/secrets/TOKEN", {"value": "s3cret"}, status=204)
-        yield world
-    finally:
-        world.gw.stop()
-        for node in nodes:
-            node.teardown()
-        import shutil
-
-        shutil.rmtree(world.workdir, ignore_errors=True)
+    with world() as started:
+        started.ok("PUT", "/v1/secrets/TOKEN", {"value": "s3cret"}, status=204)
+        yield started
 
 
 def web(**fields: Any) -> dict[str, Any]:

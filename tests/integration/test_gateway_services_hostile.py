@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from gateway_harness import wait_for
 from sandboxd_harness import free_port
-from services_world import World, start_world
+from services_world import World, world
 
 #: A replica: ``/`` and anything else echo the path and the headers as JSON; ``/sleep?secs=S`` answers after S
 #: seconds; ``/hang?id=I`` notes I in /tmp/hangs, never answers, and notes I in /tmp/hung-up once the other end
@@ -82,26 +82,18 @@ def echo(name: str, **fields: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def w() -> Iterator[World]:
     metrics_port = free_port()
-    world, nodes = start_world([
+    with world([
         "--max-unauthenticated", "16", "--max-public-connections-per-service", str(PER_SERVICE),
         "--max-public-connections", str(TOTAL), "--idle-timeout", "300", "--metrics-listen",
         f"127.0.0.1:{metrics_port}",
-    ], prefix="sbxsvch-")  # fmt: skip
-    world.metrics_port = metrics_port  # type: ignore[attr-defined]
-    try:
-        world.ok("POST", "/v1/services", echo("open", public=True, answer_timeout_secs=5), status=201)
-        world.ok("POST", "/v1/services", echo("other", public=True), status=201)
-        world.ok("POST", "/v1/services", echo("shut"), status=201)
+    ], prefix="sbxsvch-") as started:  # fmt: skip
+        started.metrics_port = metrics_port  # type: ignore[attr-defined]
+        started.ok("POST", "/v1/services", echo("open", public=True, answer_timeout_secs=5), status=201)
+        started.ok("POST", "/v1/services", echo("other", public=True), status=201)
+        started.ok("POST", "/v1/services", echo("shut"), status=201)
         for name in ("open", "other", "shut"):
-            world.wait_ready(name, 1)
-        yield world
-    finally:
-        world.gw.stop()
-        for node in nodes:
-            node.teardown()
-        import shutil
-
-        shutil.rmtree(world.workdir, ignore_errors=True)
+            started.wait_ready(name, 1)
+        yield started
 
 
 # -- a raw HTTP/1.1 client: exact header bytes, connections kept alive ------------------------------------------

@@ -308,13 +308,7 @@ class MetricsSampler:
 
     async def park(self, target: SampleTarget) -> None:
         """The sandbox is parked: read its counters once, then no more until :meth:`unpark`."""
-        try:
-            usage = await self._usage(target.sandbox_id)
-        except OSError as exc:
-            log.warning(
-                "sandbox counters unreadable", extra={"sandbox": target.sandbox_id, "error": str(exc)}
-            )
-            return
+        usage = await self._read_usage(target.sandbox_id)
         if usage is None:
             return
         series = self._series.get(target.sandbox_id)
@@ -327,6 +321,14 @@ class MetricsSampler:
         series = self._series.get(sandbox_id)
         if series is not None:
             series.unpark(self._rounds)
+
+    async def _read_usage(self, sandbox_id: str) -> BackendUsage | None:
+        """The sandbox's counters; None when it has none (gone) or they cannot be read (logged)."""
+        try:
+            return await self._usage(sandbox_id)
+        except OSError as exc:
+            log.warning("sandbox counters unreadable", extra={"sandbox": sandbox_id, "error": str(exc)})
+            return None
 
     async def sample_once(self) -> None:
         """One round: read and record every target once."""
@@ -341,14 +343,9 @@ class MetricsSampler:
             series = self._series.get(target.sandbox_id)
             if series is None:
                 series = self._series[target.sandbox_id] = SandboxSeries(self.capacity)
-            try:
-                usage = await self._usage(target.sandbox_id)
-            except OSError as exc:
-                log.warning(
-                    "sandbox counters unreadable", extra={"sandbox": target.sandbox_id, "error": str(exc)}
-                )
-                continue
-            # Forgotten while its counters were read: the sample goes nowhere rather than bring the series back.
+            usage = await self._read_usage(target.sandbox_id)
+            # Gone, unreadable, or forgotten while its counters were read: the sample goes nowhere rather than
+            # bring the series back.
             if usage is None or self._series.get(target.sandbox_id) is not series:
                 continue
             series.observe(target, usage, self._clock(), self._wall(), current.index)
