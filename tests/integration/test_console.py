@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,13 @@ def test_admin_pages_and_cordon_a_node(admin_tab: Tab, fleet: Fleet) -> None:
     admin_tab.shot("admin-nodes")
     page.click("button[aria-label='Uncordon n1']")
     page.wait_for_selector("button[aria-label='Cordon n1']")
+    # The node itself takes sandboxes again, as the gateway sees it on its polls (0.3 s apart).
+    deadline = time.monotonic() + 10
+    while (node := fleet.gw.request("GET", "/v1/admin/nodes", key=fleet.keys["admin"]).json()["nodes"][0])[
+        "status"
+    ]["cordoned"]:
+        assert time.monotonic() < deadline, f"the node stays cordoned after an uncordon: {node}"
+        time.sleep(0.1)
     for link, shown, name in [
         ("Lost", "text=No sandbox is on a lost node.", "admin-lost"),
         ("Keys", "td >> text=root", "admin-keys"),
@@ -296,6 +304,7 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
     admin_tab.shot("admin-key-created")
     page.click("dialog button:has-text('Done')")
     eve = Tab(browser, fleet)
+    made: dict[str, Any] | None = None
     try:
         eve.sign_in(secret)
         made = fleet.gw.create(secret, name="eve1")
@@ -315,7 +324,8 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
         eve.shot("terminal-cut")
     finally:
         eve.close()
-        fleet.gw.request("DELETE", f"/v1/sandboxes/{made['id']}", key=fleet.keys["admin"])
+        if made is not None:
+            fleet.gw.request("DELETE", f"/v1/sandboxes/{made['id']}", key=fleet.keys["admin"])
 
 
 def test_readable_at_phone_width(browser: Any, fleet: Fleet) -> None:

@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from sbx.api.codec import decode_request, encode, to_builtins
 from sbx.api.network_policy import NetworkConfig, NetworkPolicy
-from sbx.api.node import Capabilities, Defaults, Limits, NodeStatus, Resources
+from sbx.api.node import Capabilities, CordonRequest, Defaults, Limits, NodeStatus, Resources
 from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
 from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
@@ -58,18 +58,29 @@ class StandIn:
     capabilities: dict[str, bool] = field(default_factory=lambda: dict(CAPABILITIES.capabilities))
     creates: int = 0
     uploaded: int = -1
+    cordoned: bool = False
+    #: How many times it was asked for its status (each gateway poll).
+    polls: int = 0
     sandboxes: list[Sandbox] = field(default_factory=list)
     requests: list[CreateRequest] = field(default_factory=list)
     server: TestServer | None = None
 
     def app(self) -> web.Application:
-        async def node(request: web.Request) -> web.Response:
+        def status() -> web.Response:
             caps = msgspec.structs.replace(CAPABILITIES, capabilities=self.capabilities)
             return node_answer(NodeStatus(
                 name=self.name, version="test", capabilities=caps, capacity=Resources(8, 8192, 10000),
                 free=Resources(self.free_cpus, 8192, 10000), running=0, pooled={}, images=[], labels={},
-                cordoned=False, defaults=DEFAULTS,
+                cordoned=self.cordoned, defaults=DEFAULTS,
             ))  # fmt: skip
+
+        async def node(request: web.Request) -> web.Response:
+            self.polls += 1
+            return status()
+
+        async def cordon(request: web.Request) -> web.Response:
+            self.cordoned = decode_request(await request.read(), CordonRequest).cordoned
+            return status()
 
         async def create(request: web.Request) -> web.Response:
             self.creates += 1
@@ -104,7 +115,7 @@ class StandIn:
 
         app = web.Application(client_max_size=128 << 20)
         app.add_routes([
-            web.get("/v1/node", node), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
+            web.get("/v1/node", node), web.post("/v1/node/cordon", cordon), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
             web.post("/v1/sandboxes/{id}/run", slow_run), web.put("/v1/sandboxes/{id}/files", put_file),
             web.get("/v1/sandboxes/{id}/processes/{pid}", echo_path),
         ])  # fmt: skip
@@ -210,7 +221,11 @@ async def test_every_node_refusing_is_503(setup: Setup) -> None:
     resp = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
     body = await resp.json()
     assert resp.status == 503 and body["error"]["code"] == "unavailable"
-    assert body["error"]["message"].startswith("no node can take this now")
+    # Each node's own refusal is in the answer: what is short where.
+    assert body["error"]["message"] == (
+        "no node can take this now (any node: none answering with free capacity and not cordoned; "
+        "n1: not enough free capacity; n2: not enough free capacity); try again later or ask for fewer resources"
+    )
     assert setup.gateway.store.sandboxes == {}
 
 
@@ -553,6 +568,41 @@ async def test_cordon_and_drain_of_a_silent_node_change_nothing(setup: Setup) ->
         {"error": {"code": "unavailable", "message": "node 'n2' is not answering: it cannot be drained now"}},
     )
     assert _admin_state(setup.gateway) == before
+
+
+async def test_a_poll_during_an_uncordon_does_not_cordon_the_node_again(setup: Setup) -> None:
+    # The race CI once met: an uncordon told the node, a poll then read it uncordoned while the store still
+    # wanted the cordon, and restored it; nothing lifts a cordon the gateway does not want, so the node took no
+    # sandbox again. Here the store write of the uncordon waits for a poll (1 s at most) to force that order.
+    gateway, n2 = setup.gateway, setup.nodes["n2"]
+    real_write = gateway.write
+
+    async def write_after_a_poll(fn: Callable[..., Any], *args: Any) -> Any:
+        polls = n2.polls
+        deadline = time.monotonic() + 1.0
+        while n2.polls == polls and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return await real_write(fn, *args)
+
+    async def cordon(wanted: bool) -> None:
+        resp = await setup.client.post(
+            "/v1/admin/nodes/n2/cordon", json={"cordoned": wanted}, headers=bearer(setup.admin)
+        )
+        assert resp.status == 200, await resp.text()
+        assert n2.cordoned is wanted
+
+    await cordon(True)
+    gateway.write = write_after_a_poll  # type: ignore[method-assign]
+    await cordon(False)
+    gateway.write = real_write  # type: ignore[method-assign]
+    polls = n2.polls
+    await until(lambda: n2.polls >= polls + 3, "three polls")
+    assert n2.cordoned is False
+    node = gateway.registry.nodes["n2"]
+    assert node.status is not None and node.status.cordoned is False
+    assert gateway.wanted_cordon("n2") is False
+    created = await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))
+    assert created.status == 201, await created.text()
 
 
 # Organisation rules (spec: Organisations, Organisation header), with alice/acme owning rocket, bob/beta a

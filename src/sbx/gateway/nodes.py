@@ -4,7 +4,9 @@ Health (spec: Node as seen by the gateway): every ``poll_interval_secs`` (5) the
 ``GET /v1/node``. After ``failures_unhealthy`` (3) failed polls in a row a node takes no new sandboxes and calls
 on its sandboxes answer 503; once it has been down ``lost_after_secs`` (300) it is lost. A node that answers again
 is healthy at once and its sandboxes are reconciled from its own listing. A cordon the gateway set (or a drain)
-is restored on every poll, since a node clears its own cordon when it restarts.
+is restored on every poll, since a node clears its own cordon when it restarts. A change of the cordon
+(``set_cordon``) and a poll never interleave: a poll that read the node before an uncordon would otherwise
+restore the cordon being lifted, and nothing would ever lift it again.
 """
 
 from __future__ import annotations
@@ -199,6 +201,14 @@ class Registry:
                         await hook(node)
                     except Exception:
                         log.exception("reconciling node failed", extra={"node": node.name})
+
+    async def set_cordon(self, node: Node, cordoned: bool, record: Callable[[], Awaitable[None]]) -> None:
+        """Tell ``node`` to take new sandboxes or not, then ``record`` the wish (the gateway's store), both under
+        the poll's lock so no poll restores a cordon while it is being lifted. The node is told first: a node
+        that does not answer raises (``BadGateway``) and nothing is recorded."""
+        async with node.poll_lock:
+            node.status = await node.client.cordon(cordoned)
+            await record()
 
     def _failed(self, node: Node, exc: BaseException) -> None:
         node.failures += 1

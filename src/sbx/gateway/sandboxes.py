@@ -195,6 +195,7 @@ class Sandboxes:
         tried: set[str] = set()
         over_quota: Refused | None = None
         lacking: set[str] = set()
+        refusals: list[str] = []  # each tried node's own 502/503 message, for the caller's answer
         while True:
             candidates = gw.registry.candidates()
             if pinned is not None:
@@ -226,6 +227,7 @@ class Sandboxes:
                 sandbox = await node.client.create_sandbox(_explicit(req, requested, given, choice))
             except SandboxError as exc:
                 if exc.status in (502, 503):
+                    refusals.append(f"{choice.name}: {exc.message}")
                     continue  # no room there, or no answer: the next node
                 raise  # the caller's own refusal, as the node sent it
 
@@ -241,8 +243,9 @@ class Sandboxes:
                 f"disk (capability {SECRET_ENV}); upgrade sandboxd there"
             )
         where = f"node {pinned}" if pinned else "any node"
-        raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned); "
-                          "try again later or ask for fewer resources")  # fmt: skip
+        said = f"; {'; '.join(refusals)}" if refusals else ""
+        raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned"
+                          f"{said}); try again later or ask for fewer resources")  # fmt: skip
 
     async def _pinned(self, principal: Principal, req: CreateRequest) -> tuple[str | None, Snapshot | None]:
         """The node a create must go to (the one holding its snapshot or volumes; 409 when they are on two),

@@ -133,8 +133,11 @@ class AdminRoutes:
     async def cordon(self, request: web.Request) -> web.Response:
         node = self._known(request)
         wanted = decode_request(await read_json_body(request), CordonRequest).cordoned
-        node.status = await node.client.cordon(wanted)
-        await self.gw.write(self.store.set_node_flags, node.name, NodeFlags(cordoned=wanted, drained=False))
+        await self.registry.set_cordon(
+            node,
+            wanted,
+            lambda: self.gw.write(self.store.set_node_flags, node.name, NodeFlags(wanted, False)),
+        )
         return json_response(self._wire(node))
 
     async def drain(self, request: web.Request) -> web.Response:
