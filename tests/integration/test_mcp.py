@@ -162,6 +162,13 @@ async def test_every_tool(sandboxd: Sandboxd, tmp_path: Path) -> None:
         from_start = await call(client, "read_process_output", sandbox=sid, pid=pid, stdout_offset=4)
         assert from_start["stdout"] == "ping\n"
 
+        # A process this session did not start (here: through the API) is followed from its first read.
+        other = sandboxd.request(
+            "POST", f"/v1/sandboxes/{sid}/processes", {"argv": ["sh", "-c", "echo from-elsewhere; exit 4"]}
+        ).json()["pid"]
+        elsewhere = await call(client, "read_process_output", sandbox=sid, pid=other, wait_secs=60)
+        assert (elsewhere["stdout"], elsewhere["exit_code"]) == ("from-elsewhere\n", 4)
+
         # A process that runs until signalled; closing its stdin, then killing it.
         sleeper = (await call(client, "start_process", sandbox=sid, argv=["sleep", "300"]))["pid"]
         running = await call(client, "read_process_output", sandbox=sid, pid=sleeper)
@@ -382,6 +389,20 @@ async def test_sessions_label_their_sandboxes_and_remove_them_at_the_end(
     # --keep: left to its idle timeout.
     assert state_of(sandboxd, kept) == "running"
     sandboxd.request("DELETE", f"/v1/sandboxes/{kept}")
+
+
+async def test_a_host_that_sends_sigterm_at_once_still_gets_the_clean_up(
+    sandboxd: Sandboxd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that does not wait after closing stdin: SIGTERM at once (SIGKILL only much later)."""
+    monkeypatch.setattr(mcp.client.stdio, "PROCESS_TERMINATION_TIMEOUT", 0.0)
+    monkeypatch.setattr(mcp.client.stdio, "FORCE_KILL_TIMEOUT", DEADLINE_SECS)
+    log = tmp_path / "mcp.log"
+    async with session(sandboxd, log) as client:
+        made = [(await call(client, "create_sandbox"))["id"] for _ in range(2)]
+    assert [state_of(sandboxd, sid) for sid in made] == ["terminated", "terminated"]
+    text = log.read_text(encoding="utf-8")
+    assert "mcp session stopped by a signal" in text and '"sandboxes": 2' in text
 
 
 async def test_the_key_comes_from_the_environment_and_is_never_logged(
