@@ -27,7 +27,7 @@ from sbx.api.codec import to_builtins
 from sbx.api.errors import Internal, InvalidRequest, NotFound, SandboxError
 from sbx.api.sandboxes import Sandbox as SandboxInfo
 from sbx.api.snapshots import Snapshot
-from sbx.client import AsyncClient, Endpoint, Process
+from sbx.client import AsyncClient, Endpoint, Process, Sandbox
 from sbx.client._transport import AiohttpTransport
 from sbx.mcp import tools as t
 from sbx.mcp.output import (
@@ -48,6 +48,8 @@ RUN_OUTPUT_LIMIT_BYTES = 8 * 1024 * 1024
 DEFAULT_IDLE_TIMEOUT_SECS = 900
 #: Background processes whose output one session follows at a time; the oldest finished ones go first.
 MAX_FOLLOWED = 64
+#: Sandbox handles a session keeps (by id), the oldest dropped first.
+MAX_HANDLES = 256
 #: Seconds a first read of a process this session did not start waits for its output to be replayed.
 REPLAY_WAIT_SECS = 2.0
 
@@ -114,6 +116,7 @@ class Session:
         self.sandboxes: set[str] = set()
         self.snapshots: set[str] = set()
         self.followers: OrderedDict[tuple[str, int], Follower] = OrderedDict()
+        self._handles: OrderedDict[str, Sandbox] = OrderedDict()
         self._idle_secs: int | None | msgspec.UnsetType = UNSET
 
     # -- the end -------------------------------------------------------------------------------------------
@@ -163,6 +166,25 @@ class Session:
 
     # -- sandboxes -----------------------------------------------------------------------------------------
 
+    async def _sandbox(self, ref: str) -> Sandbox:
+        """The SDK's handle of sandbox ``ref`` (an id or a name). A handle asked for by id is kept (an id never
+        names another sandbox), so a call on it costs one request instead of two; a name is looked up every
+        time (it may move to another sandbox). A kept handle of a sandbox that has gone gets the server's own
+        answer to the call (``conflict`` or ``not_found``), as a lookup would."""
+        held = self._handles.get(ref)
+        if held is not None:
+            return held
+        sandbox = await self.client.sandboxes.get(ref)
+        if ref == sandbox.id:
+            self._hold(sandbox)
+        return sandbox
+
+    def _hold(self, sandbox: Sandbox) -> None:
+        """Keep ``sandbox``'s handle (at most MAX_HANDLES, the oldest dropped first)."""
+        self._handles[sandbox.id] = sandbox
+        while len(self._handles) > MAX_HANDLES:
+            self._handles.popitem(last=False)
+
     def summary(self, info: SandboxInfo) -> t.SandboxSummary:
         """A sandbox as the tools show it."""
         return t.SandboxSummary(
@@ -185,6 +207,7 @@ class Session:
         fields = t.create_fields(args, self.id, await self._idle_timeout())
         sandbox = await self.client.sandboxes.create(**fields)
         self.sandboxes.add(sandbox.id)
+        self._hold(sandbox)
         return self.summary(sandbox.info)
 
     async def create_sandbox(self, args: t.CreateSandboxArgs) -> t.SandboxSummary:
@@ -208,11 +231,12 @@ class Session:
         )
 
     async def terminate_sandbox(self, args: t.SandboxArgs) -> t.Terminated:
-        sandbox_id = (await self.client.sandboxes.get(args.sandbox)).id
+        sandbox_id = (await self._sandbox(args.sandbox)).id
         await self.client.sandboxes.delete(sandbox_id)
         for key in [k for k in self.followers if k[0] == sandbox_id]:
             await self.followers.pop(key).stop()
         self.sandboxes.discard(sandbox_id)
+        self._handles.pop(sandbox_id, None)
         return t.Terminated(sandbox=args.sandbox, terminated=True)
 
     # -- commands and processes ----------------------------------------------------------------------------
@@ -220,7 +244,7 @@ class Session:
     async def run_command(self, args: t.RunCommandArgs) -> t.RunCommandResult:
         argv = t.command_argv(args.command, args.argv)
         limit = t.output_limit(args.max_output_bytes, self.config.max_output_bytes)
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         result = await sandbox.run(
             argv,
             env=args.env if args.env is not UNSET else None,
@@ -241,7 +265,7 @@ class Session:
 
     async def start_process(self, args: t.StartProcessArgs) -> t.ProcessStarted:
         argv = t.command_argv(args.command, args.argv)
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         proc = await sandbox.start_process(
             argv,
             env=args.env if args.env is not UNSET else None,
@@ -263,7 +287,7 @@ class Session:
 
     async def _follower(self, ref: str, pid: int) -> Follower:
         """The follower of process ``pid``, started (and given time to replay) if this session has none."""
-        sandbox = await self.client.sandboxes.get(ref)
+        sandbox = await self._sandbox(ref)
         key = (sandbox.id, pid)
         follower = self.followers.get(key)
         if follower is not None and follower.error is not None:
@@ -294,10 +318,11 @@ class Session:
         )  # fmt: skip
 
     async def _process(self, ref: str, pid: int) -> Process:
-        followed = self.followers.get(((await self.client.sandboxes.get(ref)).id, pid))
+        sandbox = await self._sandbox(ref)
+        followed = self.followers.get((sandbox.id, pid))
         if followed is not None:
             return followed.proc
-        return await (await self.client.sandboxes.get(ref)).get_process(pid)
+        return await sandbox.get_process(pid)
 
     async def write_process_stdin(self, args: t.WriteProcessStdinArgs) -> t.StdinWritten:
         proc = await self._process(args.sandbox, args.pid)
@@ -314,7 +339,7 @@ class Session:
 
     async def read_file(self, args: t.ReadFileArgs) -> t.FileContent:
         limit = t.output_limit(args.max_bytes, self.config.max_output_bytes)
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         # Only what this answer needs is read: offset + limit bytes, plus one to tell whether more follow.
         wanted = args.offset + limit + 1
         held = bytearray()
@@ -347,12 +372,12 @@ class Session:
                 ) from None
         else:
             data = args.content.encode("utf-8")
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         await sandbox.files.write(args.path, data)
         return t.FileWritten(path=args.path, bytes=len(data))
 
     async def list_files(self, args: t.PathArgs) -> t.Listing:
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         entries = await sandbox.files.list(args.path)
         shown = entries[: t.MAX_LISTED_ENTRIES]
         return t.Listing(
@@ -361,14 +386,14 @@ class Session:
         )  # fmt: skip
 
     async def delete_file(self, args: t.PathArgs) -> t.Deleted:
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         await sandbox.files.remove(args.path)
         return t.Deleted(path=args.path, deleted=True)
 
     # -- snapshots -----------------------------------------------------------------------------------------
 
     async def snapshot_sandbox(self, args: t.SnapshotSandboxArgs) -> t.SnapshotSummary:
-        sandbox = await self.client.sandboxes.get(args.sandbox)
+        sandbox = await self._sandbox(args.sandbox)
         snap: Snapshot = await sandbox.snapshot(args.kind)
         self.snapshots.add(snap.id)
         return t.SnapshotSummary(
