@@ -56,7 +56,7 @@ def server_command(server: Sandboxd, *extra: str) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def session(
-    server: Sandboxd, log: Path, *extra: str, env: dict[str, str] | None = None
+    server: Sandboxd, log: Path, *extra: str, env: dict[str, str] | None = None, mode: str = "auto"
 ) -> AsyncIterator[Client]:
     """An MCP session with `sandbox-cli mcp` started over stdio as a host starts it; its stderr goes to ``log``."""
     command = server_command(server, *extra)
@@ -64,7 +64,7 @@ async def session(
     # A local log file, opened once per session: not worth a thread.
     with open(log, "a", encoding="utf-8") as errlog:  # noqa: ASYNC230
         async with Client(
-            stdio_client(params, errlog=errlog), read_timeout_seconds=DEADLINE_SECS * 2
+            stdio_client(params, errlog=errlog), read_timeout_seconds=DEADLINE_SECS * 2, mode=mode
         ) as client:
             yield client
 
@@ -295,6 +295,18 @@ async def test_bad_arguments_and_refusals_are_tool_errors_and_change_nothing(
             await client.call_tool("format_disk", {})
         assert "unknown tool 'format_disk'; the tools are create_sandbox" in caught.value.error.message
         assert (await call(client, "run_command", sandbox=sid, argv=["echo", "alive"]))["stdout"] == "alive\n"
+
+
+async def test_a_host_on_the_handshake_protocol(sandboxd: Sandboxd, tmp_path: Path) -> None:
+    """Hosts of the initialize handshake (protocol versions before 2026-07-28) get the same tools and errors."""
+    async with session(sandboxd, tmp_path / "mcp.log", mode="legacy") as client:
+        assert {tool.name for tool in (await client.list_tools()).tools} == TOOLS
+        sid = (await call(client, "create_sandbox"))["id"]
+        assert (await call(client, "run_command", sandbox=sid, command="echo legacy"))["stdout"] == "legacy\n"
+        assert await failure(client, "run_command", {"sandbox": sid, "argv": "ls"}) == (
+            "invalid_request", "argv: expected an array of strings, got a string",
+        )  # fmt: skip
+    assert state_of(sandboxd, sid) == "terminated"
 
 
 async def test_a_command_past_its_timeout_is_killed(sandboxd: Sandboxd, tmp_path: Path) -> None:
