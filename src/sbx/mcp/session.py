@@ -18,7 +18,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET
@@ -39,8 +39,6 @@ from sbx.mcp.output import (
 )
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: The server's cut of each stream of a run, in bytes (spec: Limits, "Run output per stream").
 RUN_OUTPUT_LIMIT_BYTES = 8 * 1024 * 1024
@@ -135,14 +133,15 @@ class Session:
             await self.client.aclose()
 
     async def _remove_everything(self) -> None:
-        ids = set(self.sandboxes)
+        known = set(self.sandboxes)
         try:
             labelled = await self.client.sandboxes.list(labels={t.SESSION_LABEL: self.id})
-            ids |= {s.id for s in labelled if s.state != "terminated"}
+            known |= {s.id for s in labelled if s.state != "terminated"}
         except SandboxError as exc:
             log.warning(
                 "listing the session's sandboxes failed", extra={"code": exc.code, "error": exc.message}
             )
+        ids = sorted(known)
         results = await asyncio.gather(
             *(self.client.sandboxes.delete(i) for i in ids), return_exceptions=True
         )
