@@ -8,6 +8,7 @@ killed; a huge output is capped; a session's sandboxes carry its label and are r
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import http.client
@@ -142,6 +143,9 @@ async def test_every_tool(sandboxd: Sandboxd, tmp_path: Path) -> None:
         }  # fmt: skip
         ran = await call(client, "run_command", sandbox=sid, argv=["pwd"], cwd="/tmp")
         assert (ran["exit_code"], ran["stdout"]) == (0, "/tmp\n")
+        # Bytes that are not UTF-8 are shown as U+FFFD, never break the answer.
+        ran = await call(client, "run_command", sandbox=sid, command="printf '\\377\\376 ok'")
+        assert (ran["stdout"], ran["stdout_bytes"]) == ("\ufffd\ufffd ok", 5)
 
         # A background process: fed through stdin, its output read after it exits, then read again.
         started = await call(
@@ -414,7 +418,8 @@ async def test_a_host_that_sends_sigterm_at_once_still_gets_the_clean_up(
         made = [(await call(client, "create_sandbox"))["id"] for _ in range(2)]
     assert [state_of(sandboxd, sid) for sid in made] == ["terminated", "terminated"]
     text = log.read_text(encoding="utf-8")
-    assert "mcp session stopped by a signal" in text and '"sandboxes": 2' in text
+    # SIGTERM came before or during the clean-up (stdin closed too, at once): either way it ran to its end.
+    assert '"signal": "SIGTERM"' in text and '"msg": "session ended"' in text and '"sandboxes": 2' in text
 
 
 async def test_the_key_comes_from_the_environment_and_is_never_logged(
@@ -489,6 +494,28 @@ async def test_streamable_http_on_loopback(sandboxd: Sandboxd, tmp_path: Path) -
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=DEADLINE_SECS) == 0
     assert state_of(sandboxd, sid) in ("terminated", "gone")
+
+
+def test_a_killed_server_leaves_its_sandboxes_to_the_idle_timeout(sandboxd: Sandboxd, tmp_path: Path) -> None:
+    """SIGKILL gives no clean-up: the idle timeout the session gave its sandboxes reaps them."""
+
+    async def make(port: int) -> str:
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            return str((await call(client, "create_sandbox"))["id"])
+
+    with http_server(sandboxd, tmp_path / "mcp.log", "--idle-timeout", "3") as (proc, port):
+        sid = asyncio.run(make(port))
+        proc.kill()
+        proc.wait()
+
+    # Watched through the listing: a request naming the sandbox would count as activity and keep it alive.
+    def listed() -> dict[str, Any]:
+        found = [s for s in sandboxd.request("GET", "/v1/sandboxes").json()["sandboxes"] if s["id"] == sid]
+        return found[0] if found else {"state": "gone"}
+
+    assert listed()["idle_timeout_secs"] == 3
+    wait_for(lambda: listed()["state"] in ("terminated", "gone"), "the idle timeout to terminate it")
+    assert listed().get("terminated_reason", "idle") == "idle"
 
 
 @pytest.mark.parametrize("address", ["0.0.0.0:8765", "[::]:8765", "192.0.2.1:8765"])

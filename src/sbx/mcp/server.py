@@ -167,8 +167,13 @@ async def _closing(session: Session) -> None:
 def _cancel_on_signals(task: asyncio.Task[Any]) -> None:
     """SIGTERM and SIGINT end the session cleanly (its clean-up runs) instead of killing the process."""
     loop = asyncio.get_running_loop()
+
+    def stop(signum: signal.Signals) -> None:
+        _noted(signum, None)
+        task.cancel()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, task.cancel)
+        loop.add_signal_handler(signum, stop, signum)
 
 
 async def serve_stdio(config: SessionConfig) -> None:
