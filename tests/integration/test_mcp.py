@@ -422,6 +422,17 @@ async def test_a_host_that_sends_sigterm_at_once_still_gets_the_clean_up(
     assert '"signal": "SIGTERM"' in text and '"msg": "session ended"' in text and '"sandboxes": 2' in text
 
 
+async def test_an_unreachable_server_is_a_tool_error_not_a_crash(tmp_path: Path) -> None:
+    absent = tmp_path / "absent.sock"
+    params = StdioServerParameters(command=CLI[0], args=[*CLI[1:], "--url", f"unix://{absent}", "mcp"])
+    with open(tmp_path / "mcp.log", "w", encoding="utf-8") as errlog:  # noqa: ASYNC230 - a local log file
+        async with Client(stdio_client(params, errlog=errlog)) as client:
+            for tool, arguments in (("list_sandboxes", {}), ("create_sandbox", {})):
+                code, message = await failure(client, tool, arguments)
+                assert code == "unavailable" and f"cannot reach sandboxd at unix://{absent}" in message
+            assert len((await client.list_tools()).tools) == len(TOOLS)
+
+
 async def test_the_key_comes_from_the_environment_and_is_never_logged(
     sandboxd_factory: Callable[..., Sandboxd], tmp_path: Path
 ) -> None:
