@@ -107,5 +107,5 @@ def test_help_lists_every_command() -> None:
     assert listed == {
         "capabilities", "cp", "create", "events", "exec", "forward", "gateway", "get", "images", "ls", "network",
         "node", "resume", "rm", "run", "shell", "snapshot", "snapshots", "ssh", "suspend", "volumes", "services",
-        "jobs", "secrets",
+        "jobs", "secrets", "mcp",
     }  # fmt: skip

@@ -13,12 +13,14 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "sbx"
 #: package -> prefixes of project modules it must not import (``sbx.api`` imports nothing above itself).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "api": ("sbx.web", "sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.backends", "sbx.images",
-            "sbx.net", "sbx.agent"),
-    "web": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.backends", "sbx.images", "sbx.agent"),
-    "backends": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.web", "aiohttp.web"),
-    "gateway": ("sbx.node", "sbx.client", "sbx.cli", "sbx.backends"),
-    "node": ("sbx.gateway", "sbx.client", "sbx.cli"),
-    "client": ("sbx.node", "sbx.gateway", "sbx.cli", "sbx.backends"),
+            "sbx.net", "sbx.agent", "sbx.mcp"),
+    "web": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.backends", "sbx.images", "sbx.agent",
+            "sbx.mcp"),
+    "backends": ("sbx.node", "sbx.gateway", "sbx.client", "sbx.cli", "sbx.web", "aiohttp.web", "sbx.mcp"),
+    "gateway": ("sbx.node", "sbx.client", "sbx.cli", "sbx.backends", "sbx.mcp"),
+    "node": ("sbx.gateway", "sbx.client", "sbx.cli", "sbx.mcp"),
+    "client": ("sbx.node", "sbx.gateway", "sbx.cli", "sbx.backends", "sbx.mcp"),
+    "mcp": ("sbx.node", "sbx.gateway", "sbx.cli", "sbx.backends", "sbx.web", "sbx.images", "sbx.agent"),
     "cli": ("sbx.node", "sbx.gateway", "sbx.backends"),
 }  # fmt: skip
 
@@ -57,6 +59,21 @@ def test_no_arrow_points_up(package: str) -> None:
 @pytest.mark.parametrize("module", NARROW)
 def test_the_lifecycle_parts_do_not_import_the_manager(module: str) -> None:
     assert not {name for name in imports_of(SRC / module) if name.startswith("sbx.node.manager")}
+
+
+#: The MCP server is a client of the SDK: of the project it imports the wire contract, the SDK, itself and the
+#: loopback rule of ``net`` (one leaf module), nothing else.
+MCP_MAY_IMPORT = ("sbx.api", "sbx.client", "sbx.mcp", "sbx.net.loopback")
+
+
+def test_the_mcp_server_is_a_client_of_the_sdk() -> None:
+    wrong = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted((SRC / "mcp").rglob("*.py"))
+        for name in sorted(imports_of(path))
+        if name.startswith("sbx.") and not any(name == p or name.startswith(p + ".") for p in MCP_MAY_IMPORT)
+    ]
+    assert wrong == []
 
 
 def test_the_check_sees_a_wrong_import(tmp_path: Path) -> None:

@@ -302,6 +302,7 @@ _EXPECTED = re.compile(r"^Expected `(?P<expected>[^`]+)`, got `(?P<got>[^`]+)`(?
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`(?: - at `\$(?P<path>.*)`)?$")
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>.*)`)?$")
 _TOKEN = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+_ENUM = "Invalid enum value "
 _GOT = {
     "str": "a string",
     "int": "an integer",
@@ -333,9 +334,12 @@ def _translate(message: str, obj: Any, type_: Any, where: str) -> InvalidRequest
         return InvalidRequest(f"{prefix}{field} is required")
     m = _AT.match(message)
     assert m is not None
-    path, _ = _resolve(m.group("path") or "", obj, type_, None)
+    path, annotation = _resolve(m.group("path") or "", obj, type_, None)
     name = (where + path).rstrip(".")
     what = m.group("what")
+    if what.startswith(_ENUM) and annotation is not None and name:
+        # msgspec names the value only; the message also names the values that are accepted.
+        return InvalidRequest(f"{name}: expected {describe(annotation)}, got {what[len(_ENUM) :]}")
     if what == "Invalid base64 encoded string":
         return InvalidRequest(f"{name}: expected standard base64 (A-Z a-z 0-9 + /, '=' padding)")
     return InvalidRequest(f"{name}: {what[0].lower() + what[1:]}" if name else what)

@@ -2,7 +2,8 @@
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
 ``shell``, ``ssh`` (through a gateway's SSH server), ``files`` (cp), ``forward``, ``node`` (node, capabilities,
-events), ``images``, ``state`` (suspend, resume, snapshot, snapshots, volumes), ``gateway``.
+events), ``images``, ``state`` (suspend, resume, snapshot, snapshots, volumes), ``gateway``, ``mcp`` (an MCP
+server over the SDK, ``sbx.mcp``).
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
 Errors are printed as ``code: message`` on stderr. Exit status: 0 on success, 1 for a failed
@@ -22,6 +23,7 @@ from sbx.cli import (
     forward,
     gateway,
     images,
+    mcp,
     network,
     node,
     processes,
@@ -80,6 +82,7 @@ for command in (
     workloads.services,
     workloads.jobs,
     workloads.secrets,
+    mcp.mcp,
 ):
     main.add_command(command)
 

@@ -141,6 +141,14 @@ class AsyncClient:
         if pending.strip():
             yield _decode_line(pending)
 
+    async def stream_bytes(
+        self, method: str, path: str, *, params: Params | None = None
+    ) -> AsyncIterator[bytes]:
+        """Follow a raw answer (a file's bytes), chunk by chunk as they arrive, so that a large one need not
+        be held whole; a non-2xx answer raises the matching ``SandboxError`` subclass."""
+        async for chunk in self._transport.stream(method, path, params=params):
+            yield chunk
+
     async def upgrade(self, path: str, protocol: str, *, params: Params | None = None) -> Upgraded:
         """Switch a ``GET path`` connection to ``protocol``; the raw reader and writer."""
         return await self._transport.upgrade(path, protocol, params=params)

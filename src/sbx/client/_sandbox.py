@@ -11,7 +11,7 @@ A ``Sandbox`` keeps the server's last answer in ``info`` (the wire type ``sbx.ap
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import quote
@@ -262,6 +262,12 @@ class Files:
         """The file's bytes; ``NotFound`` if absent."""
         body = await self._client.request("GET", self._path + "/files", params={"path": path}, raw=True)
         return bytes(body)
+
+    async def read_chunks(self, path: str) -> AsyncGenerator[bytes, None]:
+        """The file's bytes chunk by chunk as they arrive (a large file need not fit in memory; stop early to
+        read only its start); ``NotFound`` if absent."""
+        async for chunk in self._client.stream_bytes("GET", self._path + "/files", params={"path": path}):
+            yield chunk
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The file decoded as text (``encoding`` default UTF-8)."""
