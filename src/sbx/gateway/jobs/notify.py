@@ -30,7 +30,7 @@ import msgspec
 
 from sbx.api.errors import InvalidRequest, Unsupported
 from sbx.api.jobs import JobNotification
-from sbx.gateway.state import Store
+from sbx.gateway.store import Delete, Insert, Store, Update
 from sbx.net.dial_guard import AddressRefused, DialGuard, is_loopback_address, refusal_behind
 from sbx.net.loopback import is_loopback
 from sbx.net.ranges import Address, HostAddresses
@@ -146,13 +146,11 @@ class Notifier:
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
         self._slots = asyncio.Semaphore(CONCURRENT_POSTS)
 
-    def statement(self, job: str, url: str, note: JobNotification) -> tuple[str, tuple[object, ...]]:
+    def statement(self, job: str, url: str, note: JobNotification) -> Insert:
         """The outbox row of ``note`` (written by the caller in the transaction of the change it reports)."""
         now = time.time()
-        return (
-            "INSERT INTO notifications (job, url, body, attempts, first_try, next_try) VALUES (?,?,?,?,?,?)",
-            (job, url, body_of(note).decode(), 0, now, now),
-        )
+        return Insert("notifications", {"job": job, "url": url, "body": body_of(note).decode(), "attempts": 0,
+                                        "first_try": now, "next_try": now})  # fmt: skip
 
     def wake(self) -> None:
         self._wake.set()
@@ -183,7 +181,9 @@ class Notifier:
             self._wake.clear()
             rows = await asyncio.to_thread(
                 self.store.query,
-                "SELECT id, url, body, attempts, first_try, next_try, job FROM notifications ORDER BY id",
+                "notifications",
+                ("id", "url", "body", "attempts", "first_try", "next_try", "job"),
+                "id",
             )
             # A job's notifications go in the order they were written: only its oldest is up for delivery.
             heads: dict[str, tuple[Any, ...]] = {}
@@ -206,19 +206,18 @@ class Notifier:
             outcome = await self._post(url, body.encode())
         if outcome is None:
             self._count("delivered")
-            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
             return
         final, why = outcome
         if final or time.time() - first_try > GIVE_UP_SECS:
             log.warning("job notification given up", extra={"url_host": urlsplit(url).hostname, "error": why,
                                                              "attempts": attempts + 1})  # fmt: skip
             self._count("failed")
-            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
             return
         delay = min(FIRST_RETRY_SECS * 2**attempts, MAX_RETRY_SECS)
-        await self.gw.write(self.store.execute, [(
-            "UPDATE notifications SET attempts = ?, next_try = ? WHERE id = ?", (attempts + 1, time.time() + delay,
-                                                                                 row_id),
+        await self.gw.write(self.store.execute, [Update(
+            "notifications", {"attempts": attempts + 1, "next_try": time.time() + delay}, {"id": row_id}
         )])  # fmt: skip
 
     async def _post(self, url: str, body: bytes) -> tuple[bool, str] | None:
