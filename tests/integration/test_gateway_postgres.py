@@ -120,3 +120,33 @@ def test_a_gateway_on_postgresql_serves_and_takes_everything_back(world: World) 
     for s in (kept, after):
         assert gw.request("DELETE", f"/v1/sandboxes/{s['id']}", key=alice).status in (200, 202, 204)
     wait_for(lambda: gw.request("GET", "/v1/sandboxes", key=alice).json()["sandboxes"] == [], 60)
+
+
+def test_a_gateway_that_loses_its_database_stops_and_starts_again(world: World) -> None:
+    """PostgreSQL crashes under a serving gateway: its owner lock is gone with the connection, so the gateway
+    stops with exit 1 (systemd starts it again) rather than write on beside another owner; once the database is
+    back, a start takes everything back."""
+    cluster = PgCluster.start()  # its own: this one crashes
+    try:
+        (world.workdir / "gw3").mkdir()
+        gw = GatewayProcess(world.workdir / "gw3", [("n1", world.node)], FAST_ARGS,
+                            database=cluster.create_database(), database_env=cluster.env())  # fmt: skip
+        admin = gw.create_key("root", "admin")
+        gw.start()
+        try:
+            made = gw.request("POST", "/v1/admin/keys", {"user": "bob", "scopes": list(ALL)}, key=admin)
+            assert made.status == 201
+            cluster.pause()
+            assert gw.proc is not None
+            assert gw.proc.wait(timeout=60) == 1
+            log = gw.log_text()
+            assert "lost the database's owner lock; stopping" in log
+            assert "stopped: the database let go of this gateway's owner lock" in log
+            assert cluster.password not in log
+            cluster.resume()
+            gw.start()
+            assert gw.request("GET", "/v1/whoami", key=made.json()["secret"]).json()["user"] == "bob"
+        finally:
+            gw.stop()
+    finally:
+        cluster.stop()

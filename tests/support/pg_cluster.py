@@ -45,7 +45,8 @@ def missing() -> str | None:
 class PgCluster:
     """One running cluster; ``stop`` ends it and removes its directory."""
 
-    def __init__(self, root: Path, password: str, user: str | None) -> None:
+    def __init__(self, root: Path, password: str, user: str | None, durable: bool = False) -> None:
+        self.durable = durable
         self.root = root
         self.data = root / "data"
         self.socket_dir = root / "sock"
@@ -66,7 +67,7 @@ class PgCluster:
         user = "nobody" if os.geteuid() == 0 else None
         root = Path(tempfile.mkdtemp(prefix="sbx-pg-"))
         password = secrets.token_urlsafe(24)
-        cluster = cls(root, password, user)
+        cluster = cls(root, password, user, durable)
         try:
             cluster.socket_dir.mkdir()
             pwfile = root / "pwfile"
@@ -81,16 +82,24 @@ class PgCluster:
                 "--no-sync",
             )  # fmt: skip
             pwfile.unlink()
-            cluster._run(
-                str(PG_BIN / "pg_ctl"), "-D", str(cluster.data), "-l", str(cluster.log), "-w", "-t", "120",
-                "-o", f"-c listen_addresses='' -c unix_socket_directories='{cluster.socket_dir}' "
-                      f"-c max_connections=200 -c fsync={'on' if durable else 'off'}",
-                "start",
-            )  # fmt: skip
+            cluster.resume()
         except BaseException:
             cluster.stop()
             raise
         return cluster
+
+    def resume(self) -> None:
+        """Start the server (again, after ``pause``), waiting until it accepts connections."""
+        self._run(
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "120",
+            "-o", f"-c listen_addresses='' -c unix_socket_directories='{self.socket_dir}' "
+                  f"-c max_connections=200 -c fsync={'on' if self.durable else 'off'}",
+            "start",
+        )  # fmt: skip
+
+    def pause(self) -> None:
+        """Stop the server as a crash would (immediate: every connection cut), keeping the data for ``resume``."""
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "-t", "60", "stop")
 
     def _run(self, *command: str) -> None:
         result = subprocess.run(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,6 +486,39 @@ def test_the_password_comes_from_the_environment(
     open_store(StoreLocation(database=url)).close()
     with psycopg.connect(url, password=pg_cluster.password) as conn:
         assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone() == (SCHEMA_VERSION,)
+
+
+def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL stops (as in a crash): a write is refused with 503 and leaves memory as it was, the owner lock's
+    watcher reports the loss; once PostgreSQL is back, writes go through again (the pool reconnects)."""
+    from sbx.api.errors import Unavailable
+
+    cluster = PgCluster.start()  # its own: this one is stopped under the store
+    try:
+        for name, value in cluster.env().items():
+            monkeypatch.setenv(name, value)
+        url = cluster.create_database()
+        store = open_store(StoreLocation(database=url))
+        lost: list[str] = []
+        store.watch_owner(lost.append)
+        first, second, third = (keys.new_key(u, "", {"admin"})[0] for u in ("a", "b", "c"))
+        store.add_key(first)
+        cluster.pause()
+        with pytest.raises(Unavailable, match="the gateway cannot reach its database now; try again shortly"):
+            store.add_key(second)
+        assert set(store.keys) == {first.id}
+        deadline = time.monotonic() + 60
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(lost) == 1 and "password" not in lost[0]
+        cluster.resume()
+        store.add_key(third)
+        store.close()
+        again = open_store(StoreLocation(database=url))
+        assert set(again.keys) == {first.id, third.id}
+        again.close()
+    finally:
+        cluster.stop()
 
 
 def test_an_unreachable_database_says_so(tmp_path: Path) -> None:

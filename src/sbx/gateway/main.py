@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import os
 import re
+import signal
 import ssl
 import sys
 import tomllib
@@ -62,6 +65,7 @@ from sbx.web.serve import Listen, metrics_server, run, server_tls
 from sbx.web.serve import parse_host_port as serve_address
 
 DEFAULT_LISTEN = "127.0.0.1:7443"
+log = logging.getLogger("sbx.gateway")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
 
 
@@ -344,12 +348,26 @@ def serve(
     # Connections hold descriptors, a proxied request two (the client's and the tunnel's): the caps above are
     # meant to be reached before the open-file limit, which systemd sets to 1024 unless raised.
     raise_descriptor_limit()
+    lost: list[str] = []
+
+    def owner_lost(reason: str) -> None:
+        # The database let go of this gateway's owner lock (restarted, failed over, cut): another process may own
+        # it now, so this one stops (exit 1: systemd's Restart=on-failure starts it again, reading the database).
+        lost.append(reason)
+        log.critical("lost the database's owner lock; stopping", extra={"error": reason})
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    store.watch_owner(owner_lost)
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
         console = Console() if serve_console else None
         asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh, console))
     finally:
         store.close()
+    if lost:
+        click.echo(f"sandbox-gateway: stopped: the database let go of this gateway's owner lock ({lost[0]}); "
+                   "start it again once the database is back", err=True)  # fmt: skip
+        sys.exit(1)
 
 
 def parse_host_port(value: str, flag: str) -> tuple[str, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -83,6 +83,10 @@ class Store(ABC):
     @abstractmethod
     def close(self) -> None:
         """Close the database and let go of the owner lock."""
+
+    def watch_owner(self, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(reason)`` (once, from another thread) if the owner lock is ever lost while open. A
+        SQLite lock file cannot be: nothing to watch."""
 
     def after_copy(self) -> None:
         """Called once ``copy_state`` has written rows with their ids (a back-end with sequences moves them on)."""

@@ -19,14 +19,17 @@ PostgreSQL crash may lose the last ~0.6 s of them; a gateway crash loses nothing
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from sbx.api.errors import Unavailable
 from sbx.gateway.state import StateError, StateLocked
 from sbx.gateway.store.base import Store
 from sbx.gateway.store.ops import Op, render, select_sql
@@ -38,9 +41,16 @@ PASSWORD_ENV = "SANDBOX_GATEWAY_DATABASE_PASSWORD"
 LOCK_CLASS = 0x73627800
 OWNER_LOCK = 1
 MIGRATION_LOCK = 2
-#: Connections in the pool: writes are serialised by the gateway's callers, reads at start-up; 4 leaves room.
-POOL_SIZE = 4
+#: Connections in the pool: as many as the threads that call the store at once (asyncio's default executor).
+POOL_SIZE = 8
+#: A connection attempt, and the wait for a free (or new) connection of the pool, give up after this long.
 CONNECT_TIMEOUT_SECS = 10
+#: How often the owner lock's connection is checked (``watch_owner``).
+OWNER_CHECK_SECS = 2.0
+#: What a client is told while the database cannot be reached (the log has libpq's reason).
+UNREACHABLE = "the gateway cannot reach its database now; try again shortly"
+
+log = logging.getLogger(__name__)
 
 
 class DatabaseUrlError(ValueError):
@@ -73,7 +83,9 @@ def _connect_kwargs() -> dict[str, Any]:
         "application_name": "sandbox-gateway",
         "connect_timeout": CONNECT_TIMEOUT_SECS,
         # A replica whose machine vanishes lets go of its owner lock once the server sees the connection dead.
+        # tcp_user_timeout bounds a write to a peer that stopped answering (no keepalive runs meanwhile).
         "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+        "tcp_user_timeout": CONNECT_TIMEOUT_SECS * 1000,
     }  # fmt: skip
     password = os.environ.get(PASSWORD_ENV)
     if password:
@@ -89,6 +101,8 @@ class PostgresStore(Store):
         self.location = url
         self._owner = owner
         self._pool = pool
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._load()
 
     @classmethod
@@ -113,7 +127,7 @@ class PostgresStore(Store):
             _migrate(owner, url)
             pool: ConnectionPool = ConnectionPool(
                 url, kwargs=kwargs, min_size=1, max_size=POOL_SIZE, open=False, name="sandbox-gateway",
-                check=ConnectionPool.check_connection, timeout=30.0,
+                check=ConnectionPool.check_connection, timeout=CONNECT_TIMEOUT_SECS,
             )  # fmt: skip
             pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECS)
         except psycopg.Error as exc:
@@ -130,27 +144,62 @@ class PostgresStore(Store):
         return cls(url, owner, pool)
 
     def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join()
         self._pool.close()
         if self._owner is not None:
             self._owner.close()
             self._owner = None
+
+    def watch_owner(self, on_lost: Callable[[str], None]) -> None:
+        """Check the owner lock's connection every ``OWNER_CHECK_SECS``; once it fails (PostgreSQL restarted or
+        failed over, the network cut it), call ``on_lost(reason)`` once, from the watching thread.
+
+        The lock went with that connection, so another process may take it: the owner must stop rather than
+        take it again, since its memory would no longer be known to match the database."""
+        owner = self._owner
+        if owner is None:
+            return
+
+        def watch() -> None:
+            while not self._closed.wait(OWNER_CHECK_SECS):
+                try:
+                    owner.execute("SELECT 1")
+                except psycopg.Error as exc:
+                    if not self._closed.is_set():
+                        on_lost(str(exc).strip() or type(exc).__name__)
+                    return
+
+        self._watcher = threading.Thread(target=watch, name="store-owner-watch", daemon=True)
+        self._watcher.start()
 
     def schema_version(self) -> int:
         with self._pool.connection() as conn:
             return _version(conn)
 
     def apply(self, ops: Sequence[Op], full: bool = True) -> list[int]:
+        """As ``Store.apply``; ``Unavailable`` (503) while the database cannot be reached (memory is then left as
+        it was: a commit whose answer was lost is found again at the next start)."""
         statements = [render(op, "%s") for op in ops]
-        with self._pool.connection() as conn, conn.transaction():
-            if not full:
-                conn.execute("SET LOCAL synchronous_commit TO OFF")
-            return [conn.execute(sql, params).rowcount for sql, params in statements]
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                if not full:
+                    conn.execute("SET LOCAL synchronous_commit TO OFF")
+                return [conn.execute(sql, params).rowcount for sql, params in statements]
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
 
     def select(
         self, table: str, columns: Sequence[str], order_by: str | None = None
     ) -> list[tuple[Any, ...]]:
-        with self._pool.connection() as conn:
-            return conn.execute(select_sql(table, list(columns), order_by)).fetchall()
+        try:
+            with self._pool.connection() as conn:
+                return conn.execute(select_sql(table, list(columns), order_by)).fetchall()
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
 
     def after_copy(self) -> None:
         """After rows were copied in with their ids: the notification ids go on after the highest copied."""
