@@ -4,7 +4,11 @@ cluster, tests/support/pg_cluster.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -198,6 +202,43 @@ def test_two_processes_starting_together_migrate_once(backend: Backend) -> None:
     assert backend.sql("SELECT version FROM schema_version ORDER BY version") == [
         (v,) for v in range(1, SCHEMA_VERSION + 1)
     ]
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from sbx.gateway import keys
+from sbx.gateway.store import StoreLocation, open_store
+where = sys.argv[2]
+store = open_store(StoreLocation(state=Path(where)) if sys.argv[1] == "sqlite" else StoreLocation(database=where))
+while True:
+    key, secret = keys.new_key("u", "", {"sandbox:read"})
+    store.add_key(key)
+    print(key.id, flush=True)
+"""
+
+
+def test_sigkill_loses_nothing_acknowledged_and_frees_the_store(backend: Backend) -> None:
+    where = str(backend.location.state or backend.location.database)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, backend.kind, where], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    acknowledged = [proc.stdout.readline().strip() for _ in range(40)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # The dead owner's lock goes with it (PostgreSQL: once the server sees the connection end).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            store = backend.open()
+            break
+        except StateLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert set(acknowledged) <= set(store.keys)
+    store.close()
 
 
 # -- the owner lock ----------------------------------------------------------------------------------------
@@ -458,6 +499,10 @@ def test_holds_state(store: Store) -> None:
     [
         ("postgresql://gw:hunter2@db.example/gw", "the database URL carries a password"),
         ("postgresql:///gw?host=/run/pg&password=hunter2", "the database URL carries a password"),
+        (
+            "postgresql://gw@db.example/gw?sslkey=/k&sslpassword=hunter2",
+            "the database URL carries a password",
+        ),
         ("mysql://gw@db.example/gw", "'mysql' is not a PostgreSQL URL"),
         ("/var/lib/gw.db", "is not a PostgreSQL URL"),
     ],

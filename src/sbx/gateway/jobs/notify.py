@@ -47,6 +47,8 @@ POST_TIMEOUT_SECS: Final = 10.0
 GIVE_UP_SECS: Final = 15 * 60.0
 FIRST_RETRY_SECS: Final = 1.0
 MAX_RETRY_SECS: Final = 60.0
+#: After the outbox could not be read or written (its database out of reach), the next try comes this late.
+STORE_RETRY_SECS: Final = 5.0
 #: Notifications posted at once.
 CONCURRENT_POSTS: Final = 8
 
@@ -178,27 +180,36 @@ class Notifier:
 
     async def _loop(self) -> None:
         while True:
-            self._wake.clear()
-            rows = await asyncio.to_thread(
-                self.store.query,
-                "notifications",
-                ("id", "url", "body", "attempts", "first_try", "next_try", "job"),
-                "id",
-            )
-            # A job's notifications go in the order they were written: only its oldest is up for delivery.
-            heads: dict[str, tuple[Any, ...]] = {}
-            for row in rows:
-                heads.setdefault(row[6], row[:6])
-            rows = sorted(heads.values(), key=lambda r: r[5])
-            now = time.time()
-            due = [r for r in rows if r[5] <= now]
-            if due:
-                await asyncio.gather(*(self._deliver(*row) for row in due))
-                continue
-            wait = rows[0][5] - now if rows else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._wake.wait()
+            try:
+                await self._round()
+            except Exception as exc:  # noqa: BLE001 - the outbox outlives a database that went away for a while
+                log.warning("job notifications: the outbox cannot be used now; trying again",
+                            extra={"error": str(exc), "retry_secs": STORE_RETRY_SECS})  # fmt: skip
+                await asyncio.sleep(STORE_RETRY_SECS)
+
+    async def _round(self) -> None:
+        """Deliver what is due, or wait until something is (or ``wake``)."""
+        self._wake.clear()
+        rows = await asyncio.to_thread(
+            self.store.query,
+            "notifications",
+            ("id", "url", "body", "attempts", "first_try", "next_try", "job"),
+            "id",
+        )
+        # A job's notifications go in the order they were written: only its oldest is up for delivery.
+        heads: dict[str, tuple[Any, ...]] = {}
+        for row in rows:
+            heads.setdefault(row[6], row[:6])
+        rows = sorted(heads.values(), key=lambda r: r[5])
+        now = time.time()
+        due = [r for r in rows if r[5] <= now]
+        if due:
+            await asyncio.gather(*(self._deliver(*row) for row in due))
+            return
+        wait = rows[0][5] - now if rows else None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._wake.wait()
 
     async def _deliver(self, row_id: int, url: str, body: str, attempts: int, first_try: float,
                        next_try: float) -> None:  # fmt: skip

@@ -69,7 +69,7 @@ def check_url(url: str) -> dict[str, str]:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         raise DatabaseUrlError(f"cannot read the database URL: {exc}") from None
-    if "password" in params:
+    if "password" in params or "sslpassword" in params:
         raise DatabaseUrlError(
             "the database URL carries a password, which would show in the process list and shell history: "
             f"remove it from the URL and set {PASSWORD_ENV} (or PGPASSWORD, or a PGPASSFILE/~/.pgpass entry)"
