@@ -111,6 +111,14 @@ class PostgresStore(Store):
         check_url(url)
         kwargs = _connect_kwargs()
         owner: psycopg.Connection[Any] | None = None
+        pool: ConnectionPool | None = None
+
+        def let_go() -> None:
+            if pool is not None:
+                pool.close()
+            if owner is not None:
+                owner.close()
+
         try:
             # One direct connection first: its error (refused, bad password, no such database) is the one shown.
             owner = psycopg.connect(url, **kwargs)
@@ -125,23 +133,26 @@ class PostgresStore(Store):
                         "API while it runs"
                     )
             _migrate(owner, url)
-            pool: ConnectionPool = ConnectionPool(
+            pool = ConnectionPool(
                 url, kwargs=kwargs, min_size=1, max_size=POOL_SIZE, open=False, name="sandbox-gateway",
                 check=ConnectionPool.check_connection, timeout=CONNECT_TIMEOUT_SECS,
             )  # fmt: skip
             pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECS)
-        except psycopg.Error as exc:
-            if owner is not None:
+            if not lock:
                 owner.close()
+                owner = None
+            return cls(url, owner, pool)
+        except psycopg.Error as exc:  # PoolTimeout is one too
+            let_go()
             raise StateError(f"cannot use the database {url}: {str(exc).strip()}") from exc
-        except (PoolTimeout, StateLocked, StateError):
-            if owner is not None:
-                owner.close()
+        except Unavailable as exc:  # lost while the tables were read
+            let_go()
+            raise StateError(
+                f"cannot use the database {url}: it stopped answering while the tables were read"
+            ) from exc
+        except BaseException:
+            let_go()
             raise
-        if not lock:
-            owner.close()
-            owner = None
-        return cls(url, owner, pool)
 
     def close(self) -> None:
         self._closed.set()
