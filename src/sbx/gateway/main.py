@@ -115,12 +115,10 @@ def main() -> None:
 def location_of(state_path: Path | None, database: str | None) -> StoreLocation:
     """The store named by ``--state`` or ``--database`` (exactly one; a database URL without a password)."""
     if (state_path is None) == (database is None):
+        both = ", not both" if state_path is not None else ""
         raise click.UsageError(
             "give the gateway's state: --state FILE (SQLite, one machine) or --database postgresql://USER@HOST/DB "
-            "(PostgreSQL; docs/ha.md), not both"
-            if state_path is not None
-            else "give the gateway's state: --state FILE (SQLite, one machine) or --database "
-            "postgresql://USER@HOST/DB (PostgreSQL; docs/ha.md)"
+            f"(PostgreSQL; docs/ha.md){both}"
         )
     if database is not None:
         try:
@@ -239,8 +237,8 @@ def offline_store(location: StoreLocation) -> Iterator[Store]:
                    "directory; required with --database.")  # fmt: skip
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(
-    location: StoreLocation, data_dir: Path | None, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
-    node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
+    location: StoreLocation, data_dir: Path | None, listen: str, tls_cert: Path | None, tls_key: Path | None,
+    node_file: Path | None, node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
     metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, ssh_max_auth_tries: int,
     ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
     idle_timeout: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
