@@ -1,13 +1,15 @@
 """Benchmark the gateway's overhead, in one run on one machine: a real sandboxd and a sandbox-gateway in front.
 
     sudo .venv/bin/python bench/bench_gateway.py [--creates 30] [--runs 200] [--clients 200] [--secs 60]
-        [--compare-src DIR] [--idle-ms 0]
+        [--compare-src DIR] [--postgres] [--idle-ms 0]
 
 - create round trip p50/p95 through the gateway vs straight to the node (same node, same run, alternating);
 - GET of a sandbox and run (`true`) round trips the same way, each over one kept-alive connection, with the
   gateway process's CPU time per request (user + system, from /proc: steadier than latency on a busy machine);
 - ``--compare-src DIR``: a second gateway run from another checkout's ``src`` (e.g. ``git archive REV src | tar
   -x -C DIR``), called in turn with the first, so a change is measured before/after in one run;
+- ``--postgres``: another gateway keeping its state in PostgreSQL (a private, durable cluster of Debian's
+  PostgreSQL 15 on a unix socket: tests/support/pg_cluster.py), called in turn with the SQLite one the same way;
 - ``--idle-ms N``: sleep N ms before each GET/run call, so every process wakes from idle as the gateway does
   while a run executes (a back-to-back GET loop keeps caches and CPUs warm); 0 or omitted: back to back;
 - ``--creates 0`` or ``--secs 0`` skip the create rows or the load;
@@ -35,16 +37,23 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from bench_sandboxd import cpu_secs, pct
 from gateway_harness import GatewayProcess
+from pg_cluster import PgCluster
 from sandboxd_harness import Sandboxd, UnixHTTPConnection, missing_requirements
 
 
-def start_gateway(workdir: Path, node: Sandboxd, src: Path | None) -> tuple[GatewayProcess, str]:
-    """A gateway in front of ``node`` (from ``src`` when given) and a key for it."""
+def start_gateway(
+    workdir: Path, node: Sandboxd, src: Path | None, cluster: PgCluster | None = None
+) -> tuple[GatewayProcess, str]:
+    """A gateway in front of ``node`` (from ``src`` when given; on a new database of ``cluster`` when given) and
+    a key for it."""
     workdir.mkdir()
-    gw = GatewayProcess(workdir, [("n1", node)], ["--audit-log", str(workdir / "audit.jsonl")])
+    database = cluster.create_database() if cluster is not None else None
+    gw = GatewayProcess(workdir, [("n1", node)], ["--audit-log", str(workdir / "audit.jsonl")], database=database,
+                        database_env=cluster.env() if cluster is not None else None)  # fmt: skip
     key = gw.create_key("bench", "sandbox:read", "sandbox:create", "sandbox:delete")
     gw.start(env={"PYTHONPATH": str(src.resolve() / "src")} if src is not None else None)
     return gw, key
@@ -116,6 +125,9 @@ def main() -> None:
     parser.add_argument("--secs", type=float, default=60)
     parser.add_argument("--idle-ms", type=float, default=0.0, help="sleep before each GET/run call (ms)")
     parser.add_argument("--compare-src", type=Path, help="a checkout whose src/ runs a second gateway")
+    parser.add_argument(
+        "--postgres", action="store_true", help="also a gateway on PostgreSQL, called in turn"
+    )
     args = parser.parse_args()
     missing = missing_requirements()
     if missing:
@@ -123,35 +135,42 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-gw-", dir="/var/tmp"))
     (workdir / "node").mkdir()
     node = Sandboxd(workdir / "node", args=["--node-id", "b"]).start()
+    cluster = PgCluster.start(durable=True) if args.postgres else None
     gw, key = start_gateway(workdir / "gw", node, None)
     other = start_gateway(workdir / "gw-compare", node, args.compare_src) if args.compare_src else None
+    on_pg = start_gateway(workdir / "gw-pg", node, None, cluster) if cluster is not None else None
+    # Every gateway measured, in turn: (label, process, key).
+    labelled = [("gateway", gw, key)]
+    if other is not None:
+        labelled.append((f"gateway from {args.compare_src}", *other))
+    if on_pg is not None:
+        labelled.append(("gateway on PostgreSQL", *on_pg))
     try:
         made: list[str] = []
 
         def direct_create() -> None:
             made.append(node.create()["id"])
 
-        def gateway_create() -> None:
-            made.append(gw.create(key)["id"])
-
         direct_c: list[float] = []
-        through_c: list[float] = []
-        for _ in range(args.creates):  # alternate, so drift on the machine hits both alike
+        through_c: dict[str, list[float]] = {label: [] for label, *_ in labelled}
+        for _ in range(args.creates):  # alternate, so drift on the machine hits each alike
             direct_c.append(timed(direct_create))
-            through_c.append(timed(gateway_create))
-            for sandbox_id in made[-2:]:
+            for label, g, k in labelled:
+                through_c[label].append(timed(lambda g=g, k=k: made.append(g.create(k)["id"])))
+            for sandbox_id in made[-1 - len(labelled) :]:
                 node.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         if args.creates:
-            print(line("create", direct_c, through_c))
+            for label, *_ in labelled:
+                print(
+                    line("create", direct_c, through_c[label])
+                    + (f"   ({label})" if len(labelled) > 1 else "")
+                )
 
         target = gw.create(key)["id"]
         # One kept-alive connection each way, so connection set-up is not counted on either side.
         direct_conn = UnixHTTPConnection(node.socket_path)
         gateways = [("gateway", gw, key, target)]
-        if other is not None:
-            gateways.append(
-                (f"gateway from {args.compare_src}", other[0], other[1], other[0].create(other[1])["id"])
-            )
+        gateways += [(label, g, k, g.create(k)["id"]) for label, g, k in labelled[1:]]
         conns = {}
         for label, g, _, _ in gateways:
             conn = g.connection()
@@ -187,10 +206,11 @@ def main() -> None:
             ids = [target, *(gw.create(key)["id"] for _ in range(3))]
             asyncio.run(load(gw, key, ids, args.clients, args.secs))
     finally:
-        gw.stop()
-        if other is not None:
-            other[0].stop()
+        for _, g, _ in labelled:
+            g.stop()
         node.teardown()
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -58,6 +58,7 @@ TEST_APT_PACKAGES=(
     prometheus              # promtool: the tests lint both servers' metrics with it
     openssh-client          # ssh, scp and sftp: the tests log in through the gateway's SSH server
     chromium fonts-dejavu-core  # the web console's tests drive Debian's Chromium (Playwright)
+    postgresql              # PostgreSQL 15's initdb/pg_ctl: the tests start a private cluster (docs/ha.md)
 )
 # Node.js and npm build the web console; Debian's, unless some node and npm are already installed (a packaged
 # node that bundles npm would conflict with Debian's npm package).
@@ -184,9 +185,10 @@ else
     note "runsc $(installed_version runsc)"
 fi
 if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
-    # Debian's packages enable a registry and a Prometheus server on every interface; tests only need the
-    # registry binary (they start their own on loopback) and promtool.
-    for service in docker-registry prometheus; do
+    # Debian's packages enable a registry, a Prometheus server and a PostgreSQL cluster; tests only need the
+    # registry binary (they start their own on loopback), promtool and PostgreSQL's binaries (a private cluster
+    # in a temporary directory, tests/support/pg_cluster.py).
+    for service in docker-registry prometheus postgresql; do
         if systemctl is-enabled --quiet "$service" 2>/dev/null; then
             systemctl disable --now "$service" >/dev/null 2>&1 || true
             note "disabled the $service service the package enabled (tests need only its tools)"

@@ -9,7 +9,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pg_cluster import pg_cluster_fixture
 from sandboxd_harness import REPO, Sandboxd, missing_requirements
+
+__all__ = [
+    "pg_cluster_fixture"
+]  # the private PostgreSQL cluster, once per session (tests/support/pg_cluster.py)
 
 _MISSING = missing_requirements()
 

@@ -47,10 +47,14 @@ class GatewayProcess:
 
     def __init__(
         self, workdir: Path, nodes: list[tuple[str, Sandboxd]], args: list[str] | None = None,
-        socket_path: Path | None = None,
+        socket_path: Path | None = None, database: str | None = None, database_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        """``socket_path``: listen there (a unix socket) instead of on the loopback port."""
+        """``socket_path``: listen there (a unix socket) instead of on the loopback port. ``database``: keep the
+        state in PostgreSQL at that URL (its password in ``database_env``; local files in ``workdir``) instead
+        of the SQLite file ``gateway.db``."""
         self.workdir = workdir
+        self.database = database
+        self.database_env = database_env or {}
         self.socket_path = socket_path
         self.state_path = workdir / "gateway.db"
         self.log_path = workdir / "gateway.log"
@@ -65,11 +69,17 @@ class GatewayProcess:
             )
         )
 
+    def store_args(self) -> list[str]:
+        """``--state FILE``, or ``--database URL`` (and ``--data-dir`` for serve: see ``start``)."""
+        if self.database is not None:
+            return ["--database", self.database]
+        return ["--state", str(self.state_path)]
+
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run ``sandbox-gateway ARGS`` (offline commands) with this gateway's state file."""
+        """Run ``sandbox-gateway ARGS`` (offline commands) with this gateway's state."""
         result = subprocess.run(
-            [sys.executable, "-m", "sbx.gateway.main", *args, "--state", str(self.state_path)],
-            capture_output=True, text=True, check=False,
+            [sys.executable, "-m", "sbx.gateway.main", *args, *self.store_args()],
+            capture_output=True, text=True, check=False, env={**os.environ, **self.database_env},
         )  # fmt: skip
         if check:
             assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
@@ -85,13 +95,14 @@ class GatewayProcess:
     def start(self, env: dict[str, str] | None = None) -> GatewayProcess:
         """Serve, with ``env`` added to this process's environment; returns once it answers /v1/health."""
         command = [
-            sys.executable, "-m", "sbx.gateway.main", "serve", "--state", str(self.state_path),
+            sys.executable, "-m", "sbx.gateway.main", "serve", *self.store_args(),
+            *(["--data-dir", str(self.workdir)] if self.database is not None else []),
             "--listen", f"unix:{self.socket_path}" if self.socket_path else f"127.0.0.1:{self.port}",
             "--node-file", str(self.node_file), *self.args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **env} if env else None)  # fmt: skip
+                                         env={**os.environ, **self.database_env, **(env or {})})  # fmt: skip
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

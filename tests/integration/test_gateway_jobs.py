@@ -133,6 +133,13 @@ def test_retries_a_timeout_and_a_cancel(w: World) -> None:
 def test_an_agent_run_writes_its_prompt_to_a_file(w: World) -> None:
     unknown = w.call("POST", "/v1/agent-runs", {"agent": "nope", "prompt": "x"})
     assert (unknown.status, unknown.error[0]) == (400, "invalid_request") and "shouter" in unknown.error[1]
+    before = len(w.ok("GET", "/v1/jobs")["jobs"])
+    nul = w.call("POST", "/v1/agent-runs", {"agent": "shouter", "prompt": "fix\u0000it"})
+    assert (nul.status, nul.error[0]) == (
+        400,
+        "invalid_request",
+    ) and "prompt: holds a NUL character" in nul.error[1]
+    assert len(w.ok("GET", "/v1/jobs")["jobs"]) == before
     missing = w.call("POST", "/v1/agent-runs", {"agent": "shouter", "prompt": "x"})
     assert missing.status == 400 and "no secret 'AGENT_KEY'" in missing.error[1]
     w.ok("PUT", "/v1/secrets/AGENT_KEY", {"value": "k"}, status=204)

@@ -8,12 +8,14 @@ import pytest
 
 from sbx.gateway import keys
 from sbx.gateway.auth import has_access
-from sbx.gateway.state import MemberRecord, OrgRecord, Store
+from sbx.gateway.state import MemberRecord, OrgRecord
+from sbx.gateway.store import Store
+from sbx.gateway.store.sqlite import SqliteStore
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    s = Store.open(tmp_path / "gw.db")
+    s = SqliteStore.open(tmp_path / "gw.db")
     for user, tenant, scopes in [
         ("alice", "acme", {"sandbox:ssh"}),
         ("bob", "acme", {"sandbox:read"}),

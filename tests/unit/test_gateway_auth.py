@@ -10,14 +10,16 @@ import pytest
 
 from sbx.api.errors import Unauthorized
 from sbx.gateway import auth, keys
-from sbx.gateway.state import KeyRecord, Store
+from sbx.gateway.state import KeyRecord
+from sbx.gateway.store import Store
+from sbx.gateway.store.sqlite import SqliteStore
 
 SECRET = "sgk_" + "A1b2" * 10
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> tuple[Store, KeyRecord, str]:
-    s = Store.open(tmp_path / "gw.db")
+    s = SqliteStore.open(tmp_path / "gw.db")
     key, secret = keys.new_key("alice", "acme", {"sandbox:read"})
     s.add_key(key)
     return s, key, secret

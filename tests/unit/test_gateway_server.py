@@ -27,11 +27,13 @@ from sbx.api.sandboxes import CreateRequest, Sandbox, SandboxList
 from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.capabilities import intersect_capabilities
+from sbx.gateway.jobs.controller import JobOptions
 from sbx.gateway.middlewares import make_middlewares
 from sbx.gateway.nodes import Registry
 from sbx.gateway.routes import install
 from sbx.gateway.server import Gateway, GatewayOptions
-from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord, Store
+from sbx.gateway.state import MemberRecord, NodeDef, OrgRecord
+from sbx.gateway.store.sqlite import SqliteStore
 
 CAPABILITIES = Capabilities(
     api_version="v1",
@@ -151,7 +153,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     for s in stand_ins.values():
         s.server = TestServer(s.app())
         await s.server.start_server()
-    store = Store.open(tmp_path / "gw.db")
+    store = SqliteStore.open(tmp_path / "gw.db")
     admin_key, admin = keys.new_key("root", "", {"admin"})
     user_key, user = keys.new_key("alice", "acme", {"sandbox:read", "sandbox:create", "sandbox:delete"})
     store.add_key(admin_key)
@@ -159,7 +161,10 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     registry = Registry(poll_interval_secs=0.05, failures_unhealthy=3, lost_after_secs=0.3)
     nodes = [NodeDef(n, f"http://127.0.0.1:{s.server.port}", from_file=True) for n, s in stand_ins.items()]  # type: ignore[union-attr]
     gateway = Gateway(
-        store, registry, GatewayAudit(tmp_path / "audit.jsonl"), GatewayOptions(file_nodes=nodes)
+        store,
+        registry,
+        GatewayAudit(tmp_path / "audit.jsonl"),
+        GatewayOptions(file_nodes=nodes, jobs=JobOptions(tmp_path / "jobs")),
     )
     await gateway.start()
     # The first poll of a node may time out on a loaded machine (1 s): the tests start from both nodes known.

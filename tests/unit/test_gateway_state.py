@@ -16,17 +16,10 @@ from click.testing import CliRunner
 
 from sbx.gateway import keys
 from sbx.gateway.main import main
-from sbx.gateway.state import (
-    MIGRATIONS,
-    NodeDef,
-    NodeFlags,
-    Quota,
-    SandboxRecord,
-    StateError,
-    StateLocked,
-    Store,
-    acquire_lock,
-)
+from sbx.gateway.state import NodeDef, NodeFlags, Quota, SandboxRecord, StateError, StateLocked
+from sbx.gateway.store.schema import SQLITE_MIGRATIONS as MIGRATIONS
+from sbx.gateway.store.sqlite import SqliteStore as Store
+from sbx.gateway.store.sqlite import acquire_lock
 
 
 def test_fresh_store_is_migrated_and_private(tmp_path: Path) -> None:
@@ -85,8 +78,8 @@ _WRITER = """
 import sys
 from pathlib import Path
 from sbx.gateway import keys
-from sbx.gateway.state import Store
-store = Store.open(Path(sys.argv[1]))
+from sbx.gateway.store.sqlite import SqliteStore
+store = SqliteStore.open(Path(sys.argv[1]))
 while True:
     key, secret = keys.new_key("u", "", {"sandbox:read"})
     store.add_key(key)

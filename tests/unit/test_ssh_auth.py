@@ -15,7 +15,9 @@ from sbx.gateway.metrics import SSH_AUTH_FAILURE_REASONS
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.ssh import auth
 from sbx.gateway.ssh.keys import fingerprint, hash_token
-from sbx.gateway.state import MemberRecord, OrgRecord, SandboxRecord, SshKeyRecord, SshTokenRecord, Store
+from sbx.gateway.state import MemberRecord, OrgRecord, SandboxRecord, SshKeyRecord, SshTokenRecord
+from sbx.gateway.store import Store
+from sbx.gateway.store.sqlite import SqliteStore
 
 NOW = 1_800_000_000.0
 
@@ -29,7 +31,7 @@ ALICE, ALICE_LIMITED, BOB = _blob(), _blob(), _blob()
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    s = Store.open(tmp_path / "gw.db")
+    s = SqliteStore.open(tmp_path / "gw.db")
     for user, tenant, scopes in [
         ("alice", "acme", {"sandbox:ssh", "sandbox:read"}),
         ("bob", "beta", {"sandbox:ssh"}),
@@ -181,7 +183,7 @@ def test_ssh_records_survive_reopen_and_tokens_are_forgotten(store: Store, tmp_p
     store.forget_ssh_tokens([hash_token("sgt_old"), "not-a-hash"])
     assert store.remove_ssh_key("ssh_bob") and not store.remove_ssh_key("ssh_bob")
     store.close()
-    again = Store.open(tmp_path / "gw.db")
+    again = SqliteStore.open(tmp_path / "gw.db")
     assert sorted(again.ssh_keys) == ["ssh_alice", "ssh_alice_one", "ssh_nora", "ssh_root"]
     assert again.ssh_keys["ssh_alice_one"].sandbox == "sbx_a1"
     assert hash_token("sgt_old") not in again.ssh_tokens and hash_token("sgt_alice") in again.ssh_tokens

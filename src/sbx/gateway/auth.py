@@ -14,7 +14,8 @@ from aiohttp import web
 from sbx.api.errors import ForbiddenOrigin, InvalidRequest, NotFound, Refused, Unauthorized
 from sbx.api.gateway import Whoami
 from sbx.gateway.keys import SECRET_PREFIX, has_scope, hash_secret
-from sbx.gateway.state import DEFAULT_TENANT, KeyRecord, Store
+from sbx.gateway.state import DEFAULT_TENANT, KeyRecord
+from sbx.gateway.store import Store
 
 ORG_HEADER = "X-Sandbox-Org"
 

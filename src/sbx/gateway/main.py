@@ -1,16 +1,21 @@
-"""``sandbox-gateway``: serve the gateway, or change its state file offline (keys, nodes, quotas).
+"""``sandbox-gateway``: serve the gateway, change its state offline (keys, nodes, quotas), or move a SQLite state
+into PostgreSQL (``migrate``).
 
-Offline commands take the state file's lock and refuse while a gateway serves it: a change made beside a running
-gateway would be overwritten by it (a revoked key would come back). The first admin key of a fresh install is made
-with ``sandbox-gateway keys create --state FILE --user admin --scope admin``.
+The state is a SQLite file (``--state FILE``) or a PostgreSQL database (``--database URL``; docs/ha.md). Offline
+commands take the store's owner lock and refuse while a gateway serves it: a change made beside a running gateway
+would be overwritten by it (a revoked key would come back). The first admin key of a fresh install is made with
+``sandbox-gateway keys create --state FILE --user admin --scope admin``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import re
+import signal
 import ssl
 import sys
 import tomllib
@@ -48,14 +53,8 @@ from sbx.gateway.services.public import DEFAULT_MAX_TOTAL as DEFAULT_MAX_PUBLIC
 from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create
 from sbx.gateway.ssh.server import SshOptions, SshServer
 from sbx.gateway.ssh.throttle import DEFAULT_MAX_AUTH_TRIES, DEFAULT_SOURCE_FAILURES, LoginLimits
-from sbx.gateway.state import (
-    NodeDef,
-    Quota,
-    StateError,
-    StateLocked,
-    Store,
-    acquire_lock,
-)
+from sbx.gateway.state import NodeDef, Quota, StateError, StateLocked
+from sbx.gateway.store import TABLES, Store, StoreLocation, check_database_url, copy_state, open_store
 from sbx.net.limits import raise_descriptor_limit
 from sbx.net.loopback import is_loopback
 from sbx.web.connections import IDLE_TIMEOUT_SECS, MAX_UNAUTHENTICATED
@@ -66,6 +65,7 @@ from sbx.web.serve import Listen, metrics_server, run, server_tls
 from sbx.web.serve import parse_host_port as serve_address
 
 DEFAULT_LISTEN = "127.0.0.1:7443"
+log = logging.getLogger("sbx.gateway")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
 
 
@@ -112,29 +112,52 @@ def main() -> None:
     """The sandbox gateway: one API in front of many sandboxd nodes."""
 
 
-state_option = click.option(
-    "--state", "state_path", type=click.Path(path_type=Path, dir_okay=False), required=True,
-    envvar="SANDBOX_GATEWAY_STATE", help="The gateway's SQLite state file.",
-)  # fmt: skip
+def location_of(state_path: Path | None, database: str | None) -> StoreLocation:
+    """The store named by ``--state`` or ``--database`` (exactly one; a database URL without a password)."""
+    if (state_path is None) == (database is None):
+        both = ", not both" if state_path is not None else ""
+        raise click.UsageError(
+            "give the gateway's state: --state FILE (SQLite, one machine) or --database postgresql://USER@HOST/DB "
+            f"(PostgreSQL; docs/ha.md){both}"
+        )
+    if database is not None:
+        try:
+            check_database_url(database)
+        except StateError as exc:
+            raise click.BadParameter(str(exc), param_hint="--database") from None
+    return StoreLocation(state=state_path, database=database)
+
+
+def state_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--state FILE`` / ``--database URL``, given to the command as ``location``."""
+
+    @click.option(
+        "--database", default=None, envvar="SANDBOX_GATEWAY_DATABASE",
+        help="PostgreSQL URL, postgresql://USER@HOST[:PORT]/DB (no password in it: set "
+             "SANDBOX_GATEWAY_DATABASE_PASSWORD or use PGPASSFILE); instead of --state.",
+    )  # fmt: skip
+    @click.option(
+        "--state", "state_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+        envvar="SANDBOX_GATEWAY_STATE", help="The gateway's SQLite state file (or --database).",
+    )  # fmt: skip
+    @functools.wraps(fn)
+    def wrapper(state_path: Path | None, database: str | None, **kwargs: Any) -> Any:
+        return fn(location=location_of(state_path, database), **kwargs)
+
+    return wrapper
 
 
 @contextmanager
-def offline_store(state_path: Path) -> Iterator[Store]:
+def offline_store(location: StoreLocation) -> Iterator[Store]:
     """The store, locked, for an offline change; refuses clearly while a gateway serves it."""
     try:
-        fd = acquire_lock(state_path)
-    except StateLocked as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
-        store = Store.open(state_path)
-    except StateError as exc:
-        os.close(fd)
+        store = open_store(location)
+    except (StateLocked, StateError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
         yield store
     finally:
         store.close()
-        os.close(fd)
 
 
 @main.command()
@@ -208,10 +231,14 @@ def offline_store(state_path: Path) -> Iterator[Store]:
 @click.option("--failures-unhealthy", default=DEFAULT_FAILURES_UNHEALTHY, type=int, hidden=True)
 @click.option("--forget-interval", default=str(DEFAULT_FORGET_INTERVAL_SECS), hidden=True)
 @click.option("--recheck-interval", default=str(DEFAULT_RECHECK_SECS), hidden=True)
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              envvar="SANDBOX_GATEWAY_DATA_DIR",
+              help="This gateway's local files (audit log, jobs' output, SSH host keys). Default: the state file's "
+                   "directory; required with --database.")  # fmt: skip
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(
-    state_path: Path, listen: str, tls_cert: Path | None, tls_key: Path | None, node_file: Path | None,
-    node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
+    location: StoreLocation, data_dir: Path | None, listen: str, tls_cert: Path | None, tls_key: Path | None,
+    node_file: Path | None, node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
     metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, ssh_max_auth_tries: int,
     ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
     idle_timeout: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
@@ -221,6 +248,17 @@ def serve(
     log_level: str,
 ) -> None:  # fmt: skip
     """Serve the gateway API until SIGTERM or SIGINT."""
+    if location.state is not None:
+        local = data_dir if data_dir is not None else location.state.parent
+        host_key_base = location.state
+    elif data_dir is None:
+        raise click.UsageError(
+            "with --database give --data-dir DIR too: where this gateway keeps its local files (audit log, jobs' "
+            "output, SSH host keys)"
+        )
+    else:
+        local = data_dir
+        host_key_base = data_dir / "gateway"
     socket_path: Path | None = None
     listen_addr: tuple[str, int] | None = None
     if listen.startswith("unix:"):
@@ -250,11 +288,7 @@ def serve(
     elif ssh_advertise is not None:
         raise click.UsageError("--ssh-advertise needs --ssh-listen")
     audit_path = (
-        None
-        if audit_log == "none"
-        else Path(audit_log)
-        if audit_log
-        else state_path.parent / "audit" / "gateway.jsonl"
+        None if audit_log == "none" else Path(audit_log) if audit_log else local / "audit" / "gateway.jsonl"
     )
     if no_notify and notify_allow_private:
         raise click.UsageError("--no-notify and --notify-allow-private contradict each other: give one")
@@ -264,7 +298,7 @@ def serve(
     except (SecretsKeyError, AgentsFileError) as exc:
         raise click.UsageError(str(exc)) from None
     jobs = JobOptions(
-        outputs_dir=jobs_dir if jobs_dir is not None else state_path.parent / "jobs",
+        outputs_dir=jobs_dir if jobs_dir is not None else local / "jobs",
         retention_secs=parse_duration(job_retention, "--job-retention"),
         notify=NotifyPolicy(enabled=not no_notify, allow_private=notify_allow_private), agents=agents,
     )  # fmt: skip
@@ -286,20 +320,16 @@ def serve(
     poll = parse_duration(poll_interval, "--poll-interval")
     setup_logging(log_level)
     try:
-        lock_fd = acquire_lock(state_path)
-    except StateLocked as exc:
-        click.echo(f"sandbox-gateway: {exc}", err=True)
-        sys.exit(1)
-    try:
-        store = Store.open(state_path)
-    except StateError as exc:
+        store = open_store(location)
+    except (StateLocked, StateError) as exc:
         click.echo(f"sandbox-gateway: {exc}", err=True)
         sys.exit(1)
     ssh = None
     if ssh_options is not None:
         try:
-            ssh = (ssh_options, load_or_create(state_path))
+            ssh = (ssh_options, load_or_create(host_key_base))
         except HostKeyError as exc:
+            store.close()
             click.echo(f"sandbox-gateway: {exc}", err=True)
             sys.exit(1)
     for definition in file_nodes:
@@ -316,13 +346,26 @@ def serve(
     # Connections hold descriptors, a proxied request two (the client's and the tunnel's): the caps above are
     # meant to be reached before the open-file limit, which systemd sets to 1024 unless raised.
     raise_descriptor_limit()
+    lost: list[str] = []
+
+    def owner_lost(reason: str) -> None:
+        # The database let go of this gateway's owner lock (restarted, failed over, cut): another process may own
+        # it now, so this one stops (exit 1: systemd's Restart=on-failure starts it again, reading the database).
+        lost.append(reason)
+        log.critical("lost the database's owner lock; stopping", extra={"error": reason})
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    store.watch_owner(owner_lost)
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
         console = Console() if serve_console else None
         asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh, console))
     finally:
         store.close()
-        os.close(lock_fd)
+    if lost:
+        click.echo(f"sandbox-gateway: stopped: the database let go of this gateway's owner lock ({lost[0]}); "
+                   "start it again once the database is back", err=True)  # fmt: skip
+        sys.exit(1)
 
 
 def parse_host_port(value: str, flag: str) -> tuple[str, int]:
@@ -448,7 +491,7 @@ def _emit(as_json: bool, data: Any, text: Callable[[], None]) -> None:
               type=click.Choice(sorted(keymod.SCOPES)), help="Repeatable.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def keys_create(
-    state_path: Path, user: str, tenant: str | None, scopes: tuple[str, ...], as_json: bool
+    location: StoreLocation, user: str, tenant: str | None, scopes: tuple[str, ...], as_json: bool
 ) -> None:
     """Issue a key; its secret is printed once and never stored."""
     try:
@@ -456,7 +499,7 @@ def keys_create(
         tenant_value = keymod.check_tenant(tenant)
     except SandboxError as exc:
         raise click.BadParameter(exc.message) from None
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         key, secret = keymod.new_key(user, tenant_value, scopes)
         store.add_key(key)
     wire = keymod.created_wire(key, secret)
@@ -468,9 +511,9 @@ def keys_create(
 @keys.command("list")
 @state_option
 @click.option("--json", "as_json", is_flag=True)
-def keys_list(state_path: Path, as_json: bool) -> None:
+def keys_list(location: StoreLocation, as_json: bool) -> None:
     """List keys (never a secret)."""
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         listed = [k.wire() for k in sorted(store.keys.values(), key=lambda k: k.created)]
 
     def text() -> None:
@@ -484,9 +527,9 @@ def keys_list(state_path: Path, as_json: bool) -> None:
 @keys.command("revoke")
 @state_option
 @click.argument("key_id")
-def keys_revoke(state_path: Path, key_id: str) -> None:
+def keys_revoke(location: StoreLocation, key_id: str) -> None:
     """Revoke a key (kept listed as revoked)."""
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         if store.revoke_key(key_id) is None:
             raise click.ClickException(f"no key {key_id!r}: see sandbox-gateway keys list")
     click.echo(f"revoked {key_id}")
@@ -508,7 +551,7 @@ def nodes() -> None:
 @click.option("--ca-file", default=None)
 @click.option("--cert-file", default=None)
 @click.option("--key-file", default=None)
-def nodes_add(state_path: Path, name: str, endpoint: str, token_file: str | None, ca_file: str | None,
+def nodes_add(location: StoreLocation, name: str, endpoint: str, token_file: str | None, ca_file: str | None,
               cert_file: str | None, key_file: str | None) -> None:  # fmt: skip
     """Add node NAME at ENDPOINT (https://HOST:PORT, unix:///PATH or http://127.0.0.1:PORT)."""
     body = {"name": name, "endpoint": endpoint, "token_file": token_file, "ca_file": ca_file,
@@ -518,7 +561,7 @@ def nodes_add(state_path: Path, name: str, endpoint: str, token_file: str | None
         definition = node_def_from(convert_request(body, NodeAddRequest), Path("/"))
     except SandboxError as exc:
         raise click.BadParameter(exc.message) from None
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         if name in store.nodes:
             raise click.ClickException(f"a node named {name!r} exists: remove it first")
         store.add_node(definition)
@@ -528,9 +571,9 @@ def nodes_add(state_path: Path, name: str, endpoint: str, token_file: str | None
 @nodes.command("list")
 @state_option
 @click.option("--json", "as_json", is_flag=True)
-def nodes_list(state_path: Path, as_json: bool) -> None:
+def nodes_list(location: StoreLocation, as_json: bool) -> None:
     """List admin-managed nodes and their cordon flags."""
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         listed = [{"name": d.name, "endpoint": d.endpoint,
                    "cordoned": store.node_flags[d.name].cordoned if d.name in store.node_flags else False}
                   for d in sorted(store.nodes.values(), key=lambda d: d.name)]  # fmt: skip
@@ -545,9 +588,9 @@ def nodes_list(state_path: Path, as_json: bool) -> None:
 @nodes.command("remove")
 @state_option
 @click.argument("name")
-def nodes_remove(state_path: Path, name: str) -> None:
+def nodes_remove(location: StoreLocation, name: str) -> None:
     """Remove node NAME (owners of its sandboxes are kept)."""
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         if not store.remove_node(name):
             raise click.ClickException(f"no admin-managed node {name!r}: see sandbox-gateway nodes list")
     click.echo(f"removed {name}")
@@ -595,27 +638,76 @@ def quotas() -> None:
 @click.option("--memory-mb", type=click.IntRange(min=0), default=None, help="Most memory, MiB.")
 @click.option("--sandboxes", type=click.IntRange(min=0), default=None, help="Most sandboxes.")
 def quotas_set(
-    state_path: Path, tenant: str, cpus: int | None, memory_mb: int | None, sandboxes: int | None
+    location: StoreLocation, tenant: str, cpus: int | None, memory_mb: int | None, sandboxes: int | None
 ) -> None:
     """Set TENANT's quota (``default`` for keys without a tenant); an amount left out has no limit."""
     try:
         stored = keymod.check_tenant(tenant)
     except SandboxError as exc:
         raise click.BadParameter(exc.message) from None
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         store.set_quota(stored, Quota(cpus, memory_mb, sandboxes))
     click.echo(f"quota of {tenant}: cpus={cpus} memory_mb={memory_mb} sandboxes={sandboxes}")
 
 
 @quotas.command("list")
 @state_option
-def quotas_list(state_path: Path) -> None:
+def quotas_list(location: StoreLocation) -> None:
     """List tenant quotas."""
-    with offline_store(state_path) as store:
+    with offline_store(location) as store:
         for tenant, q in sorted(store.quotas.items()):
             click.echo(
                 f"{tenant or 'default'}  cpus={q.max_cpus} memory_mb={q.max_memory_mb} sandboxes={q.max_sandboxes}"
             )
+
+
+# -- migrate: SQLite into PostgreSQL ----------------------------------------------------------------
+
+
+@main.command()
+@click.option("--from", "source", type=click.Path(path_type=Path, dir_okay=False, exists=True), required=True,
+              help="The SQLite state file of a stopped gateway.")  # fmt: skip
+@click.option("--to", "target", required=True,
+              help="postgresql://USER@HOST[:PORT]/DB of an empty database (the password as for --database).")  # fmt: skip
+def migrate(source: Path, target: str) -> None:
+    """Copy a stopped gateway's SQLite state into an empty PostgreSQL database, in one transaction.
+
+    Refused while a gateway serves either store, or when the database already holds a gateway's state. The
+    SQLite file is left as it was (brought to the current schema first, as serve would)."""
+    try:
+        check_database_url(target)
+    except StateError as exc:
+        raise click.BadParameter(str(exc), param_hint="--to") from None
+    try:
+        src = open_store(StoreLocation(state=source))
+    except (StateLocked, StateError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        try:
+            dst = open_store(StoreLocation(database=target))
+        except (StateLocked, StateError) as exc:
+            raise click.ClickException(str(exc)) from None
+        try:
+            if dst.holds_state():
+                raise click.ClickException(
+                    f"the database {target} already holds a gateway's state; migrate copies into an empty one "
+                    "only, and nothing was changed: give a new database (createdb), or drop that one's tables"
+                )
+            counts = copy_state(src, dst)
+            copied = {name: len(dst.select(name, TABLES[name].key[:1])) for name in counts}
+            if copied != counts:  # pragma: no cover - the copy is one transaction; this says so on the record
+                raise click.ClickException(f"the copy does not match the source: {copied} against {counts}")
+        finally:
+            dst.close()
+    finally:
+        src.close()
+    click.echo(f"copied {sum(counts.values())} rows from {source} to {target}:")
+    for name, n in counts.items():
+        click.echo(f"  {name}: {n}")
+    click.echo(
+        "local files stay files: serve with --database and --data-dir DIR, with the audit log, jobs/ and the SSH "
+        f"host keys ({source.name}.ssh_host_*_key, renamed gateway.ssh_host_*_key) copied into DIR (docs/ha.md)"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

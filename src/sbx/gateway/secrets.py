@@ -28,7 +28,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sbx.api.errors import InvalidRequest, NotFound, Unsupported
 from sbx.api.services import Secret
 from sbx.api.validation import is_reserved_env_name, validate_env_name
-from sbx.gateway.state import Store, now_rfc3339
+from sbx.gateway.state import now_rfc3339
+from sbx.gateway.store import Delete, Store, Upsert
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
@@ -141,7 +142,7 @@ class Secrets:
         self.box = box
         self._rows: dict[tuple[str, str], _Sealed] = {}
         for tenant, name, nonce, ciphertext, updated in store.query(
-            "SELECT tenant, name, nonce, ciphertext, updated FROM secrets"
+            "secrets", ("tenant", "name", "nonce", "ciphertext", "updated")
         ):
             self._rows[(tenant, name)] = _Sealed(bytes(nonce), bytes(ciphertext), updated)
 
@@ -162,10 +163,9 @@ class Secrets:
         data = check_secret_value(value)
         nonce, ciphertext = box.seal(tenant, name, data)
         updated = now_rfc3339()
-        await self.gw.write(self.store.execute, [(
-            "INSERT OR REPLACE INTO secrets (tenant, name, nonce, ciphertext, updated) VALUES (?,?,?,?,?)",
-            (tenant, name, nonce, ciphertext, updated),
-        )])  # fmt: skip
+        await self.gw.write(self.store.execute, [Upsert("secrets", {
+            "tenant": tenant, "name": name, "nonce": nonce, "ciphertext": ciphertext, "updated": updated,
+        })])  # fmt: skip
         self._rows[(tenant, name)] = _Sealed(nonce, ciphertext, updated)
 
     async def delete(self, tenant: str, name: str) -> None:
@@ -173,9 +173,7 @@ class Secrets:
         self.require()
         if (tenant, name) not in self._rows:
             raise NotFound(f"no secret {name!r} in this tenant")
-        await self.gw.write(
-            self.store.execute, [("DELETE FROM secrets WHERE tenant = ? AND name = ?", (tenant, name))]
-        )
+        await self.gw.write(self.store.execute, [Delete("secrets", {"tenant": tenant, "name": name})])
         self._rows.pop((tenant, name), None)
 
     def listing(self, tenant: str) -> list[Secret]:

@@ -35,7 +35,8 @@ from sbx.gateway.services.controller import DEFAULT_ROLLOUT_TIMEOUT_SECS, Servic
 from sbx.gateway.services.proxy import ServiceFront
 from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE, DEFAULT_MAX_TOTAL, PublicConnections
 from sbx.gateway.snapshots import Snapshots
-from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, Store, now_rfc3339
+from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, now_rfc3339
+from sbx.gateway.store import Store
 
 if TYPE_CHECKING:
     from sbx.gateway.ssh.server import SshServer
@@ -55,8 +56,8 @@ class GatewayOptions:
     forget_interval_secs: float = 60.0
     recheck_secs: float = DEFAULT_RECHECK_SECS
     file_nodes: list[NodeDef] = field(default_factory=list)
-    #: Services, jobs and secrets: ``--secrets-key-file`` (None: no secrets), the jobs' options (None: kept output
-    #: in ``jobs/`` beside the state file), ``--rollout-timeout``, ``--services-domain``.
+    #: Services, jobs and secrets: ``--secrets-key-file`` (None: no secrets), the jobs' options (``--jobs-dir``,
+    #: required), ``--rollout-timeout``, ``--services-domain``.
     secrets_key: bytes | None = None
     jobs: JobOptions | None = None
     rollout_timeout_secs: float = DEFAULT_ROLLOUT_TIMEOUT_SECS
@@ -105,7 +106,12 @@ class Gateway:
         self.services = ServiceController(self, options.rollout_timeout_secs)
         public = PublicConnections(options.max_public_connections_per_service, options.max_public_connections)
         self.service_front = ServiceFront(self, self.services, options.services_domain, public)
-        self.jobs = JobController(self, options.jobs or JobOptions(store.path.parent / "jobs"))
+        if options.jobs is None:
+            # The store may be a database with no directory beside it: where jobs' output goes is always said.
+            raise ValueError(
+                "GatewayOptions.jobs is required (it names the directory of the jobs' kept output)"
+            )
+        self.jobs = JobController(self, options.jobs)
         registry.wanted_cordon = self.wanted_cordon
         registry.on_answering_again.append(self.reconcile)
 

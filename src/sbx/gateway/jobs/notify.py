@@ -30,7 +30,7 @@ import msgspec
 
 from sbx.api.errors import InvalidRequest, Unsupported
 from sbx.api.jobs import JobNotification
-from sbx.gateway.state import Store
+from sbx.gateway.store import Delete, Insert, Store, Update
 from sbx.net.dial_guard import AddressRefused, DialGuard, is_loopback_address, refusal_behind
 from sbx.net.loopback import is_loopback
 from sbx.net.ranges import Address, HostAddresses
@@ -47,6 +47,8 @@ POST_TIMEOUT_SECS: Final = 10.0
 GIVE_UP_SECS: Final = 15 * 60.0
 FIRST_RETRY_SECS: Final = 1.0
 MAX_RETRY_SECS: Final = 60.0
+#: After the outbox could not be read or written (its database out of reach), the next try comes this late.
+STORE_RETRY_SECS: Final = 5.0
 #: Notifications posted at once.
 CONCURRENT_POSTS: Final = 8
 
@@ -146,13 +148,11 @@ class Notifier:
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
         self._slots = asyncio.Semaphore(CONCURRENT_POSTS)
 
-    def statement(self, job: str, url: str, note: JobNotification) -> tuple[str, tuple[object, ...]]:
+    def statement(self, job: str, url: str, note: JobNotification) -> Insert:
         """The outbox row of ``note`` (written by the caller in the transaction of the change it reports)."""
         now = time.time()
-        return (
-            "INSERT INTO notifications (job, url, body, attempts, first_try, next_try) VALUES (?,?,?,?,?,?)",
-            (job, url, body_of(note).decode(), 0, now, now),
-        )
+        return Insert("notifications", {"job": job, "url": url, "body": body_of(note).decode(), "attempts": 0,
+                                        "first_try": now, "next_try": now})  # fmt: skip
 
     def wake(self) -> None:
         self._wake.set()
@@ -180,25 +180,36 @@ class Notifier:
 
     async def _loop(self) -> None:
         while True:
-            self._wake.clear()
-            rows = await asyncio.to_thread(
-                self.store.query,
-                "SELECT id, url, body, attempts, first_try, next_try, job FROM notifications ORDER BY id",
-            )
-            # A job's notifications go in the order they were written: only its oldest is up for delivery.
-            heads: dict[str, tuple[Any, ...]] = {}
-            for row in rows:
-                heads.setdefault(row[6], row[:6])
-            rows = sorted(heads.values(), key=lambda r: r[5])
-            now = time.time()
-            due = [r for r in rows if r[5] <= now]
-            if due:
-                await asyncio.gather(*(self._deliver(*row) for row in due))
-                continue
-            wait = rows[0][5] - now if rows else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._wake.wait()
+            try:
+                await self._round()
+            except Exception as exc:  # noqa: BLE001 - the outbox outlives a database that went away for a while
+                log.warning("job notifications: the outbox cannot be used now; trying again",
+                            extra={"error": str(exc), "retry_secs": STORE_RETRY_SECS})  # fmt: skip
+                await asyncio.sleep(STORE_RETRY_SECS)
+
+    async def _round(self) -> None:
+        """Deliver what is due, or wait until something is (or ``wake``)."""
+        self._wake.clear()
+        rows = await asyncio.to_thread(
+            self.store.query,
+            "notifications",
+            ("id", "url", "body", "attempts", "first_try", "next_try", "job"),
+            "id",
+        )
+        # A job's notifications go in the order they were written: only its oldest is up for delivery.
+        heads: dict[str, tuple[Any, ...]] = {}
+        for row in rows:
+            heads.setdefault(row[6], row[:6])
+        rows = sorted(heads.values(), key=lambda r: r[5])
+        now = time.time()
+        due = [r for r in rows if r[5] <= now]
+        if due:
+            await asyncio.gather(*(self._deliver(*row) for row in due))
+            return
+        wait = rows[0][5] - now if rows else None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._wake.wait()
 
     async def _deliver(self, row_id: int, url: str, body: str, attempts: int, first_try: float,
                        next_try: float) -> None:  # fmt: skip
@@ -206,19 +217,18 @@ class Notifier:
             outcome = await self._post(url, body.encode())
         if outcome is None:
             self._count("delivered")
-            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
             return
         final, why = outcome
         if final or time.time() - first_try > GIVE_UP_SECS:
             log.warning("job notification given up", extra={"url_host": urlsplit(url).hostname, "error": why,
                                                              "attempts": attempts + 1})  # fmt: skip
             self._count("failed")
-            await self.gw.write(self.store.execute, [("DELETE FROM notifications WHERE id = ?", (row_id,))])
+            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
             return
         delay = min(FIRST_RETRY_SECS * 2**attempts, MAX_RETRY_SECS)
-        await self.gw.write(self.store.execute, [(
-            "UPDATE notifications SET attempts = ?, next_try = ? WHERE id = ?", (attempts + 1, time.time() + delay,
-                                                                                 row_id),
+        await self.gw.write(self.store.execute, [Update(
+            "notifications", {"attempts": attempts + 1, "next_try": time.time() + delay}, {"id": row_id}
         )])  # fmt: skip
 
     async def _post(self, url: str, body: bytes) -> tuple[bool, str] | None:

@@ -7,17 +7,17 @@ sends one for a change that was not kept).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from sbx.api.jobs import JobSpec, JobState, KeptFile, RunState
-from sbx.gateway.state import Store
+from sbx.gateway.store import Delete, Op, Store, Upsert
 
 Writer = Callable[..., Awaitable[Any]]
-Statement = tuple[str, tuple[Any, ...]]
+Statement = Op
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,15 @@ class JobStore:
         self.jobs: dict[str, JobRecord] = {}
         self.runs: dict[tuple[str, int], RunRecord] = {}
         for row in store.query(
-            "SELECT id, user, tenant, agent, spec, prompt, state, error, created, updated FROM jobs"
+            "jobs",
+            ("id", "user", "tenant", "agent", "spec", "prompt", "state", "error", "created", "updated"),
         ):
             self.jobs[row[0]] = JobRecord(
                 id=row[0], user=row[1], tenant=row[2], agent=row[3], spec=msgspec.json.decode(row[4], type=JobSpec),
                 prompt=row[5], state=row[6], error=row[7], created=row[8], updated=row[9],
             )  # fmt: skip
-        for row in store.query(
-            "SELECT job, n, state, sandbox, node, pid, exit_code, started, finished, error, truncated, files "
-            "FROM job_runs"
-        ):
+        for row in store.query("job_runs", ("job", "n", "state", "sandbox", "node", "pid", "exit_code", "started",
+                                            "finished", "error", "truncated", "files")):  # fmt: skip
             self.runs[(row[0], row[1])] = RunRecord(
                 job=row[0], n=row[1], state=row[2], sandbox=row[3], node=row[4], pid=row[5], exit_code=row[6],
                 started=row[7], finished=row[8], error=row[9], truncated=bool(row[10]),
@@ -85,25 +84,23 @@ class JobStore:
 
     @staticmethod
     def job_statement(job: JobRecord) -> Statement:
-        return (
-            ("INSERT OR REPLACE INTO jobs (id, user, tenant, agent, spec, prompt, state, error, created, updated) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?)"),
-            (job.id, job.user, job.tenant, job.agent, msgspec.json.encode(job.spec).decode(), job.prompt,
-             job.state, job.error, job.created, job.updated),
-        )  # fmt: skip
+        return Upsert("jobs", {
+            "id": job.id, "user": job.user, "tenant": job.tenant, "agent": job.agent,
+            "spec": msgspec.json.encode(job.spec).decode(), "prompt": job.prompt, "state": job.state,
+            "error": job.error, "created": job.created, "updated": job.updated,
+        })  # fmt: skip
 
     @staticmethod
     def run_statement(run: RunRecord) -> Statement:
-        return (
-            ("INSERT OR REPLACE INTO job_runs (job, n, state, sandbox, node, pid, exit_code, started, finished, "
-            "error, truncated, files) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"),
-            (run.job, run.n, run.state, run.sandbox, run.node, run.pid, run.exit_code, run.started, run.finished,
-             run.error, int(run.truncated),
-             msgspec.json.encode(list(run.files)).decode() if run.files is not None else None),
-        )  # fmt: skip
+        return Upsert("job_runs", {
+            "job": run.job, "n": run.n, "state": run.state, "sandbox": run.sandbox, "node": run.node, "pid": run.pid,
+            "exit_code": run.exit_code, "started": run.started, "finished": run.finished, "error": run.error,
+            "truncated": int(run.truncated),
+            "files": msgspec.json.encode(list(run.files)).decode() if run.files is not None else None,
+        })  # fmt: skip
 
     async def put(
-        self, job: JobRecord | None = None, run: RunRecord | None = None, extra: list[Statement] | None = None,
+        self, job: JobRecord | None = None, run: RunRecord | None = None, extra: Sequence[Statement] | None = None,
         full: bool = True,
     ) -> None:  # fmt: skip
         """Write ``job`` and/or ``run`` (and ``extra`` statements, e.g. notifications) in one transaction.
@@ -111,10 +108,10 @@ class JobStore:
         ``full`` fsyncs it. Progress within an attempt (its sandbox, its pid) is written without (a SIGKILL loses
         nothing, a power cut may lose it, and the sandbox is found again by its labels); every state a client was
         told of, or a notification, is fsynced."""
-        statements = [self.job_statement(job)] if job is not None else []
+        statements: list[Statement] = [self.job_statement(job)] if job is not None else []
         if run is not None:
             statements.append(self.run_statement(run))
-        statements += extra or []
+        statements.extend(extra or ())
         await self._write(self.store.execute, statements, full)
         if job is not None:
             self.jobs[job.id] = job
@@ -125,8 +122,8 @@ class JobStore:
         statements: list[Statement] = []
         for job_id in job_ids:
             statements += [
-                ("DELETE FROM jobs WHERE id = ?", (job_id,)),
-                ("DELETE FROM job_runs WHERE job = ?", (job_id,)),
+                Delete("jobs", {"id": job_id}),
+                Delete("job_runs", {"job": job_id}),
             ]
         await self._write(self.store.execute, statements)
         for job_id in job_ids:

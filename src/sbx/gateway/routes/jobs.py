@@ -47,6 +47,9 @@ class JobRoutes:
         if agent is None:
             known = ", ".join(sorted(agents)) if agents else "none (start the gateway with --agents-file)"
             raise InvalidRequest(f"agent: this gateway defines no agent {req.agent!r}; it defines {known}")
+        if "\x00" in req.prompt:
+            # Text for an agent never holds one, and PostgreSQL's text columns cannot (the same answer on SQLite).
+            raise InvalidRequest("prompt: holds a NUL character (U+0000); give the prompt as text without it")
         spec = check_job(self.gw, principal, agent_job(agent, req), self.gw.jobs.options.notify)
         job = await self.gw.jobs.submit(principal, spec, agent=agent.name, prompt=req.prompt)
         return self._answer(request, job, 201)

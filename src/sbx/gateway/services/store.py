@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from sbx.api.services import RolloutState, ServiceSpec
-from sbx.gateway.state import Store
+from sbx.gateway.store import Delete, Store, Upsert
 
 Writer = Callable[..., Awaitable[Any]]
 
@@ -88,20 +88,19 @@ class ServiceStore:
         self.services: dict[str, ServiceRecord] = {}
         self.revisions: dict[tuple[str, int], ServiceSpec] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
-        rows = store.query(
-            "SELECT id, tenant, name, user, spec, revision, serving, desired, restarts, rollout, created, updated "
-            "FROM services"
-        )
+        rows = store.query("services", ("id", "tenant", "name", "user", "spec", "revision", "serving", "desired",
+                                        "restarts", "rollout", "created", "updated"))  # fmt: skip
         for row in rows:
             self.services[row[0]] = ServiceRecord(
                 id=row[0], tenant=row[1], name=row[2], user=row[3], spec=msgspec.json.decode(row[4], type=ServiceSpec),
                 revision=row[5], serving=row[6], desired=row[7], restarts=row[8], rollout=_rollout_of(row[9]),
                 created=row[10], updated=row[11],
             )  # fmt: skip
-        for service, revision, spec in store.query("SELECT service, revision, spec FROM service_revisions"):
+        for service, revision, spec in store.query("service_revisions", ("service", "revision", "spec")):
             self.revisions[(service, revision)] = msgspec.json.decode(spec, type=ServiceSpec)
         for row in store.query(
-            "SELECT sandbox, service, node, revision, pid, restarts, ever_healthy, created FROM service_replicas"
+            "service_replicas",
+            ("sandbox", "service", "node", "revision", "pid", "restarts", "ever_healthy", "created"),
         ):
             self.replicas[row[0]] = ReplicaRecord(
                 sandbox=row[0], service=row[1], node=row[2], revision=row[3], pid=row[4], restarts=row[5],
@@ -118,22 +117,21 @@ class ServiceStore:
         return [r for r in list(self.replicas.values()) if r.service == service_id]
 
     @staticmethod
-    def _service_row(svc: ServiceRecord) -> tuple[str, tuple[Any, ...]]:
-        return (
-            ("INSERT OR REPLACE INTO services (id, tenant, name, user, spec, revision, serving, desired, restarts, "
-            "rollout, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"),
-            (svc.id, svc.tenant, svc.name, svc.user, msgspec.json.encode(svc.spec).decode(), svc.revision,
-             svc.serving, svc.desired, svc.restarts, _rollout_json(svc.rollout), svc.created, svc.updated),
-        )  # fmt: skip
+    def _service_row(svc: ServiceRecord) -> Upsert:
+        return Upsert("services", {
+            "id": svc.id, "tenant": svc.tenant, "name": svc.name, "user": svc.user,
+            "spec": msgspec.json.encode(svc.spec).decode(), "revision": svc.revision, "serving": svc.serving,
+            "desired": svc.desired, "restarts": svc.restarts, "rollout": _rollout_json(svc.rollout),
+            "created": svc.created, "updated": svc.updated,
+        })  # fmt: skip
 
     async def put_service(self, svc: ServiceRecord, new_revision: ServiceSpec | None = None) -> None:
         """Write ``svc`` (and the spec of its new revision ``svc.revision``)."""
         statements = [self._service_row(svc)]
         if new_revision is not None:
-            statements.append((
-                "INSERT OR REPLACE INTO service_revisions (service, revision, spec) VALUES (?,?,?)",
-                (svc.id, svc.revision, msgspec.json.encode(new_revision).decode()),
-            ))  # fmt: skip
+            statements.append(Upsert("service_revisions", {
+                "service": svc.id, "revision": svc.revision, "spec": msgspec.json.encode(new_revision).decode(),
+            }))  # fmt: skip
         await self._write(self.store.execute, statements)
         self.services[svc.id] = svc
         if new_revision is not None:
@@ -141,17 +139,18 @@ class ServiceStore:
 
     async def forget_revisions_before(self, service_id: str, revision: int) -> None:
         """Drop the specs of revisions older than ``revision`` (no replica runs them any more)."""
-        await self._write(self.store.execute, [(
-            "DELETE FROM service_revisions WHERE service = ? AND revision < ?", (service_id, revision)
-        )])  # fmt: skip
+        await self._write(
+            self.store.execute,
+            [Delete("service_revisions", {"service": service_id}, below={"revision": revision})],
+        )
         for key in [k for k in list(self.revisions) if k[0] == service_id and k[1] < revision]:
             self.revisions.pop(key, None)
 
     async def delete_service(self, service_id: str) -> None:
         await self._write(self.store.execute, [
-            ("DELETE FROM services WHERE id = ?", (service_id,)),
-            ("DELETE FROM service_revisions WHERE service = ?", (service_id,)),
-            ("DELETE FROM service_replicas WHERE service = ?", (service_id,)),
+            Delete("services", {"id": service_id}),
+            Delete("service_revisions", {"service": service_id}),
+            Delete("service_replicas", {"service": service_id}),
         ])  # fmt: skip
         self.services.pop(service_id, None)
         for key in [k for k in list(self.revisions) if k[0] == service_id]:
@@ -160,16 +159,12 @@ class ServiceStore:
             self.replicas.pop(sandbox, None)
 
     async def put_replica(self, rep: ReplicaRecord) -> None:
-        await self._write(self.store.execute, [(
-            ("INSERT OR REPLACE INTO service_replicas (sandbox, service, node, revision, pid, restarts, "
-            "ever_healthy, created) VALUES (?,?,?,?,?,?,?,?)"),
-            (rep.sandbox, rep.service, rep.node, rep.revision, rep.pid, rep.restarts, int(rep.ever_healthy),
-             rep.created),
-        )], False)  # fmt: skip
+        await self._write(self.store.execute, [Upsert("service_replicas", {
+            "sandbox": rep.sandbox, "service": rep.service, "node": rep.node, "revision": rep.revision,
+            "pid": rep.pid, "restarts": rep.restarts, "ever_healthy": int(rep.ever_healthy), "created": rep.created,
+        })], False)  # fmt: skip
         self.replicas[rep.sandbox] = rep
 
     async def forget_replica(self, sandbox: str) -> None:
-        await self._write(
-            self.store.execute, [("DELETE FROM service_replicas WHERE sandbox = ?", (sandbox,))], False
-        )
+        await self._write(self.store.execute, [Delete("service_replicas", {"sandbox": sandbox})], False)
         self.replicas.pop(sandbox, None)

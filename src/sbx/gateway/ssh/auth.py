@@ -28,7 +28,8 @@ from sbx.api.errors import Conflict, NotFound
 from sbx.gateway.auth import Principal, has_access
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.ssh.keys import fingerprint, hash_token, is_token
-from sbx.gateway.state import SandboxRecord, SshKeyRecord, Store
+from sbx.gateway.state import SandboxRecord, SshKeyRecord
+from sbx.gateway.store import Store
 
 #: The scope an SSH login needs (``admin`` holds it too).
 SSH_SCOPE = "sandbox:ssh"

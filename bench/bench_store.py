@@ -1,0 +1,89 @@
+"""Benchmark the gateway's store: what one write costs on SQLite and on PostgreSQL, in one run, in turn.
+
+    sudo .venv/bin/python bench/bench_store.py [--writes 500]
+
+For each store: ``put_sandbox`` (the ownership record a create writes: ``full=False``, not waiting for the disk)
+and ``add_key`` (a key: ``full=True``, durable), p50/p95 in ms, with the calling process's CPU per write. SQLite:
+a state file on /var/tmp. PostgreSQL: a private, durable (fsync on) cluster of Debian's PostgreSQL 15 on a unix
+socket on the same machine (tests/support/pg_cluster.py), so the numbers hold the protocol and the server's own
+work, without a network. Results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "support"))
+
+from pg_cluster import PgCluster
+
+from sbx.gateway import keys
+from sbx.gateway.state import SandboxRecord
+from sbx.gateway.store import Store, StoreLocation, open_store
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))] * 1000
+
+
+def cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--writes", type=int, default=500)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-store-", dir="/var/tmp"))
+    cluster = PgCluster.start(durable=True)
+    os.environ.update(cluster.env())
+    stores: dict[str, Store] = {
+        "sqlite": open_store(StoreLocation(state=workdir / "gw.db")),
+        "postgres": open_store(StoreLocation(database=cluster.create_database())),
+    }
+    try:
+        n = 0
+
+        def sandbox(store: Store) -> None:
+            nonlocal n
+            n += 1
+            store.put_sandbox(
+                SandboxRecord(f"sbx_{n}", "bench", "", "n1", None, 1, 512, "2026-01-01T00:00:00Z")
+            )
+
+        def key(store: Store) -> None:
+            store.add_key(keys.new_key("bench", "", {"sandbox:read"})[0])
+
+        operations: list[tuple[str, Callable[[Store], None]]] = [("put_sandbox", sandbox), ("add_key", key)]
+        for name, operation in operations:
+            times: dict[str, list[float]] = {label: [] for label in stores}
+            cpu_used = dict.fromkeys(stores, 0.0)
+            for _ in range(args.writes):  # in turn, so drift on the machine hits both alike
+                for label, store in stores.items():
+                    before_cpu, start = cpu(), time.perf_counter()
+                    operation(store)
+                    times[label].append(time.perf_counter() - start)
+                    cpu_used[label] += cpu() - before_cpu
+            for label in stores:
+                print(f"{name:<12} {label:<9} p50 {pct(times[label], 50):6.2f} ms  p95 {pct(times[label], 95):6.2f} ms"
+                      f"  client CPU {cpu_used[label] / args.writes * 1000:5.2f} ms/write")  # fmt: skip
+    finally:
+        for store in stores.values():
+            store.close()
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

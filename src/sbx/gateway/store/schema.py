@@ -1,0 +1,249 @@
+"""The gateway's tables, once per dialect: versioned migrations for SQLite and for PostgreSQL, and the column
+list and primary key of every table (what ``ops`` writes and ``migrate`` copies).
+
+A migration is applied once, in order; never edit one that has shipped: append the next. Both tuples have the
+same length and version ``n`` of each makes the same tables and columns (``tests/unit/test_store_contract.py``
+reads both databases' catalogues to hold them to ``TABLES``).
+
+Types: SQLite's ``INTEGER`` is 64-bit, so PostgreSQL uses ``BIGINT`` throughout (a quota of 2**40 MiB round trips
+in both); booleans are kept as 0/1 integers in both, times as RFC 3339 text or epoch seconds (``REAL``/``DOUBLE
+PRECISION``), sealed secrets as ``BLOB``/``BYTEA``. ``user`` is a reserved word in PostgreSQL, so every statement
+quotes its identifiers (``ops``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table's columns (in the order ``migrate`` copies them) and its primary key (what an upsert conflicts on)."""
+
+    columns: tuple[str, ...]
+    key: tuple[str, ...]
+
+
+TABLES: dict[str, Table] = {
+    "keys": Table(("id", "user", "tenant", "scopes", "secret_sha256", "created", "revoked"), ("id",)),
+    "nodes": Table(
+        ("name", "endpoint", "token_file", "ca_file", "cert_file", "key_file", "added"), ("name",)
+    ),
+    "node_flags": Table(("name", "cordoned", "drained"), ("name",)),
+    "sandboxes": Table(("id", "user", "tenant", "node", "name", "cpus", "memory_mb", "created"), ("id",)),
+    "volumes": Table(("name", "user", "tenant", "node", "created"), ("name",)),
+    "snapshots": Table(("id", "user", "tenant", "node", "sandbox", "created"), ("id",)),
+    "orgs": Table(("name", "created", "created_by", "created_by_tenant"), ("name",)),
+    "members": Table(("org", "user", "tenant", "role", "added"), ("org", "user")),
+    "quotas": Table(("tenant", "max_cpus", "max_memory_mb", "max_sandboxes"), ("tenant",)),
+    "services": Table(
+        (
+            "id",
+            "tenant",
+            "name",
+            "user",
+            "spec",
+            "revision",
+            "serving",
+            "desired",
+            "restarts",
+            "rollout",
+            "created",
+            "updated",
+        ),
+        ("id",),
+    ),
+    "service_revisions": Table(("service", "revision", "spec"), ("service", "revision")),
+    "service_replicas": Table(
+        ("sandbox", "service", "node", "revision", "pid", "restarts", "ever_healthy", "created"), ("sandbox",)
+    ),
+    "jobs": Table(
+        ("id", "user", "tenant", "agent", "spec", "prompt", "state", "error", "created", "updated"), ("id",)
+    ),
+    "job_runs": Table(
+        (
+            "job",
+            "n",
+            "state",
+            "sandbox",
+            "node",
+            "pid",
+            "exit_code",
+            "started",
+            "finished",
+            "error",
+            "truncated",
+            "files",
+        ),
+        ("job", "n"),
+    ),
+    "secrets": Table(("tenant", "name", "nonce", "ciphertext", "updated"), ("tenant", "name")),
+    "notifications": Table(("id", "job", "url", "body", "attempts", "first_try", "next_try"), ("id",)),
+    "ssh_keys": Table(
+        ("id", "user", "home_tenant", "tenant", "fingerprint", "key", "sandbox", "created"), ("id",)
+    ),
+    "ssh_tokens": Table(
+        ("token_sha256", "user", "tenant", "sandbox", "expires_at", "created"), ("token_sha256",)
+    ),
+}
+
+SQLITE_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE keys (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, scopes TEXT NOT NULL,
+        secret_sha256 TEXT NOT NULL UNIQUE, created TEXT NOT NULL, revoked TEXT
+    );
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY, endpoint TEXT NOT NULL, token_file TEXT, ca_file TEXT, cert_file TEXT,
+        key_file TEXT, added TEXT NOT NULL
+    );
+    CREATE TABLE node_flags (name TEXT PRIMARY KEY, cordoned INTEGER NOT NULL, drained INTEGER NOT NULL);
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, name TEXT,
+        cpus INTEGER, memory_mb INTEGER, created TEXT NOT NULL
+    );
+    CREATE TABLE volumes (
+        name TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, created TEXT NOT NULL
+    );
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, sandbox TEXT,
+        created TEXT NOT NULL
+    );
+    CREATE TABLE orgs (
+        name TEXT PRIMARY KEY, created TEXT NOT NULL, created_by TEXT NOT NULL, created_by_tenant TEXT NOT NULL
+    );
+    CREATE TABLE members (
+        org TEXT NOT NULL, user TEXT NOT NULL, tenant TEXT NOT NULL, role TEXT NOT NULL, added TEXT NOT NULL,
+        PRIMARY KEY (org, user)
+    );
+    CREATE TABLE quotas (
+        tenant TEXT PRIMARY KEY, max_cpus INTEGER, max_memory_mb INTEGER, max_sandboxes INTEGER
+    );
+    """,
+    # Services, jobs and agent runs, tenant secrets, job notifications (gateway/services, gateway/jobs,
+    # gateway/secrets.py): each module reads and writes its own tables through Store.execute and Store.query.
+    """
+    CREATE TABLE services (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL, user TEXT NOT NULL, spec TEXT NOT NULL,
+        revision INTEGER NOT NULL, serving INTEGER NOT NULL, desired INTEGER NOT NULL, restarts INTEGER NOT NULL,
+        rollout TEXT, created TEXT NOT NULL, updated TEXT NOT NULL, UNIQUE (tenant, name)
+    );
+    CREATE TABLE service_revisions (
+        service TEXT NOT NULL, revision INTEGER NOT NULL, spec TEXT NOT NULL, PRIMARY KEY (service, revision)
+    );
+    CREATE TABLE service_replicas (
+        sandbox TEXT PRIMARY KEY, service TEXT NOT NULL, node TEXT NOT NULL, revision INTEGER NOT NULL,
+        pid INTEGER, restarts INTEGER NOT NULL, ever_healthy INTEGER NOT NULL, created TEXT NOT NULL
+    );
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, agent TEXT, spec TEXT NOT NULL,
+        prompt TEXT, state TEXT NOT NULL, error TEXT, created TEXT NOT NULL, updated TEXT NOT NULL
+    );
+    CREATE TABLE job_runs (
+        job TEXT NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL, sandbox TEXT, node TEXT, pid INTEGER,
+        exit_code INTEGER, started TEXT, finished TEXT, error TEXT, truncated INTEGER NOT NULL, files TEXT,
+        PRIMARY KEY (job, n)
+    );
+    CREATE TABLE secrets (
+        tenant TEXT NOT NULL, name TEXT NOT NULL, nonce BLOB NOT NULL, ciphertext BLOB NOT NULL,
+        updated TEXT NOT NULL, PRIMARY KEY (tenant, name)
+    );
+    CREATE TABLE notifications (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, url TEXT NOT NULL, body TEXT NOT NULL,
+        attempts INTEGER NOT NULL, first_try REAL NOT NULL, next_try REAL NOT NULL
+    );
+    """,
+    # SSH keys and access tokens (docs/ssh.md).
+    """
+    CREATE TABLE ssh_keys (
+        id TEXT PRIMARY KEY, user TEXT NOT NULL, home_tenant TEXT NOT NULL, tenant TEXT NOT NULL,
+        fingerprint TEXT NOT NULL, key TEXT NOT NULL, sandbox TEXT, created TEXT NOT NULL
+    );
+    CREATE INDEX ssh_keys_fingerprint ON ssh_keys (fingerprint);
+    CREATE TABLE ssh_tokens (
+        token_sha256 TEXT PRIMARY KEY, user TEXT NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
+        expires_at REAL NOT NULL, created TEXT NOT NULL
+    );
+    """,
+)
+
+POSTGRES_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE keys (
+        id TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, scopes TEXT NOT NULL,
+        secret_sha256 TEXT NOT NULL UNIQUE, created TEXT NOT NULL, revoked TEXT
+    );
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY, endpoint TEXT NOT NULL, token_file TEXT, ca_file TEXT, cert_file TEXT,
+        key_file TEXT, added TEXT NOT NULL
+    );
+    CREATE TABLE node_flags (name TEXT PRIMARY KEY, cordoned BIGINT NOT NULL, drained BIGINT NOT NULL);
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, name TEXT,
+        cpus BIGINT, memory_mb BIGINT, created TEXT NOT NULL
+    );
+    CREATE TABLE volumes (
+        name TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, created TEXT NOT NULL
+    );
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, node TEXT NOT NULL, sandbox TEXT,
+        created TEXT NOT NULL
+    );
+    CREATE TABLE orgs (
+        name TEXT PRIMARY KEY, created TEXT NOT NULL, created_by TEXT NOT NULL, created_by_tenant TEXT NOT NULL
+    );
+    CREATE TABLE members (
+        org TEXT NOT NULL, "user" TEXT NOT NULL, tenant TEXT NOT NULL, role TEXT NOT NULL, added TEXT NOT NULL,
+        PRIMARY KEY (org, "user")
+    );
+    CREATE TABLE quotas (
+        tenant TEXT PRIMARY KEY, max_cpus BIGINT, max_memory_mb BIGINT, max_sandboxes BIGINT
+    );
+    """,
+    """
+    CREATE TABLE services (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL, "user" TEXT NOT NULL, spec TEXT NOT NULL,
+        revision BIGINT NOT NULL, serving BIGINT NOT NULL, desired BIGINT NOT NULL, restarts BIGINT NOT NULL,
+        rollout TEXT, created TEXT NOT NULL, updated TEXT NOT NULL, UNIQUE (tenant, name)
+    );
+    CREATE TABLE service_revisions (
+        service TEXT NOT NULL, revision BIGINT NOT NULL, spec TEXT NOT NULL, PRIMARY KEY (service, revision)
+    );
+    CREATE TABLE service_replicas (
+        sandbox TEXT PRIMARY KEY, service TEXT NOT NULL, node TEXT NOT NULL, revision BIGINT NOT NULL,
+        pid BIGINT, restarts BIGINT NOT NULL, ever_healthy BIGINT NOT NULL, created TEXT NOT NULL
+    );
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, agent TEXT, spec TEXT NOT NULL,
+        prompt TEXT, state TEXT NOT NULL, error TEXT, created TEXT NOT NULL, updated TEXT NOT NULL
+    );
+    CREATE TABLE job_runs (
+        job TEXT NOT NULL, n BIGINT NOT NULL, state TEXT NOT NULL, sandbox TEXT, node TEXT, pid BIGINT,
+        exit_code BIGINT, started TEXT, finished TEXT, error TEXT, truncated BIGINT NOT NULL, files TEXT,
+        PRIMARY KEY (job, n)
+    );
+    CREATE TABLE secrets (
+        tenant TEXT NOT NULL, name TEXT NOT NULL, nonce BYTEA NOT NULL, ciphertext BYTEA NOT NULL,
+        updated TEXT NOT NULL, PRIMARY KEY (tenant, name)
+    );
+    CREATE TABLE notifications (
+        id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, job TEXT NOT NULL, url TEXT NOT NULL,
+        body TEXT NOT NULL, attempts BIGINT NOT NULL, first_try DOUBLE PRECISION NOT NULL,
+        next_try DOUBLE PRECISION NOT NULL
+    );
+    """,
+    """
+    CREATE TABLE ssh_keys (
+        id TEXT PRIMARY KEY, "user" TEXT NOT NULL, home_tenant TEXT NOT NULL, tenant TEXT NOT NULL,
+        fingerprint TEXT NOT NULL, key TEXT NOT NULL, sandbox TEXT, created TEXT NOT NULL
+    );
+    CREATE INDEX ssh_keys_fingerprint ON ssh_keys (fingerprint);
+    CREATE TABLE ssh_tokens (
+        token_sha256 TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL, created TEXT NOT NULL
+    );
+    """,
+)
+
+#: The schema version this code writes.
+SCHEMA_VERSION = len(SQLITE_MIGRATIONS)

@@ -1,0 +1,674 @@
+"""One contract for both stores: every store operation, its round trip through a reopen, the owner lock, the
+migrations (once, also when two processes start together), run against SQLite and against PostgreSQL (a private
+cluster, tests/support/pg_cluster.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psycopg
+import pytest
+from pg_cluster import PgCluster
+
+from sbx.api.jobs import JobSpec, KeptFile
+from sbx.api.services import ServiceSpec
+from sbx.gateway import keys
+from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
+from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
+from sbx.gateway.state import (
+    MemberRecord,
+    NodeDef,
+    NodeFlags,
+    OrgRecord,
+    Quota,
+    SandboxRecord,
+    SnapshotRecord,
+    SshKeyRecord,
+    SshTokenRecord,
+    StateError,
+    StateLocked,
+    VolumeRecord,
+)
+from sbx.gateway.store import (
+    SCHEMA_VERSION,
+    TABLES,
+    Delete,
+    Insert,
+    Store,
+    StoreLocation,
+    Update,
+    Upsert,
+    open_store,
+)
+from sbx.gateway.store.schema import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
+
+T0 = "2026-01-02T03:04:05Z"
+
+
+@dataclass
+class Backend:
+    """One store location and a way to read its database behind the store's back."""
+
+    kind: str
+    location: StoreLocation
+    sql: Callable[[str], list[tuple[Any, ...]]]
+
+    def open(self) -> Store:
+        return open_store(self.location)
+
+
+def _sqlite_sql(path: Path) -> Callable[[str], list[tuple[Any, ...]]]:
+    def run(sql: str) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            return list(conn.execute(sql))
+        finally:
+            conn.close()
+
+    return run
+
+
+def _pg_sql(cluster: PgCluster, url: str) -> Callable[[str], list[tuple[Any, ...]]]:
+    dbname = url.split("/")[3].split("?")[0]
+
+    def run(sql: str) -> list[tuple[Any, ...]]:
+        with cluster.connect(dbname) as conn:
+            cur = conn.execute(sql)
+            return cur.fetchall() if cur.description else []
+
+    return run
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Backend]:
+    if request.param == "sqlite":
+        path = tmp_path / "gw.db"
+        yield Backend("sqlite", StoreLocation(state=path), _sqlite_sql(path))
+        return
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    for name, value in cluster.env().items():
+        monkeypatch.setenv(name, value)
+    url = cluster.create_database()
+    yield Backend("postgres", StoreLocation(database=url), _pg_sql(cluster, url))
+
+
+@pytest.fixture
+def store(backend: Backend) -> Iterator[Store]:
+    s = backend.open()
+    yield s
+    s.close()
+
+
+def reopened(backend: Backend, store: Store) -> Store:
+    store.close()
+    return backend.open()
+
+
+# -- schema ------------------------------------------------------------------------------------------------
+
+
+def test_both_dialects_have_the_same_migrations() -> None:
+    assert len(SQLITE_MIGRATIONS) == len(POSTGRES_MIGRATIONS) == SCHEMA_VERSION
+
+
+def test_a_fresh_store_is_migrated_once(backend: Backend) -> None:
+    store = backend.open()
+    assert store.schema_version() == SCHEMA_VERSION
+    store.close()
+    again = backend.open()
+    assert again.schema_version() == SCHEMA_VERSION
+    again.close()
+    assert backend.sql("SELECT version FROM schema_version ORDER BY version") == [
+        (v,) for v in range(1, SCHEMA_VERSION + 1)
+    ]
+
+
+def test_the_tables_are_those_the_copy_knows(store: Store, backend: Backend) -> None:
+    """Every table the migrations make, with its columns in order, is in ``TABLES`` (what migrate copies)."""
+    if backend.kind == "sqlite":
+        names = [r[0] for r in backend.sql("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        found = {
+            n: tuple(r[1] for r in backend.sql(f"PRAGMA table_info({n})"))
+            for n in names
+            if n not in ("schema_version", "sqlite_sequence")
+        }
+    else:
+        rows = backend.sql(
+            "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public' "
+            "ORDER BY table_name, ordinal_position"
+        )
+        found = {}
+        for table, column in rows:
+            if table != "schema_version":
+                found[table] = (*found.get(table, ()), column)
+    assert found == {name: t.columns for name, t in TABLES.items()}
+
+
+def test_a_newer_schema_is_refused(backend: Backend) -> None:
+    backend.open().close()
+    backend.sql(f"INSERT INTO schema_version (version) VALUES ({SCHEMA_VERSION + 1})")
+    with pytest.raises(StateError, match="newer than this sandbox-gateway knows"):
+        backend.open()
+
+
+def test_two_processes_starting_together_migrate_once(backend: Backend) -> None:
+    """Eight openers race on an empty store: each migration is applied exactly once and all of them open it."""
+    if backend.kind == "sqlite":
+        from sbx.gateway.store.sqlite import SqliteStore
+
+        def opener() -> Store:
+            assert backend.location.state is not None
+            return SqliteStore.open(backend.location.state)
+    else:
+        from sbx.gateway.store.postgres import PostgresStore
+
+        def opener() -> Store:
+            assert backend.location.database is not None
+            return PostgresStore.open(backend.location.database, lock=False)
+
+    barrier = threading.Barrier(8)
+    opened: list[Store] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        barrier.wait()
+        try:
+            opened.append(opener())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in opened:
+        s.close()
+    assert errors == []
+    assert len(opened) == 8
+    assert backend.sql("SELECT version FROM schema_version ORDER BY version") == [
+        (v,) for v in range(1, SCHEMA_VERSION + 1)
+    ]
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from sbx.gateway import keys
+from sbx.gateway.store import StoreLocation, open_store
+where = sys.argv[2]
+store = open_store(StoreLocation(state=Path(where)) if sys.argv[1] == "sqlite" else StoreLocation(database=where))
+while True:
+    key, secret = keys.new_key("u", "", {"sandbox:read"})
+    store.add_key(key)
+    print(key.id, flush=True)
+"""
+
+
+def test_sigkill_loses_nothing_acknowledged_and_frees_the_store(backend: Backend) -> None:
+    where = str(backend.location.state or backend.location.database)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, backend.kind, where], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    acknowledged = [proc.stdout.readline().strip() for _ in range(40)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # The dead owner's lock goes with it (PostgreSQL: once the server sees the connection end).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            store = backend.open()
+            break
+        except StateLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert set(acknowledged) <= set(store.keys)
+    store.close()
+
+
+# -- the owner lock ----------------------------------------------------------------------------------------
+
+
+def test_one_owner_at_a_time(backend: Backend) -> None:
+    first = backend.open()
+    first.add_key(keys.new_key("alice", "", {"admin"})[0])
+    with pytest.raises(StateLocked, match="stop that gateway first") as refused:
+        backend.open()
+    assert ("state file lock" in str(refused.value)) == (backend.kind == "sqlite")
+    assert ("another sandbox-gateway holds the database" in str(refused.value)) == (
+        backend.kind == "postgres"
+    )
+    assert "password" not in str(refused.value).lower()
+    # The refused opener changed nothing; once the owner closes, the next one opens and sees its key.
+    first.close()
+    second = backend.open()
+    assert [k.user for k in second.keys.values()] == ["alice"]
+    second.close()
+
+
+# -- every operation, and its round trip through a reopen -------------------------------------------------
+
+
+def test_keys(backend: Backend, store: Store) -> None:
+    key, secret = keys.new_key("alice", "acme", {"sandbox:read", "sandbox:create"})
+    store.add_key(key)
+    assert store.keys_by_hash[keys.hash_secret(secret)] == key
+    with pytest.raises(Exception):  # noqa: B017 - each driver raises its own IntegrityError
+        store.add_key(key)
+    store = reopened(backend, store)
+    assert store.keys[key.id] == key
+    assert store.revoke_key("key_unknown") is None
+    revoked = store.revoke_key(key.id)
+    assert revoked is not None and revoked.revoked is not None
+    assert store.revoke_key(key.id) == revoked
+    store = reopened(backend, store)
+    assert store.keys[key.id] == revoked and store.keys_by_hash[key.secret_sha256] == revoked
+    assert secret not in repr(backend.sql("SELECT * FROM keys"))
+    store.close()
+
+
+def test_nodes_and_flags(backend: Backend, store: Store) -> None:
+    node = NodeDef("n1", "https://10.0.0.1:7070", "/etc/t", "/etc/ca", "/etc/c", "/etc/k")
+    store.add_node(node)
+    store.set_node_flags("n1", NodeFlags(cordoned=True))
+    store.set_node_flags("file-node", NodeFlags(True, True))
+    store = reopened(backend, store)
+    assert store.nodes == {"n1": node}
+    assert store.node_flags == {"n1": NodeFlags(True, False), "file-node": NodeFlags(True, True)}
+    store.set_node_flags("n1", NodeFlags(False, True))
+    assert store.remove_node("n1") is True
+    assert store.remove_node("n1") is False
+    store = reopened(backend, store)
+    assert store.nodes == {} and store.node_flags == {"file-node": NodeFlags(True, True)}
+    store.close()
+
+
+def test_ownership_records(backend: Backend, store: Store) -> None:
+    a = SandboxRecord("sbx_a", "alice", "", "n1", "web", 2, 2**40, T0)
+    b = SandboxRecord("sbx_b", "bob", "acme", "n2", None, 1, 512, T0)
+    store.put_sandbox(a)
+    store.put_sandbox(b)
+    store.put_sandbox(SandboxRecord("sbx_a", "alice", "", "n3", "web", 2, 1024, T0))  # replaced, not doubled
+    vol = VolumeRecord("data", "alice", "", "n1", T0)
+    snap = SnapshotRecord("snap_1", "bob", "acme", "n2", "sbx_b", T0)
+    store.put_volume(vol)
+    store.put_snapshot(snap)
+    store.put_snapshot(SnapshotRecord("snap_2", "bob", "acme", "n2", None, T0))
+    store = reopened(backend, store)
+    assert store.sandboxes == {
+        "sbx_a": SandboxRecord("sbx_a", "alice", "", "n3", "web", 2, 1024, T0),
+        "sbx_b": b,
+    }
+    assert store.volumes == {"data": vol}
+    assert store.snapshots["snap_1"] == snap and store.snapshots["snap_2"].sandbox is None
+    store.forget_sandboxes(["sbx_a", "sbx_unknown"])
+    store.forget_sandboxes([])
+    store.forget_volume("data")
+    store.forget_snapshot("snap_1")
+    store = reopened(backend, store)
+    assert list(store.sandboxes) == ["sbx_b"] and store.volumes == {} and list(store.snapshots) == ["snap_2"]
+    store.close()
+
+
+def test_orgs_and_members(backend: Backend, store: Store) -> None:
+    owner = MemberRecord("acme", "alice", "", "owner", T0)
+    store.add_org(OrgRecord("acme", T0, "alice", ""), owner)
+    store.put_member(MemberRecord("acme", "bob", "bobs", "member", T0))
+    store.put_member(MemberRecord("acme", "bob", "bobs", "owner", T0))  # a role change replaces
+    with pytest.raises(Exception):  # noqa: B017 - the org exists: neither row is written again
+        store.add_org(OrgRecord("acme", T0, "eve", ""), MemberRecord("acme", "eve", "", "owner", T0))
+    store = reopened(backend, store)
+    assert store.orgs == {"acme": OrgRecord("acme", T0, "alice", "")}
+    assert store.members == {
+        ("acme", "alice"): owner,
+        ("acme", "bob"): MemberRecord("acme", "bob", "bobs", "owner", T0),
+    }
+    store.remove_member("acme", "bob")
+    store = reopened(backend, store)
+    assert list(store.members) == [("acme", "alice")]
+    store.close()
+
+
+def test_quotas(backend: Backend, store: Store) -> None:
+    store.set_quota("acme", Quota(max_cpus=8, max_memory_mb=2**40))
+    store.set_quota("", Quota(max_sandboxes=3))
+    store.set_quota("acme", Quota(max_cpus=4, max_memory_mb=2**40))
+    store = reopened(backend, store)
+    assert store.quotas == {"acme": Quota(4, 2**40, None), "": Quota(None, None, 3)}
+    store.set_quota("acme", Quota())  # no limit at all: the row goes
+    store = reopened(backend, store)
+    assert store.quotas == {"": Quota(None, None, 3)}
+    assert backend.sql("SELECT tenant FROM quotas") == [("",)]
+    store.close()
+
+
+def test_ssh_keys_and_tokens(backend: Backend, store: Store) -> None:
+    key = SshKeyRecord("sshk_1", "alice", "", "acme", "SHA256:abc", "ssh-ed25519 AAAA alice@x", None, T0)
+    pinned = SshKeyRecord("sshk_2", "alice", "", "", "SHA256:def", "ssh-ed25519 BBBB", "sbx_a", T0)
+    store.add_ssh_key(key)
+    store.add_ssh_key(pinned)
+    token = SshTokenRecord("f" * 64, "alice", "acme", "sbx_a", 1767225600.25, T0)
+    store.add_ssh_token(token)
+    store.add_ssh_token(SshTokenRecord("e" * 64, "bob", "", "sbx_b", 1.5, T0))
+    store = reopened(backend, store)
+    assert store.ssh_keys == {"sshk_1": key, "sshk_2": pinned}
+    assert store.ssh_tokens["f" * 64] == token
+    assert store.remove_ssh_key("sshk_1") is True and store.remove_ssh_key("sshk_1") is False
+    store.forget_ssh_tokens(["e" * 64, "0" * 64])
+    store.forget_ssh_tokens([])
+    store = reopened(backend, store)
+    assert list(store.ssh_keys) == ["sshk_2"] and list(store.ssh_tokens) == ["f" * 64]
+    store.close()
+
+
+# -- the write operations other modules use ----------------------------------------------------------------
+
+
+def test_a_failing_write_leaves_nothing_of_its_transaction(backend: Backend, store: Store) -> None:
+    store.execute([Insert("secrets", {"tenant": "t", "name": "A", "nonce": b"n", "ciphertext": b"c",
+                                      "updated": T0})])  # fmt: skip
+    before = backend.sql("SELECT tenant, name FROM secrets ORDER BY name")
+    with pytest.raises(Exception):  # noqa: B017 - the duplicate key; the first insert must go too
+        store.execute([
+            Insert("secrets", {"tenant": "t", "name": "B", "nonce": b"n", "ciphertext": b"c", "updated": T0}),
+            Insert("secrets", {"tenant": "t", "name": "A", "nonce": b"n", "ciphertext": b"c", "updated": T0}),
+        ])  # fmt: skip
+    assert backend.sql("SELECT tenant, name FROM secrets ORDER BY name") == before == [("t", "A")]
+
+
+def test_upsert_update_delete_and_bytes(backend: Backend, store: Store) -> None:
+    nonce, sealed = bytes(range(12)), bytes(range(256))
+    store.execute([Upsert("secrets", {"tenant": "t", "name": "K", "nonce": b"old", "ciphertext": b"old",
+                                      "updated": T0})])  # fmt: skip
+    store.execute([Upsert("secrets", {"tenant": "t", "name": "K", "nonce": nonce, "ciphertext": sealed,
+                                      "updated": "later"})], full=False)  # fmt: skip
+    store = reopened(backend, store)
+    [(n, c, updated)] = store.query("secrets", ("nonce", "ciphertext", "updated"))
+    assert (bytes(n), bytes(c), updated) == (nonce, sealed, "later")
+    for rev in (1, 2, 3):
+        store.execute([Upsert("service_revisions", {"service": "svc_1", "revision": rev, "spec": "{}"})])
+    store.execute([Upsert("service_revisions", {"service": "svc_2", "revision": 1, "spec": "{}"})])
+    store.execute([Delete("service_revisions", {"service": "svc_1"}, below={"revision": 3})])
+    assert sorted(store.query("service_revisions", ("service", "revision"))) == [("svc_1", 3), ("svc_2", 1)]
+    store.execute([Insert("notifications", {"job": "job_1", "url": "https://x/", "body": "{}", "attempts": 0,
+                                            "first_try": 1.5, "next_try": 1.5}) for _ in range(3)])  # fmt: skip
+    rows = store.query("notifications", ("id", "attempts", "next_try"), "id")
+    assert [r[1:] for r in rows] == [(0, 1.5)] * 3 and [r[0] for r in rows] == sorted(r[0] for r in rows)
+    store.execute([Update("notifications", {"attempts": 1, "next_try": 99.25}, {"id": rows[1][0]})])
+    store.execute([Delete("notifications", {"id": rows[0][0]})])
+    store = reopened(backend, store)
+    assert store.query("notifications", ("id", "attempts", "next_try"), "id") == [
+        (rows[1][0], 1, 99.25), (rows[2][0], 0, 1.5)
+    ]  # fmt: skip
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("op", "message"),
+    [
+        (Insert("no_such_table", {"a": 1}), "no table 'no_such_table'"),
+        (Upsert("keys", {"id": "k", "password": "x"}), "table 'keys' has no column 'password'"),
+        (Delete("keys", {}), "a delete from 'keys' names no row"),
+        (
+            Update("keys", {"revoked": T0}, {"id; DROP TABLE keys": "x"}),
+            "has no column 'id; DROP TABLE keys'",
+        ),
+    ],
+)
+def test_a_write_naming_what_is_not_there_is_refused(
+    backend: Backend, store: Store, op: Any, message: str
+) -> None:
+    store.add_key(keys.new_key("alice", "", {"admin"})[0])
+    before = backend.sql("SELECT id FROM keys")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        store.execute([op])
+    assert backend.sql("SELECT id FROM keys") == before
+
+
+async def _write(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+async def test_services_tables_round_trip(backend: Backend, store: Store) -> None:
+    spec = msgspec.convert({"name": "web", "image": "debian", "command": ["sleep", "1d"]}, ServiceSpec)
+    db = ServiceStore(store, _write)
+    svc = ServiceRecord("svc_1", "acme", "web", "alice", spec, 2, 1, 2, 0,
+                        RolloutRecord("rolling", 1, 2, 1767225600.5, 1, None), T0, T0)  # fmt: skip
+    await db.put_service(svc, new_revision=spec)
+    await db.put_replica(ReplicaRecord("sbx_r1", "svc_1", "n1", 2, 4242, 1, True, T0))
+    await db.put_replica(ReplicaRecord("sbx_r2", "svc_1", "n1", 2, None, 0, False, T0))
+    await db.forget_replica("sbx_r2")
+    store = reopened(backend, store)
+    again = ServiceStore(store, _write)
+    assert again.services == {"svc_1": svc}
+    assert again.revisions == {("svc_1", 2): spec}
+    assert again.replicas == {"sbx_r1": ReplicaRecord("sbx_r1", "svc_1", "n1", 2, 4242, 1, True, T0)}
+    await again.delete_service("svc_1")
+    store = reopened(backend, store)
+    empty = ServiceStore(store, _write)
+    assert (empty.services, empty.revisions, empty.replicas) == ({}, {}, {})
+    store.close()
+
+
+async def test_jobs_tables_round_trip(backend: Backend, store: Store) -> None:
+    spec = msgspec.convert({"image": "debian", "command": ["true"]}, JobSpec)
+    db = JobStore(store, _write)
+    job = JobRecord("job_1", "alice", "", "claude", spec, "fix the bug ✓", "running", None, T0, T0)
+    run = RunRecord("job_1", 1, "succeeded", "sbx_j", "n1", 77, 0, T0, T0, None, True,
+                    (KeptFile(path="out/a.txt", bytes=3),))  # fmt: skip
+    await db.put(job=job, run=run, extra=[Insert("notifications", {
+        "job": "job_1", "url": "https://x/", "body": "{}", "attempts": 0, "first_try": 1.0, "next_try": 1.0})])  # fmt: skip
+    await db.put(run=RunRecord("job_1", 2, "pending"), full=False)
+    store = reopened(backend, store)
+    again = JobStore(store, _write)
+    assert again.jobs == {"job_1": job}
+    assert again.runs == {("job_1", 1): run, ("job_1", 2): RunRecord("job_1", 2, "pending")}
+    assert len(store.query("notifications", ("id",))) == 1
+    await again.delete(["job_1"])
+    store = reopened(backend, store)
+    assert (JobStore(store, _write).jobs, JobStore(store, _write).runs) == ({}, {})
+    store.close()
+
+
+def test_holds_state(store: Store) -> None:
+    assert store.holds_state() is False
+    store.set_node_flags("n1", NodeFlags())
+    assert store.holds_state() is True
+
+
+# -- PostgreSQL only: the URL and the password ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql://gw:hunter2@db.example/gw", "the database URL carries a password"),
+        ("postgresql:///gw?host=/run/pg&password=hunter2", "the database URL carries a password"),
+        (
+            "postgresql://gw@db.example/gw?sslkey=/k&sslpassword=hunter2",
+            "the database URL carries a password",
+        ),
+        ("mysql://gw@db.example/gw", "'mysql' is not a PostgreSQL URL"),
+        ("/var/lib/gw.db", "is not a PostgreSQL URL"),
+    ],
+)
+def test_a_database_url_that_cannot_be_used_is_refused(url: str, message: str) -> None:
+    with pytest.raises(StateError, match=message) as refused:
+        open_store(StoreLocation(database=url))
+    assert "hunter2" not in str(refused.value)
+
+
+def test_the_password_comes_from_the_environment(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = pg_cluster.create_database()
+    monkeypatch.delenv("SANDBOX_GATEWAY_DATABASE_PASSWORD", raising=False)
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    monkeypatch.setenv("PGPASSFILE", "/nonexistent")
+    with pytest.raises(StateError, match="cannot use the database .*(password|authentication)"):
+        open_store(StoreLocation(database=url))
+    monkeypatch.setenv("SANDBOX_GATEWAY_DATABASE_PASSWORD", "wrong")
+    with pytest.raises(StateError, match="password authentication failed") as refused:
+        open_store(StoreLocation(database=url))
+    assert "wrong" not in str(refused.value)
+    monkeypatch.delenv("SANDBOX_GATEWAY_DATABASE_PASSWORD")
+    monkeypatch.setenv("PGPASSWORD", pg_cluster.password)  # libpq's own variable works too
+    open_store(StoreLocation(database=url)).close()
+    with psycopg.connect(url, password=pg_cluster.password) as conn:
+        assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone() == (SCHEMA_VERSION,)
+
+
+def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL stops (as in a crash): a write is refused with 503 and leaves memory as it was, the owner lock's
+    watcher reports the loss; once PostgreSQL is back, writes go through again (the pool reconnects)."""
+    from sbx.api.errors import Unavailable
+
+    cluster = PgCluster.start()  # its own: this one is stopped under the store
+    try:
+        for name, value in cluster.env().items():
+            monkeypatch.setenv(name, value)
+        url = cluster.create_database()
+        store = open_store(StoreLocation(database=url))
+        lost: list[str] = []
+        store.watch_owner(lost.append)
+        first, second, third = (keys.new_key(u, "", {"admin"})[0] for u in ("a", "b", "c"))
+        store.add_key(first)
+        cluster.pause()
+        with pytest.raises(Unavailable, match="the gateway cannot reach its database now; try again shortly"):
+            store.add_key(second)
+        assert set(store.keys) == {first.id}
+        deadline = time.monotonic() + 60
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(lost) == 1 and "password" not in lost[0]
+        cluster.resume()
+        store.add_key(third)
+        store.close()
+        again = open_store(StoreLocation(database=url))
+        assert set(again.keys) == {first.id, third.id}
+        again.close()
+    finally:
+        cluster.stop()
+
+
+def test_an_unreachable_database_says_so(tmp_path: Path) -> None:
+    with pytest.raises(StateError, match=f"cannot use the database .*{tmp_path}"):
+        open_store(StoreLocation(database=f"postgresql://gw@/gw?host={tmp_path}"))
+
+
+# -- the offline commands, against both ----------------------------------------------------------------------
+
+
+def _flag(backend: Backend) -> list[str]:
+    if backend.location.state is not None:
+        return ["--state", str(backend.location.state)]
+    assert backend.location.database is not None
+    return ["--database", backend.location.database]
+
+
+def test_offline_keys_nodes_and_quotas(backend: Backend) -> None:
+    from click.testing import CliRunner
+
+    from sbx.gateway.main import main
+
+    runner, where = CliRunner(), _flag(backend)
+
+    def run(*args: str) -> Any:
+        return runner.invoke(main, [*args, *where])
+
+    made = run("keys", "create", "--user", "admin", "--scope", "admin", "--json")
+    assert made.exit_code == 0, made.output
+    created = msgspec.json.decode(made.output)
+    listed = run("keys", "list", "--json")
+    assert listed.exit_code == 0 and created["secret"] not in listed.output
+    assert [k["id"] for k in msgspec.json.decode(listed.output)["keys"]] == [created["id"]]
+    assert run("keys", "revoke", created["id"]).exit_code == 0
+    assert "revoked" in msgspec.json.decode(run("keys", "list", "--json").output)["keys"][0]
+    unknown = run("keys", "revoke", "key_nope")
+    assert unknown.exit_code == 1 and "no key 'key_nope'" in unknown.output
+    assert run("nodes", "add", "n1", "unix:///run/n1.sock").exit_code == 0
+    twice = run("nodes", "add", "n1", "unix:///run/n1.sock")
+    assert twice.exit_code == 1 and "a node named 'n1' exists" in twice.output
+    assert msgspec.json.decode(run("nodes", "list", "--json").output) == {
+        "nodes": [{"name": "n1", "endpoint": "unix:///run/n1.sock", "cordoned": False}]
+    }
+    assert run("quotas", "set", "acme", "--sandboxes", "3").exit_code == 0
+    assert "acme  cpus=None memory_mb=None sandboxes=3" in run("quotas", "list").output
+    assert run("nodes", "remove", "n1").exit_code == 0
+    assert run("nodes", "remove", "n1").exit_code == 1
+    store = backend.open()
+    assert [k.revoked is not None for k in store.keys.values()] == [True]
+    assert store.nodes == {} and store.quotas["acme"].max_sandboxes == 3
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["keys", "create", "--user", "a", "--scope", "admin"],
+        ["keys", "list"],
+        ["keys", "revoke", "key_x"],
+        ["nodes", "add", "n1", "unix:///run/x.sock"],
+        ["nodes", "list"],
+        ["nodes", "remove", "n1"],
+        ["quotas", "set", "acme", "--cpus", "2"],
+    ],
+)
+def test_offline_commands_refuse_while_the_store_is_owned(backend: Backend, args: list[str]) -> None:
+    from click.testing import CliRunner
+
+    from sbx.gateway.main import main
+
+    owner = backend.open()
+    owner.add_key(keys.new_key("alice", "", {"admin"})[0])
+    before = [backend.sql(f"SELECT * FROM {name}") for name in ("keys", "nodes", "quotas")]
+    try:
+        result = CliRunner().invoke(main, [*args, *_flag(backend)])
+    finally:
+        owner.close()
+    assert result.exit_code == 1
+    assert "stop that gateway first" in result.output
+    assert [backend.sql(f"SELECT * FROM {name}") for name in ("keys", "nodes", "quotas")] == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "give the gateway's state: --state FILE"),
+        (["--state", "/tmp/x.db", "--database", "postgresql://gw@db/gw"], "not both"),
+        (["--database", "postgresql://gw:hunter2@db/gw"], "the database URL carries a password"),
+    ],
+)
+def test_the_store_flags_are_checked(args: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    from sbx.gateway.main import main
+
+    for command in (["keys", "list"], ["serve"], ["nodes", "list"]):
+        result = CliRunner().invoke(main, [*command, *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "hunter2" not in result.output
+
+
+def test_serve_on_a_database_needs_a_data_dir() -> None:
+    from click.testing import CliRunner
+
+    from sbx.gateway.main import main
+
+    result = CliRunner().invoke(main, ["serve", "--database", "postgresql://gw@db.invalid/gw"])
+    assert result.exit_code == 2 and "with --database give --data-dir DIR too" in result.output
