@@ -263,7 +263,7 @@ build_sum=$(cd "$SDK_TS" && find src tsconfig.json package-lock.json -type f -pr
 if [ "$(cat "$SDK_TS/dist/.sbx-build-stamp" 2>/dev/null)" = "$build_sum" ] && [ -f "$SDK_TS/dist/index.js" ]; then
     note "up to date"
 else
-    (cd "$SDK_TS" && npx --no-install tsc -p tsconfig.json) ||
+    (cd "$SDK_TS" && node node_modules/typescript/bin/tsc -p tsconfig.json) ||
         die "building the TypeScript SDK failed" "see the messages above (node $(node --version 2>&1))"
     printf '%s\n' "$build_sum" >"$SDK_TS/dist/.sbx-build-stamp"
 fi

@@ -152,8 +152,22 @@ export class Attachment implements AsyncIterable<Frame> {
   }
 }
 
+/** A WebSocket class with the browser's interface (the standard `WebSocket`). */
+export type WebSocketClass = new (url: string, protocols: string[]) => WebSocket;
+
 /** Extra options of an attachment. */
 export interface AttachOptions {
+  /**
+   * The WebSocket class to use the browser's way (the key offered as a subprotocol, no headers). Default: the
+   * runtime's own `WebSocket` in a browser; under Node the `ws` package with the key in `Authorization`.
+   */
+  WebSocket?: WebSocketClass;
+  /**
+   * Called when a browser-style WebSocket fails to open (a browser hides the refusal's status and body): a plain
+   * request that throws the server's error for the same resource, so the caller gets `Unauthorized`, `NotFound`,
+   * ... rather than a bare `Unavailable`.
+   */
+  diagnose?: () => Promise<unknown>;
   /** The gateway organisation to act in (as `X-Sandbox-Org`). */
   org?: string;
   /** (Node) PEM certificate(s) to trust for wss besides the system's. */
@@ -162,11 +176,11 @@ export interface AttachOptions {
 
 /** Open the WebSocket attach of `path` (`.../processes/{pid}/attach/websocket`) on `endpoint`. */
 export async function openAttachment(endpoint: Endpoint, path: string, pid: number, options: AttachOptions = {}): Promise<Attachment> {
-  const NativeWebSocket = (globalThis as { WebSocket?: typeof WebSocket }).WebSocket;
   const isNode = typeof (globalThis as { process?: { versions?: { node?: string } } }).process?.versions?.node === "string";
+  const NativeWebSocket = options.WebSocket ?? (isNode ? undefined : (globalThis as { WebSocket?: WebSocketClass }).WebSocket);
   let opened!: Promise<void>;
   let attachment: Attachment;
-  if (isNode) {
+  if (NativeWebSocket === undefined && isNode) {
     const { WebSocket: NodeWebSocket } = await import("ws");
     const base = new URL(endpoint.baseUrl);
     const fullPath = base.pathname.replace(/\/$/, "") + path;
@@ -243,8 +257,11 @@ export async function openAttachment(endpoint: Endpoint, path: string, pid: numb
       ws.binaryType = "arraybuffer";
       opened = new Promise<void>((resolve, reject) => {
         ws.onopen = () => resolve();
-        ws.onerror = () =>
-          reject(new Unavailable(`the attach of process ${pid} at ${displayEndpoint(endpoint)} was refused or could not connect`));
+        ws.onerror = () => {
+          const refused = new Unavailable(`the attach of process ${pid} at ${displayEndpoint(endpoint)} was refused or could not connect`);
+          if (options.diagnose === undefined) reject(refused);
+          else options.diagnose().then(() => reject(refused), reject);
+        };
       });
       ws.onmessage = (event: MessageEvent) => push({ kind: "data", data: new Uint8Array(event.data as ArrayBuffer) });
       ws.onclose = (event: CloseEvent) => push({ kind: "closed", code: event.code, reason: event.reason });

@@ -11,6 +11,7 @@
  */
 import { resolveEndpoint, type Endpoint } from "./endpoint.js";
 import { Internal, errorFromAnswer } from "./errors.js";
+import type { WebSocketClass } from "./attach.js";
 import { Images, Snapshots, Volumes } from "./resources.js";
 import { Keys, Jobs, Secrets, Services, Ssh } from "./gateway.js";
 import { Sandboxes } from "./sandbox.js";
@@ -31,6 +32,8 @@ export interface ClientOptions {
   ca?: string | Uint8Array;
   /** Replaces the network (tests, custom agents). */
   transport?: Transport;
+  /** A browser-style WebSocket class for attach (default: the browser's own; under Node the `ws` package). */
+  WebSocket?: WebSocketClass;
 }
 
 /** A client of one server. Call `close()` when done (it ends idle keep-alive connections). */

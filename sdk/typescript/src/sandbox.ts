@@ -237,9 +237,12 @@ export class Sandbox {
 
   /** Attach to process `pid` over the WebSocket (its output replayed from the start). Close to detach. */
   attach(pid: number): Promise<Attachment> {
-    return openAttachment(this.client.endpoint, `${this.path}/processes/${checkPid(pid)}/attach/websocket`, pid, {
+    const process = `${this.path}/processes/${checkPid(pid)}`;
+    return openAttachment(this.client.endpoint, `${process}/attach/websocket`, pid, {
       org: this.client.options.org,
       ca: this.client.options.ca,
+      WebSocket: this.client.options.WebSocket,
+      diagnose: () => this.client.call("GET", process),
     });
   }
 
@@ -336,6 +339,8 @@ export class Process {
     return openAttachment(this.client.endpoint, `${this.path}/attach/websocket`, this.pid, {
       org: this.client.options.org,
       ca: this.client.options.ca,
+      WebSocket: this.client.options.WebSocket,
+      diagnose: () => this.client.call("GET", this.path),
     });
   }
 }

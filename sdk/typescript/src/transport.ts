@@ -111,6 +111,13 @@ export function translateError(err: unknown, endpoint: Endpoint): SandboxError {
   if (err instanceof TypeError && /fetch/i.test(err.message)) {
     return new Unavailable(`cannot reach sandboxd at ${where}: ${err.message}`);
   }
+  if (code.startsWith("UND_ERR_SOCKET") || code === "UND_ERR_CLOSED") {
+    return new Unavailable(`sandboxd at ${where} closed the connection in the middle of an answer; it may have stopped`);
+  }
+  if (/^(E[A-Z]+|UND_ERR_[A-Z_]+)$/.test(code)) {
+    // Any other system or network error: the connection, not the request, failed.
+    return new Unavailable(`talking to sandboxd at ${where} failed (${code}): ${e?.message ?? ""}`);
+  }
   return new Internal(`unexpected error talking to sandboxd at ${where}: ${e?.message ?? String(err)}`);
 }
 

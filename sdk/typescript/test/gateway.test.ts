@@ -4,7 +4,22 @@ import assert from "node:assert/strict";
 import { generateKeyPairSync } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
-import { BadGateway, Client, Conflict, InvalidRequest, NotFound, NotServed, Refused, Unauthorized, Unsupported } from "@sbx/sdk";
+import {
+  BadGateway,
+  Client,
+  Conflict,
+  FetchTransport,
+  InvalidRequest,
+  NotFound,
+  NotServed,
+  Refused,
+  Sandbox,
+  Unauthorized,
+  Unsupported,
+  type WebSocketClass,
+  resolveEndpoint,
+} from "@sbx/sdk";
+import { WebSocket as WsWebSocket } from "ws";
 
 import { decode, env, rejectsWith, runExample, waitFor } from "./helpers.js";
 
@@ -53,6 +68,48 @@ describe("sandboxes through the gateway", () => {
     }
     await rejectsWith(alice.images.list(), Unsupported, "");
     await rejectsWith(new Client({ url: env("SBX_TEST_GATEWAY_URL"), token: "sgk_wrong" }).sandboxes.list(), Unauthorized, "");
+  });
+});
+
+describe("the browser's way: fetch and a standard WebSocket", () => {
+  // What a browser runs: FetchTransport (the global fetch) and a WebSocket of the standard interface, here the
+  // `ws` package's class used exactly as a browser's (no headers: the key offered as a subprotocol).
+  const browserClient = (token: string): Client =>
+    new Client({
+      transport: new FetchTransport(resolveEndpoint(env("SBX_TEST_GATEWAY_URL"), token)),
+      WebSocket: WsWebSocket as unknown as WebSocketClass,
+    });
+
+  test("create, run, files, followed output, attach with the key as a subprotocol, errors", T, async () => {
+    const browser = browserClient(env("SBX_TEST_GATEWAY_KEY"));
+    const s = await browser.sandboxes.create({ labels: { suite: "sdk-typescript-browser" } });
+    try {
+      assert.equal(decode((await s.run(["cat"], { stdin: "from fetch" })).stdout), "from fetch");
+      await s.files.write("/sandbox/home/b.txt", new Uint8Array([0, 1, 2, 255]));
+      assert.deepEqual([...(await s.files.read("/sandbox/home/b.txt"))], [0, 1, 2, 255]);
+      const proc = await s.startProcess(["sh", "-c", "echo a; sleep 1; echo b; read x; echo got $x; exit 6"]);
+      const followed: string[] = [];
+      for await (const chunk of proc.output()) {
+        followed.push(decode(chunk.data));
+        if (followed.join("").includes("b\n")) break;
+      }
+      assert.equal(followed.join(""), "a\nb\n");
+      const attached = await proc.attach();
+      await attached.writeStdin("over a browser socket\n");
+      let out = "";
+      for await (const f of attached) if (f.type === "o") out += decode(f.payload);
+      assert.deepEqual([out, attached.exitCode], ["a\nb\ngot over a browser socket\n", 6]);
+      await rejectsWith(browser.sandboxes.get("sbx_nope"), NotFound, "");
+      await rejectsWith(s.tunnel(8080), Unsupported, "browser");
+      await rejectsWith(s.attach(999_999), NotFound, "999999");
+      const stranger = browserClient("sgk_wrong");
+      await rejectsWith(stranger.sandboxes.list(), Unauthorized, "");
+      // A browser hides why a WebSocket was refused: the SDK asks the same resource plainly and throws its error.
+      await rejectsWith(new Sandbox(stranger, s.info).attach(proc.pid), Unauthorized, "");
+    } finally {
+      await s.terminate();
+    }
+    assert.throws(() => new FetchTransport(resolveEndpoint("unix:///run/sandboxd.sock")), InvalidRequest);
   });
 });
 

@@ -118,7 +118,7 @@ describe("run", () => {
 
 describe("background processes", () => {
   test("followed output arrives while the process runs; then its exit code", T, async () => {
-    const proc = await box.startProcess(["sh", "-c", "echo one; sleep 2; echo two >&2; exit 4"]);
+    const proc = await box.startProcess(["sh", "-c", "echo one; sleep 3; echo two >&2; exit 4"]);
     assert.ok(proc.pid > 0);
     assert.equal(proc.exitCode, null);
     const seen: Array<[string, string, number]> = [];

@@ -2,6 +2,9 @@
 // description.
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import { once } from "node:events";
+import { type IncomingMessage, type ServerResponse, createServer } from "node:http";
+import type { AddressInfo } from "node:net";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
@@ -130,3 +133,86 @@ test("docs/sdk-typescript.md shows every example as it is in examples/", () => {
     assert.ok(doc.includes(`<!-- example: ${name} -->\n\`\`\`ts\n${source}\`\`\`\n`), `docs/sdk-typescript.md does not show examples/${name} as it is`);
   }
 });
+
+/** A local HTTP server answering each request with `answer`; records what it received. */
+async function localServer(
+  answer: (req: IncomingMessage, res: ServerResponse) => void,
+): Promise<{ url: string; seen: Array<{ url: string; headers: IncomingMessage["headers"] }>; close: () => Promise<void> }> {
+  const seen: Array<{ url: string; headers: IncomingMessage["headers"] }> = [];
+  const server = createServer((req, res) => {
+    seen.push({ url: req.url ?? "", headers: req.headers });
+    answer(req, res);
+  });
+  server.listen(0, "127.0.0.1");
+  await once(server, "listening");
+  const { port } = server.address() as AddressInfo;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    seen,
+    close: async () => {
+      server.closeAllConnections();
+      server.close();
+    },
+  };
+}
+
+const sendJson = (res: ServerResponse, status: number, body: unknown): void => {
+  res.writeHead(status, { "Content-Type": "application/json" }).end(JSON.stringify(body));
+};
+
+for (const [name, transport] of [
+  ["NodeTransport", (url: string, token: string) => new sdk.NodeTransport(sdk.resolveEndpoint(url, token, {}))],
+  ["FetchTransport (browsers)", (url: string, token: string) => new sdk.FetchTransport(sdk.resolveEndpoint(url, token, {}))],
+] as const) {
+  test(`${name}: the key in Authorization only; answers the API cannot provoke (504, 500, not JSON, cut, silent)`, async () => {
+    const server = await localServer((req, res) => {
+      if (req.url!.startsWith("/v1/sandboxes/a")) sendJson(res, 504, { error: { code: "internal", message: "replica slow" } });
+      else if (req.url!.startsWith("/v1/sandboxes/b")) sendJson(res, 500, { error: { code: "internal", message: "a bug" } });
+      else if (req.url!.startsWith("/v1/sandboxes/c")) res.writeHead(200, { "Content-Type": "application/json" }).end("{not json");
+      else if (req.url!.startsWith("/v1/sandboxes/d")) {
+        res.writeHead(200, { "Content-Type": "application/json", "Content-Length": "100" });
+        res.write("{");
+        setTimeout(() => res.destroy(), 50);
+      } else if (req.url!.startsWith("/v1/sandboxes/e/processes/1/output")) {
+        res.writeHead(200, { "Content-Type": "application/x-ndjson" });
+        res.write(JSON.stringify({ stream: "stdout", data: "aGkK" }) + "\n");
+        setTimeout(() => res.destroy(), 50);
+      } else if (req.url!.startsWith("/v1/capabilities")) {
+        // never answers: the client's timeout ends it
+      } else sendJson(res, 200, { id: "sbx_1", state: "running" });
+    });
+    const key = "sk-test-key-never-in-a-url";
+    const client = new sdk.Client({ transport: transport(server.url, key) });
+    const timed = new sdk.Client({ transport: name === "NodeTransport" ? new sdk.NodeTransport(sdk.resolveEndpoint(server.url, key, {}), { timeoutMs: 300 }) : new sdk.FetchTransport(sdk.resolveEndpoint(server.url, key, {}), { timeoutMs: 300 }) });
+    try {
+      await client.sandboxes.get("sbx_1");
+      const first = server.seen.at(-1)!;
+      assert.equal(first.headers["authorization"], `Bearer ${key}`);
+      assert.ok(!first.url.includes(key), first.url);
+      const timeout = await client.sandboxes.get("a").catch((e: unknown) => e);
+      assert.ok(timeout instanceof sdk.GatewayTimeout && timeout instanceof sdk.BadGateway, String(timeout));
+      assert.deepEqual([timeout.status, timeout.code, timeout.message], [504, "internal", "replica slow"]);
+      const bug = await client.sandboxes.get("b").catch((e: unknown) => e);
+      assert.ok(bug instanceof sdk.Internal);
+      assert.deepEqual([bug.status, bug.code, bug.message], [500, "internal", "a bug"]);
+      const garbled = await client.sandboxes.get("c").catch((e: unknown) => e);
+      assert.ok(garbled instanceof sdk.Internal && /invalid JSON/.test(garbled.message), String(garbled));
+      const cut = await client.sandboxes.get("d").catch((e: unknown) => e);
+      assert.ok(cut instanceof sdk.Unavailable, String(cut));
+      const proc = new sdk.Process(client, "e", { pid: 1, argv: ["x"], state: "running", exit_code: null, started_at: "" });
+      const chunks: string[] = [];
+      const ended = await (async () => {
+        for await (const c of proc.output()) chunks.push(new TextDecoder().decode(c.data));
+      })().catch((e: unknown) => e);
+      assert.deepEqual(chunks, ["hi\n"]);
+      assert.ok(ended instanceof sdk.Unavailable, String(ended));
+      const silent = await timed.capabilities().catch((e: unknown) => e);
+      assert.ok(silent instanceof sdk.Unavailable && /did not answer in time/.test(silent.message), String(silent));
+      for (const request of server.seen) assert.ok(!request.url.includes(key));
+    } finally {
+      await client.close();
+      await timed.close();
+      await server.close();
+    }
+  });
+}
