@@ -233,6 +233,37 @@ describe("secrets, SSH keys, API keys", () => {
   });
 });
 
+describe("organisations", () => {
+  test("the org option acts in an organisation: calls and attach carry X-Sandbox-Org", T, async () => {
+    const crud = ["sandbox:read", "sandbox:create", "sandbox:delete"];
+    const made = await admin.keys.create("olga", [...crud, "org:create"]);
+    const url = env("SBX_TEST_GATEWAY_URL");
+    const olga = new Client({ url, token: made.secret });
+    const inOrg = new Client({ url, token: made.secret, org: "tsorg" });
+    try {
+      await rejectsWith(inOrg.whoami(), NotFound, "organization");
+      await olga.call("POST", "/v1/orgs", { json: { name: "tsorg" } });
+      assert.equal((await inOrg.whoami()).org, "tsorg");
+      const s = await inOrg.sandboxes.create({});
+      try {
+        assert.equal(s.info.labels["gateway.tenant"], "tsorg");
+        await rejectsWith(olga.sandboxes.get(s.id), NotFound, s.id);
+        const proc = await s.startProcess(["sh", "-c", "echo in the org; exit 4"]);
+        const attached = await proc.attach();
+        let out = "";
+        for await (const f of attached) if (f.type === "o") out += decode(f.payload);
+        assert.deepEqual([out, attached.exitCode], ["in the org\n", 4]);
+      } finally {
+        await s.terminate();
+      }
+    } finally {
+      await olga.close();
+      await inOrg.close();
+      await admin.keys.revoke(made.id);
+    }
+  });
+});
+
 describe("a node that does not answer", () => {
   test("BadGateway naming the node", T, async () => {
     const plain = new Client({ url: env("SBX_TEST_PLAIN_GATEWAY_URL"), token: env("SBX_TEST_PLAIN_GATEWAY_KEY") });
