@@ -3,7 +3,17 @@
  * (unix socket or http(s)) and in browsers (http(s)).
  */
 export { Client, type ClientOptions } from "./client.js";
-export { Sandbox, Sandboxes, Process, Files, sandboxPath, TUNNEL_PROTOCOL, type RunOptions, type ProcessOptions } from "./sandbox.js";
+export {
+  Sandbox,
+  Sandboxes,
+  Process,
+  Files,
+  sandboxPath,
+  TUNNEL_PROTOCOL,
+  type Forward,
+  type RunOptions,
+  type ProcessOptions,
+} from "./sandbox.js";
 export { Attachment, openAttachment, type AttachOptions, type WebSocketClass } from "./attach.js";
 export { Images, Snapshots, Volumes } from "./resources.js";
 export { Services, Jobs, Secrets, Ssh, Keys } from "./gateway.js";

@@ -254,6 +254,59 @@ export class Sandbox {
     if (!Number.isInteger(port) || port < 1 || port > 65535) throw new InvalidRequest(`port ${port}: give 1 to 65535`);
     return this.client.transport.upgrade(`${this.path}/tunnel`, TUNNEL_PROTOCOL, { port: String(port) });
   }
+
+  /**
+   * (Node) Listen on a local port (`localPort`, default any free one, on `host` default `127.0.0.1`) and forward
+   * each connection through its own tunnel to `127.0.0.1:port` inside the sandbox, like `ssh -L`. A connection
+   * whose tunnel is refused (nothing listens in the sandbox) is closed at once. `close()` ends it all.
+   */
+  async forward(port: number, options: { localPort?: number; host?: string } = {}): Promise<Forward> {
+    if (!Number.isInteger(port) || port < 1 || port > 65535) throw new InvalidRequest(`port ${port}: give 1 to 65535`);
+    const net = await import("node:net");
+    const open = new Set<import("node:net").Socket | Duplex>();
+    const server = net.createServer((local) => {
+      open.add(local);
+      local.on("close", () => open.delete(local));
+      local.on("error", () => local.destroy());
+      local.pause();
+      this.tunnel(port).then(
+        (remote) => {
+          open.add(remote);
+          remote.on("close", () => open.delete(remote));
+          remote.on("error", () => local.destroy());
+          local.on("error", () => remote.destroy());
+          local.pipe(remote).pipe(local);
+          local.resume();
+        },
+        () => local.destroy(),
+      );
+    });
+    const host = options.host ?? "127.0.0.1";
+    await new Promise<void>((resolve, reject) => {
+      server.once("error", (err) => reject(new InvalidRequest(`cannot listen on ${host}:${options.localPort ?? 0}: ${err.message}`)));
+      server.listen(options.localPort ?? 0, host, () => resolve());
+    });
+    const address = server.address() as import("node:net").AddressInfo;
+    return {
+      host,
+      port: address.port,
+      close: () =>
+        new Promise<void>((resolve) => {
+          for (const socket of open) socket.destroy();
+          server.close(() => resolve());
+        }),
+    };
+  }
+}
+
+/** A local port forwarded into a sandbox (`Sandbox.forward`). */
+export interface Forward {
+  /** The local address's host (`127.0.0.1` unless asked otherwise). */
+  readonly host: string;
+  /** The local port (chosen by the system unless asked). */
+  readonly port: number;
+  /** Stop listening and close every forwarded connection. */
+  close(): Promise<void>;
 }
 
 /** The upgrade token of a tunnel. */

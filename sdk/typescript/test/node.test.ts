@@ -306,6 +306,28 @@ describe("tunnels", () => {
     await rejectsWith(box.tunnel(70_000), InvalidRequest, "port");
     await echo.kill();
   });
+
+  test("forward: a local port whose connections are tunnels; one to a closed port is closed at once", T, async () => {
+    await box.files.write("/sandbox/home/fwd/a.txt", "forwarded\n");
+    const web = await box.startProcess(["python3", "-u", "-m", "http.server", "8001", "--bind", "127.0.0.1"], { cwd: "/sandbox/home/fwd" });
+    for await (const chunk of web.output()) if (decode(chunk.data).includes("Serving HTTP")) break;
+    const forward = await box.forward(8001);
+    try {
+      const answers = await Promise.all([1, 2, 3].map(() => fetch(`http://127.0.0.1:${forward.port}/a.txt`).then((r) => r.text())));
+      assert.deepEqual(answers, ["forwarded\n", "forwarded\n", "forwarded\n"]);
+    } finally {
+      await forward.close();
+    }
+    await assert.rejects(fetch(`http://127.0.0.1:${forward.port}/a.txt`));
+    const nowhere = await box.forward(9);
+    try {
+      await assert.rejects(fetch(`http://127.0.0.1:${nowhere.port}/`));
+    } finally {
+      await nowhere.close();
+    }
+    await rejectsWith(box.forward(0), InvalidRequest, "port");
+    await web.kill();
+  });
 });
 
 describe("suspend, resume, snapshots, forks", () => {
@@ -461,6 +483,10 @@ describe("the examples of docs/sdk-typescript.md", () => {
 
   test("attach", T, async () => {
     assert.equal(await runExample("attach", local()), "resized to 50 x 132\nexit code 3\n");
+  });
+
+  test("tunnel", T, async () => {
+    assert.equal(await runExample("tunnel", local()), "200 <h1>inside the sandbox</h1>\nHTTP/1.0 200 OK\n");
   });
 
   test("errors", T, async () => {
