@@ -31,7 +31,13 @@ import { CONNECT_TIMEOUT_MS, translateError } from "./transport.js";
 interface Socket {
   send(data: Uint8Array): Promise<void>;
   close(): void;
+  /** Stop and restart reading (Node's `ws`; a browser's WebSocket cannot). */
+  pause?(): void;
+  resume?(): void;
 }
+
+/** Received bytes held for a reader that does not keep up before reading from the connection stops (4 MiB). */
+export const MAX_BUFFERED_BYTES = 4 << 20;
 
 type Event = { kind: "data"; data: Uint8Array } | { kind: "closed"; code: number; reason: string } | { kind: "error"; error: SandboxError };
 
@@ -55,14 +61,29 @@ export class Attachment implements AsyncIterable<Frame> {
   private wake: (() => void) | null = null;
   private closedByUs = false;
   private ended = false;
+  private bufferedBytes = 0;
+  private paused = false;
 
   /** @internal use `Sandbox.attach` or `Process.attach`. */
   constructor(pid: number, open: (push: (e: Event) => void) => Socket) {
     this.pid = pid;
     this.socket = open((event) => {
       this.events.push(event);
+      if (event.kind === "data") {
+        // A reader that does not keep up: stop reading, so the server's output waits there, not here.
+        this.bufferedBytes += event.data.length;
+        if (this.bufferedBytes > MAX_BUFFERED_BYTES && !this.paused && this.socket?.pause) {
+          this.paused = true;
+          this.socket.pause();
+        }
+      }
       this.wake?.();
     });
+  }
+
+  /** Bytes received and not yet read (at most about `MAX_BUFFERED_BYTES`: past it, reading stops). */
+  get buffered(): number {
+    return this.bufferedBytes;
   }
 
   /** Send one frame of `type` (a payload over 1 MiB goes as several frames). */
@@ -114,6 +135,11 @@ export class Attachment implements AsyncIterable<Frame> {
             (event.reason ? ` (${event.reason})` : ` (close code ${event.code})`) +
             "; attach again: its output is replayed from the start",
         );
+      }
+      this.bufferedBytes -= event.data.length;
+      if (this.paused && this.bufferedBytes <= MAX_BUFFERED_BYTES / 2) {
+        this.paused = false;
+        this.socket.resume?.();
       }
       try {
         this.ready.push(...this.decoder.feed(event.data));
@@ -242,6 +268,8 @@ export async function openAttachment(endpoint: Endpoint, path: string, pid: numb
             ),
           ),
         close: () => ws.close(1000),
+        pause: () => ws.pause(),
+        resume: () => ws.resume(),
       };
     });
   } else {

@@ -14,7 +14,7 @@ export {
   type RunOptions,
   type ProcessOptions,
 } from "./sandbox.js";
-export { Attachment, openAttachment, type AttachOptions, type WebSocketClass } from "./attach.js";
+export { Attachment, MAX_BUFFERED_BYTES, openAttachment, type AttachOptions, type WebSocketClass } from "./attach.js";
 export { Images, Snapshots, Volumes } from "./resources.js";
 export { Services, Jobs, Secrets, Ssh, Keys } from "./gateway.js";
 export * from "./errors.js";

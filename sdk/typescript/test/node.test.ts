@@ -14,6 +14,7 @@ import {
   Conflict,
   ForbiddenOrigin,
   InvalidRequest,
+  MAX_BUFFERED_BYTES,
   NodeTransport,
   NotFound,
   PayloadTooLarge,
@@ -246,6 +247,17 @@ describe("attach over the WebSocket", () => {
     second.close();
     await proc.kill();
     await rejectsWith(box.attach(999_999), NotFound, "999999");
+  });
+
+  test("a reader that does not keep up: reading stops at the buffer bound, then every byte arrives", T, async () => {
+    const proc = await box.startProcess(["sh", "-c", "head -c 20000000 /dev/zero; exit 0"]);
+    await waitFor(async () => (await proc.refresh()).exitCode !== null, "the 20 MB writer to exit");
+    const attached = await proc.attach();
+    let total = (await attached.recv())!.payload.length;
+    await new Promise((resolve) => setTimeout(resolve, 3000));
+    assert.ok(attached.buffered <= MAX_BUFFERED_BYTES + 2 * 1024 * 1024, `${attached.buffered} bytes held`);
+    for await (const f of attached) if (f.type === "o") total += f.payload.length;
+    assert.deepEqual([total, attached.exitCode], [20_000_000, 0]);
   });
 
   test("a cut attach stream throws Unavailable, and attaching again replays the output", T, async () => {
