@@ -124,7 +124,7 @@ export class Attachment implements AsyncIterable<Frame> {
       }
       if (event.kind === "error") {
         this.ended = true;
-        if (this.closedByUs) return null;
+        if (this.closedByUs || this.exitCode !== null) return null;
         throw event.error;
       }
       if (event.kind === "closed") {
@@ -251,7 +251,13 @@ export async function openAttachment(endpoint: Endpoint, path: string, pid: numb
                 : error,
             );
           } else {
-            push({ kind: "error", error: new Unavailable(`the attach stream of process ${pid} broke: ${error.message}`) });
+            push({
+              kind: "error",
+              error: new Unavailable(
+                `the attach stream of process ${pid} ended before the process exited (${error.message}); ` +
+                  "attach again: its output is replayed from the start",
+              ),
+            });
           }
         });
       });
