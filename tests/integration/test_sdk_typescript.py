@@ -3,7 +3,8 @@ against a real sandboxd over its unix socket and a second one over HTTPS with a 
 against a real sandbox-gateway over two nodes (services, jobs, agent runs, secrets, SSH keys, API keys). This file
 starts the servers with the usual harnesses, builds the SDK (tsc, pinned in its package-lock.json; its
 dependencies come from ``npm ci``, run by scripts/install.sh) and fails with node's output when a node test fails,
-is skipped or cancelled. The examples of docs/sdk-typescript.md are files the tests run.
+is skipped or cancelled. The examples of docs/sdk-typescript.md are files the tests run. Last, the SDK bundled for
+browsers (esbuild) runs in Debian's Chromium on a page of another origin than the gateway.
 """
 
 from __future__ import annotations
@@ -161,3 +162,80 @@ def test_against_the_gateway(
     })  # fmt: skip
     log = w.gw.log_text() + plain.log_text()
     assert not [k for k in [*w.keys.values(), plain_key] if k in log], "a key reached a gateway's log"
+
+
+@pytest.fixture(scope="module")
+def page_server() -> Iterator[tuple[str, Path]]:
+    """A static HTTP server on loopback for the browser test's page: (its origin, the directory it serves)."""
+    import functools
+    import http.server
+    import threading
+
+    directory = Path(tempfile.mkdtemp(prefix="sbxts-page-", dir="/var/tmp"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", directory
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_in_a_browser(built: Path, sandboxd: Sandboxd, page_server: tuple[str, Path]) -> None:
+    """The SDK bundled for browsers (esbuild) in Debian's Chromium, on a page of another origin than the gateway
+    (allowed with --cors-origin): fetch, the browser's WebSocket with the key as a subprotocol, resize, the
+    errors, and what a browser cannot do (unix socket, tunnels). No request or WebSocket URL holds the key."""
+    from playwright.sync_api import sync_playwright
+
+    origin, directory = page_server
+    bundle = subprocess.run(
+        ["node", "node_modules/esbuild/bin/esbuild", "dist/index.js", "--bundle", "--format=esm",
+         "--platform=browser", f"--outfile={directory / 'sbx-sdk.js'}", "--log-level=warning"],
+        cwd=SDK, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert bundle.returncode == 0, bundle.stderr
+    for name in ("index.html", "scenario.js"):
+        shutil.copy(SDK / "test" / "browser" / name, directory / name)
+    workdir = Path(tempfile.mkdtemp(prefix="sbxts-bgw-", dir="/var/tmp"))
+    gw = GatewayProcess(workdir, [("n", sandboxd)], ["--cors-origin", origin])
+    key = gw.create_key("bea", "sandbox:read", "sandbox:create", "sandbox:delete")
+    seen_urls: list[str] = []
+    try:
+        gw.start()
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path="/usr/bin/chromium")
+            try:
+                page = browser.new_page()
+                page.on("request", lambda request: seen_urls.append(request.url))
+                page.on("websocket", lambda ws: seen_urls.append(ws.url))
+                page.goto(f"{origin}/index.html")
+                page.wait_for_function("document.title === 'ready'", timeout=60_000)
+                page.set_default_timeout(240_000)
+                out = page.evaluate(
+                    "(args) => window.scenario(args)", {"url": f"http://127.0.0.1:{gw.port}", "key": key}
+                )
+            finally:
+                browser.close()
+    finally:
+        gw.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert out["run"] == [3, "from the page", "err\n"]
+    assert out["file"] == [0, 1, 254, 255] and out["listed"]
+    assert out["followed"] == "one\n"
+    assert out["attach"] == ["one\ngot typed\n", 5]
+    assert out["resized"] is True
+    assert out["errors"] == {
+        "notFound": ["NotFound", 404, "not_found"],
+        "unauthorized": ["Unauthorized", 401, "unauthorized"],
+        "attachUnauthorized": ["Unauthorized", 401, "unauthorized"],
+        "tunnel": ["Unsupported", 501, "unsupported"],
+        "forward": ["Unsupported", 501, "unsupported"],
+        "unixSocket": ["InvalidRequest", 400, "invalid_request"],
+    }
+    assert out["terminated"] == "terminated"
+    assert any(u.startswith("ws://127.0.0.1") for u in seen_urls), seen_urls
+    assert any("/v1/sandboxes" in u for u in seen_urls), seen_urls
+    assert not [u for u in seen_urls if key in u]

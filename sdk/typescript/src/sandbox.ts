@@ -14,7 +14,7 @@ import type { Duplex } from "node:stream";
 import { type Attachment, openAttachment } from "./attach.js";
 import { asBytes, fromBase64, text, toBase64 } from "./bytes.js";
 import type { Client } from "./client.js";
-import { InvalidRequest, Unavailable as UnavailableError } from "./errors.js";
+import { InvalidRequest, Unavailable as UnavailableError, Unsupported } from "./errors.js";
 import { signalName } from "./frames.js";
 import type {
   CreateRequest,
@@ -262,6 +262,9 @@ export class Sandbox {
    */
   async forward(port: number, options: { localPort?: number; host?: string } = {}): Promise<Forward> {
     if (!Number.isInteger(port) || port < 1 || port > 65535) throw new InvalidRequest(`port ${port}: give 1 to 65535`);
+    if (typeof (globalThis as { process?: { versions?: { node?: string } } }).process?.versions?.node !== "string") {
+      throw new Unsupported("a browser cannot listen on a port: forward from Node");
+    }
     const net = await import("node:net");
     const open = new Set<import("node:net").Socket | Duplex>();
     const server = net.createServer((local) => {
