@@ -15,6 +15,7 @@ import {
   Refused,
   Sandbox,
   Unauthorized,
+  Unavailable,
   Unsupported,
   type WebSocketClass,
   resolveEndpoint,
@@ -229,6 +230,27 @@ describe("secrets, SSH keys, API keys", () => {
       await rejectsWith(admin.keys.create("x", ["no:such"]), InvalidRequest, "no:such");
     } finally {
       await client.close();
+    }
+  });
+});
+
+describe("revocation", () => {
+  test("revoking the key cuts its attach stream: Unavailable, not a quiet end; its calls are Unauthorized", T, async () => {
+    const made = await admin.keys.create("alice", ["sandbox:read", "sandbox:create", "sandbox:delete"], "acme");
+    const doomed = new Client({ url: env("SBX_TEST_GATEWAY_URL"), token: made.secret });
+    const s = await alice.sandboxes.create({});
+    try {
+      const proc = await s.startProcess(["sh", "-c", "echo attached; sleep 300"]);
+      const attached = await (await doomed.sandboxes.get(s.id)).attach(proc.pid);
+      assert.equal(decode((await attached.recv())!.payload), "attached\n");
+      await admin.keys.revoke(made.id);
+      await rejectsWith(attached.recv(), Unavailable, "ended before the process exited");
+      await rejectsWith(doomed.sandboxes.get(s.id), Unauthorized, "");
+      assert.equal((await alice.sandboxes.get(s.id)).state, "running");
+      await proc.kill();
+    } finally {
+      await s.terminate();
+      await doomed.close();
     }
   });
 });
