@@ -8,9 +8,10 @@
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
 # Steps: apt packages (apt-get update only when one is missing; runsc from bookworm-backports, whose apt
 # source is added when the machine has none), the virtualenv .venv with this checkout installed editable, the
-# web console (npm ci and its build, docs/console.md), the guest agent binary, the default image, the kernel
-# limits a node of many sandboxes needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1,
-# with LimitNOFILE raised) or as a daemon with a pidfile. Paths and details: docs/install.md.
+# web console (npm ci and its build, docs/console.md), the TypeScript SDK (npm ci and tsc,
+# docs/sdk-typescript.md), the guest agent binary, the default image, the kernel limits a node of many sandboxes
+# needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1, with LimitNOFILE raised) or as a
+# daemon with a pidfile. Paths and details: docs/install.md.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -244,6 +245,29 @@ else
     (cd "$CONSOLE" && node build.mjs "$CONSOLE_OUT") ||
         die "building the web console failed" "see the messages above (node $(node --version 2>&1))"
     printf '%s\n' "$build_sum" >"$CONSOLE_OUT/.sbx-build-stamp"
+fi
+
+# --- 2c. the TypeScript SDK ------------------------------------------------------------------------------------
+# sdk/typescript (docs/sdk-typescript.md): its dependencies (ws; tsc, openapi-typescript and type packages to build
+# and test it) come from the npm registry pinned by its package-lock.json (npm ci, no install scripts); tsc builds
+# dist/ offline. Each part runs only when its inputs changed since the last run.
+SDK_TS=$REPO/sdk/typescript
+step "TypeScript SDK ($SDK_TS/dist)"
+lock_sum=$(sha256sum "$SDK_TS/package-lock.json" | cut -d' ' -f1)
+if [ "$(cat "$SDK_TS/node_modules/.sbx-lock-stamp" 2>/dev/null)" != "$lock_sum" ]; then
+    note "npm ci"
+    (cd "$SDK_TS" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) ||
+        die "npm ci failed in $SDK_TS" "check access to the npm registry (or a configured one) and run this again"
+    printf '%s\n' "$lock_sum" >"$SDK_TS/node_modules/.sbx-lock-stamp"
+fi
+build_sum=$(cd "$SDK_TS" && find src tsconfig.json package-lock.json -type f -print0 | sort -z | xargs -0 sha256sum |
+    sha256sum | cut -d' ' -f1)
+if [ "$(cat "$SDK_TS/dist/.sbx-build-stamp" 2>/dev/null)" = "$build_sum" ] && [ -f "$SDK_TS/dist/index.js" ]; then
+    note "up to date"
+else
+    (cd "$SDK_TS" && node node_modules/typescript/bin/tsc -p tsconfig.json) ||
+        die "building the TypeScript SDK failed" "see the messages above (node $(node --version 2>&1))"
+    printf '%s\n' "$build_sum" >"$SDK_TS/dist/.sbx-build-stamp"
 fi
 
 # --- 3. data directories and the guest agent ----------------------------------------------------------------

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: install what is missing, then ruff, mypy, unit tests, integration tests.
+# Run the whole test suite: install what is missing, then ruff, mypy, unit tests, integration tests (these include
+# the TypeScript SDK's tests, node --test against real servers: tests/integration/test_sdk_typescript.py).
 #
 #   bash scripts/test.sh [extra pytest arguments, e.g. -k name or -x]   (as root)
 #

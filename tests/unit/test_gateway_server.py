@@ -28,7 +28,7 @@ from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.capabilities import intersect_capabilities
 from sbx.gateway.jobs.controller import JobOptions
-from sbx.gateway.middlewares import make_middlewares
+from sbx.gateway.middlewares import install_cors, make_middlewares
 from sbx.gateway.nodes import Registry
 from sbx.gateway.routes import install
 from sbx.gateway.server import Gateway, GatewayOptions
@@ -108,6 +108,9 @@ class StandIn:
             self.uploaded = len(await request.read())
             return web.Response(status=204)
 
+        async def get_file(request: web.Request) -> web.Response:
+            return web.Response(body=b"file bytes", content_type="application/octet-stream")
+
         async def echo_path(request: web.Request) -> web.Response:
             return web.json_response({"pid": request.match_info["pid"], "query": dict(request.query)})
 
@@ -119,7 +122,7 @@ class StandIn:
         app.add_routes([
             web.get("/v1/node", node), web.post("/v1/node/cordon", cordon), web.post("/v1/sandboxes", create), web.get("/v1/sandboxes", listing),
             web.post("/v1/sandboxes/{id}/run", slow_run), web.put("/v1/sandboxes/{id}/files", put_file),
-            web.get("/v1/sandboxes/{id}/processes/{pid}", echo_path),
+            web.get("/v1/sandboxes/{id}/processes/{pid}", echo_path), web.get("/v1/sandboxes/{id}/files", get_file),
         ])  # fmt: skip
         return app
 
@@ -170,6 +173,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     # The first poll of a node may time out on a loaded machine (1 s): the tests start from both nodes known.
     await until(lambda: all(n.healthy and n.status is not None for n in registry.nodes.values()))
     app = web.Application(middlewares=make_middlewares(gateway))
+    install_cors(app, gateway)
     install(app, gateway)
     client = TestClient(TestServer(app))
     await client.start_server()
@@ -412,6 +416,18 @@ async def test_cors_preflight(tmp_path: Path, setup: Setup) -> None:
     assert denied.status == 403 and (await denied.json())["error"]["code"] == "forbidden_origin"
     error = await setup.client.get("/v1/sandboxes", headers={"Origin": "https://console.example"})
     assert error.status == 401 and error.headers["Access-Control-Allow-Origin"] == "https://console.example"
+    # A streamed answer (a file relayed from the node) says it too: a browser reads nothing without it.
+    created = await (await setup.client.post("/v1/sandboxes", json={}, headers=bearer(setup.user))).json()
+    streamed = await setup.client.get(
+        f"/v1/sandboxes/{created['id']}/files?path=/tmp/x",
+        headers={**bearer(setup.user), "Origin": "https://console.example"},
+    )
+    assert (streamed.status, await streamed.read()) == (200, b"file bytes")
+    assert streamed.headers["Access-Control-Allow-Origin"] == "https://console.example"
+    plain = await setup.client.get(
+        f"/v1/sandboxes/{created['id']}/files?path=/tmp/x", headers=bearer(setup.user)
+    )
+    assert "Access-Control-Allow-Origin" not in plain.headers
 
 
 async def test_file_uploads_are_streamed_and_capped(setup: Setup) -> None:

@@ -36,7 +36,7 @@ from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.jobs.agents import AgentsFileError, load_agents
 from sbx.gateway.jobs.controller import JobOptions
 from sbx.gateway.jobs.notify import NotifyPolicy
-from sbx.gateway.middlewares import make_middlewares
+from sbx.gateway.middlewares import install_cors, make_middlewares
 from sbx.gateway.nodes import (
     DEFAULT_FAILURES_UNHEALTHY,
     DEFAULT_FORGET_INTERVAL_SECS,
@@ -418,6 +418,7 @@ def build_app(
     app = web.Application(
         middlewares=make_middlewares(gateway, front.middleware), client_max_size=JSON_BODY_CAP
     )
+    install_cors(app, gateway)
     install(app, gateway)
     if console is not None:
         app.add_routes(console.routes())

@@ -34,6 +34,19 @@ def preflight(origin: str) -> web.Response:
     })  # fmt: skip
 
 
+def install_cors(app: web.Application, gw: Gateway) -> None:
+    """Every answer to an allowed Origin says so (``Access-Control-Allow-Origin``), errors too, so a browser can read
+    why a call failed; set as the answer is prepared, so streamed ones (a file download, followed output, a relayed
+    node answer), whose headers go out before the handler returns, say it as well."""
+
+    async def allow(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin in gw.options.cors_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+
+    app.on_response_prepare.append(allow)
+
+
 def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
     """The pipeline; ``front`` (the services' traffic front) runs after the error middleware and before
     authentication: it answers what it recognises by itself (its own keys, no Origin check) and passes the rest
@@ -45,10 +58,6 @@ def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
         try:
             response = await handler(request)
             status = response.status
-            origin = request.headers.get("Origin")
-            if origin is not None and origin in gw.options.cors_origins and not response.prepared:
-                # Errors too, so a browser console can read why a call failed.
-                response.headers["Access-Control-Allow-Origin"] = origin
             return response
         finally:
             label = label_of(request)
