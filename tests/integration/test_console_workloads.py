@@ -350,17 +350,20 @@ def test_a_secret_is_set_write_only_and_never_left_in_the_page(tab: Tab, fleet: 
     tab.shot("secrets")
 
     # Set again (the name fixed), and a refused value: the error shown, the old value kept, nothing left behind.
-    again = f"s3cond-{uuid.uuid4().hex}"
+    again = f"s3cond-{uuid.uuid4().hex}\n-----END {uuid.uuid4().hex}-----\n"
     page.click("button[aria-label='Set DB_PASSWORD']")
     assert page.get_attribute("#secret-name", "readonly") is not None
     page.fill("#secret-value", "x" * (64 * 1024 + 1))
     page.click("dialog button:has-text('Save')")
     error = page.wait_for_selector("dialog .error")
     assert error is not None and error.inner_text().startswith("400 invalid_request:"), error.inner_text()
+    page.check("#secret-multiline")  # several lines: a text area (a password field keeps one line)
+    assert page.eval_on_selector("#secret-value", "e => e.tagName") == "TEXTAREA"
     page.fill("#secret-value", again)
     page.click("dialog button:has-text('Save')")
     page.wait_for_selector("dialog", state="detached")
-    assert_value_gone(tab, again)
+    for line in again.splitlines():
+        assert_value_gone(tab, line)
     assert stored_digest(fleet, "DB_PASSWORD") == hashlib.sha256(again.encode()).hexdigest()
 
     # A bad name is refused with the gateway's message, and makes nothing.

@@ -46,8 +46,22 @@ function setSecret(name = "") {
   return new Promise((resolve) => {
     const nameInput = h("input#secret-name", { name: "name", value: name, required: true, readonly: Boolean(name),
       autocomplete: "off", spellcheck: "false" });
-    const valueInput = h("input#secret-value", { name: "value", type: "password", required: true,
+    let valueInput = h("input#secret-value", { name: "value", type: "password", required: true,
       autocomplete: "new-password", spellcheck: "false" });
+    // A password field holds one line: a certificate or a JSON document goes in a text area instead (shown as
+    // typed, emptied all the same).
+    const multiline = h("input#secret-multiline", { type: "checkbox" });
+    multiline.addEventListener("change", () => {
+      const typed = valueInput.value;
+      valueInput.value = "";
+      const next = multiline.checked
+        ? h("textarea#secret-value", { name: "value", required: true, rows: 6, spellcheck: "false", autocomplete: "off" })
+        : h("input#secret-value", { name: "value", type: "password", required: true, autocomplete: "new-password", spellcheck: "false" });
+      next.value = typed;
+      valueInput.replaceWith(next);
+      valueInput = next;
+      valueInput.focus();
+    });
     const problem = h("div.problem");
     const save = h("button.primary", { type: "submit" }, "Save");
     const form = h("form", { method: "dialog" },
@@ -55,6 +69,7 @@ function setSecret(name = "") {
       h("div.field", h("label", { for: "secret-name" }, "Name (an environment variable name)"), nameInput),
       h("div.field", h("label", { for: "secret-value" }, "Value (write-only: never shown again)"), valueInput,
         h("small", "At most 64 KiB of text. Saving replaces the value; jobs and replicas made afterwards get it.")),
+      h("div.field.check", h("label", { for: "secret-multiline" }, "Several lines (a text area, shown as typed)"), multiline),
       problem,
       h("div.actions", h("button", { type: "button", onclick: () => close(false) }, "Cancel"), save));
     const box = h("dialog", { "aria-label": name ? `Set ${name}` : "New secret" }, form);
