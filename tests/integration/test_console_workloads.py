@@ -209,18 +209,48 @@ def commandline_text(argv: list[str]) -> str:
     return argv[2] if argv[:2] == ["sh", "-c"] and len(argv) == 3 else json.dumps(argv)
 
 
-def test_a_bad_service_spec_is_shown_in_the_form_and_makes_nothing(tab: Tab, fleet: Fleet) -> None:
+@pytest.mark.parametrize("name", ["Web", HOSTILE])
+def test_a_bad_or_hostile_service_name_is_refused_in_the_form_as_text(
+    tab: Tab, fleet: Fleet, name: str
+) -> None:
+    """A service name is a DNS label, so markup cannot be one: the gateway's refusal, which quotes the name, is
+    shown in the form as text, and nothing is made."""
     page = tab.page
     tab.go("#/services")
     page.click("button:has-text('Create service')")
-    page.fill("dialog input[name=name]", "Web")
+    page.fill("dialog input[name=name]", name)
     page.fill("dialog textarea[name=command]", "true")
     page.click("dialog button:has-text('Create')")
     error = page.wait_for_selector("dialog .error")
-    assert error is not None and error.inner_text().startswith("400 invalid_request: ")
-    assert "is not a service name" in error.inner_text()
+    assert error is not None
+    sent = fleet.w.gw.request("POST", "/v1/services", {"name": name, "command": ["sh", "-c", "true"]},
+                              key=fleet.dev_key)  # fmt: skip
+    assert error.inner_text() == f"400 invalid_request: {sent.error[1]}", (error.inner_text(), sent.error)
+    assert "is not a service name" in error.inner_text() and repr(name) in error.inner_text()
+    tab.no_markup_ran()
+    if name == HOSTILE:
+        tab.shot("service-hostile-name")
     page.click("dialog button:has-text('Cancel')")
     assert fleet.api("GET", "/v1/services")["services"] == []
+
+
+def test_a_hostile_job_name_is_refused_in_the_form_as_text(tab: Tab, fleet: Fleet) -> None:
+    page = tab.page
+    tab.go("#/jobs")
+    before = fleet.api("GET", "/v1/jobs")["jobs"]
+    page.click("button:has-text('Run a job')")
+    page.fill("dialog textarea[name=command]", "true")
+    hostile = '<img src=x onerror="window.__pwned=3">'  # within 63 characters: refused for what it holds
+    page.fill("dialog input[name=name]", hostile)
+    page.click("dialog button:has-text('Run')")
+    error = page.wait_for_selector("dialog .error")
+    assert error is not None and error.inner_text().startswith("400 invalid_request: name"), (
+        error.inner_text()
+    )
+    assert hostile in error.inner_text()
+    tab.no_markup_ran()
+    page.click("dialog button:has-text('Cancel')")
+    assert fleet.api("GET", "/v1/jobs")["jobs"] == before
 
 
 # -- jobs and agent runs ---------------------------------------------------------------------------------------
