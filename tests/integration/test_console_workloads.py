@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gateway_harness import wait_for
 from sandboxd_harness import REPO, free_port
-from services_world import SERVE, SERVER, World, world
+from services_world import SERVE, SERVER, Receiver, World, world
 
 from sbx.web.console import ASSETS_DIR
 
@@ -311,6 +312,9 @@ def test_a_running_job_is_cancelled(tab: Tab, fleet: Fleet) -> None:
     page.click("button:has-text('Run a job')")
     page.fill("dialog textarea[name=command]", "echo started; sleep 600")
     page.fill("dialog input[name=name]", "sleeper")
+    page.select_option("dialog select[name=mode]", "none")
+    receiver = Receiver()
+    page.fill("dialog input[name=notify]", receiver.url)
     page.click("dialog button:has-text('Run')")
     page.wait_for_selector("#job-output:has-text('started')")
     page.click("button:has-text('Cancel')")
@@ -324,6 +328,12 @@ def test_a_running_job_is_cancelled(tab: Tab, fleet: Fleet) -> None:
     # Ended: listed as terminated, or already forgotten (the fixture's gateway forgets within a second).
     assert left.status == 404 or left.json()["state"] == "terminated", (left.status, left.body)
     assert page.locator("button:has-text('Cancel')").count() == 0
+    assert job["spec"]["network"] == {"mode": "none"} and job["spec"]["notify"] == receiver.url
+    try:
+        told = wait_for(lambda: [b for b in receiver.bodies if b["event"] == "job.finished"], 60, 0.2)
+        assert told == [{"event": "job.finished", "job": job_id, "name": "sleeper", "job_state": "cancelled"}]
+    finally:
+        receiver.close()
 
 
 def test_an_agent_run_from_the_form(tab: Tab, fleet: Fleet) -> None:

@@ -7,7 +7,7 @@ import {
   action, clear, commandText, confirm, dialog, errorBox, every, fmtBytes, fmtDuration, fmtTime, h, parseCommand, parseEnv,
   parseNames, table, toast,
 } from "../ui.js";
-import { caps } from "./sandboxes.js";
+import { caps, networkFields, networkRequest } from "./sandboxes.js";
 
 const LIST_MS = 4000;
 const JOB_MS = 2000;
@@ -80,19 +80,35 @@ async function secretsHint() {
   return names === null ? "This gateway keeps no secrets." : `This tenant's: ${names.join(", ") || "none yet"}.`;
 }
 
-/** The fields a job and an agent run share (resources, env, secrets, retries, timeout, kept files). */
-function commonFields(l, hint, defaults = {}) {
+/** The caller's snapshots, for "each attempt starts from" (none when they cannot be listed). */
+const snapshotsOf = () => get("/v1/snapshots").then((a) => a.snapshots).catch(() => []);
+
+/**
+ * The fields a job and an agent run share (resources, env, secrets, retries, timeout, kept files, network,
+ * snapshot, notification). For an agent run, a field left empty keeps the agent's own default.
+ */
+function commonFields(c, hint, snapshots, { agent = false } = {}) {
+  const l = c.limits;
+  const network = networkFields(c);
+  if (agent) {
+    // An agent usually has its own network (an allowlist of its API's names): kept unless another is chosen.
+    network[0] = { ...network[0], value: "", options: [["", "the agent's own"], ...network[0].options] };
+  }
   return [
     { name: "name", label: "Name (optional: a-z 0-9 - _ ., at most 63)" },
-    { name: "image", label: `Image (empty: ${defaults.image ?? "the node's default"})` },
+    { name: "image", label: `Image (empty: ${agent ? "the agent's" : "the node's default"})` },
     { name: "cpus", label: `CPUs (at most ${l.max_cpus})`, type: "number" },
     { name: "memory_mb", label: `Memory MiB (at most ${l.max_memory_mb})`, type: "number" },
     { name: "disk_mb", label: `Disk MiB (at most ${l.max_disk_mb})`, type: "number" },
     { name: "env", label: "Environment (NAME=value per line)", type: "textarea" },
-    { name: "secrets", label: defaults.secrets?.length ? `More secrets by name (the agent has ${defaults.secrets.join(", ")})` : "Secrets by name (comma separated)", hint },
+    { name: "secrets", label: agent ? "More secrets by name (added to the agent's)" : "Secrets by name (comma separated)", hint },
     { name: "retries", label: "Retries after a failed attempt (0 to 10)", type: "number", value: 0 },
-    { name: "timeout_secs", label: `Timeout per attempt, seconds (1 to 604800; empty: ${defaults.timeout_secs ?? "none"})`, type: "number" },
+    { name: "timeout_secs", label: `Timeout per attempt, seconds (1 to 604800; empty: ${agent ? "the agent's" : "none"})`, type: "number" },
     { name: "keep", label: "Files to keep (absolute paths, one per line, at most 16)", type: "textarea", placeholder: "/sandbox/home/report.txt" },
+    ...network,
+    { name: "from_snapshot", label: "Each attempt starts from snapshot", type: "select", value: "",
+      options: [["", "none: a fresh sandbox"], ...snapshots.map((s) => [s.id, `${s.id} (${s.kind}, of ${s.sandbox})`])] },
+    { name: "notify", label: "Notify URL (optional: https; told when each attempt and the job end)", placeholder: "https://hooks.example.com/sbx" },
   ];
 }
 
@@ -111,16 +127,19 @@ function commonRequest(v) {
   if (v.timeout_secs !== "") request.timeout_secs = Number(v.timeout_secs);
   const keep = v.keep.split("\n").map((s) => s.trim()).filter(Boolean);
   if (keep.length) request.keep = { files: keep };
+  if (v.mode) request.network = networkRequest(v);
+  if (v.from_snapshot) request.from_snapshot = v.from_snapshot;
+  if (v.notify.trim()) request.notify = v.notify.trim();
   return request;
 }
 
 async function jobForm() {
-  const [c, hint] = await Promise.all([caps(), secretsHint()]);
+  const [c, hint, snapshots] = await Promise.all([caps(), secretsHint(), snapshotsOf()]);
   return dialog({
     title: "Run a job",
     fields: [
       { name: "command", label: "Command (run by sh -c; or a JSON array of arguments)", type: "textarea", required: true },
-      ...commonFields(c.limits, hint),
+      ...commonFields(c, hint, snapshots),
     ],
     ok: "Run",
     submit: async (v) => {
@@ -134,7 +153,8 @@ async function jobForm() {
 }
 
 async function agentForm() {
-  const [c, hint, agents] = await Promise.all([caps(), secretsHint(), get("/v1/agents").then((a) => a.agents)]);
+  const [c, hint, snapshots, agents] = await Promise.all([caps(), secretsHint(), snapshotsOf(),
+    get("/v1/agents").then((a) => a.agents)]);
   if (!agents.length) throw new Error("this gateway defines no agent: start it with --agents-file (docs/jobs.md)");
   const describe = (a) => `${a.name}${a.image ? ` (${a.image})` : ""}`;
   return dialog({
@@ -144,7 +164,7 @@ async function agentForm() {
       { name: "agent", label: "Agent", type: "select", value: agents[0].name, options: agents.map((a) => [a.name, describe(a)]),
         hint: agents.map((a) => `${a.name}: secrets ${a.secrets.join(", ") || "none"}${a.timeout_secs ? `, timeout ${a.timeout_secs} s` : ""}`).join(" · ") },
       { name: "prompt", label: "Prompt", type: "textarea", required: true },
-      ...commonFields(c.limits, hint),
+      ...commonFields(c, hint, snapshots, { agent: true }),
     ],
     ok: "Run agent",
     submit: async (v) => {
