@@ -23,6 +23,7 @@ from gateway_harness import wait_for
 from sandboxd_harness import REPO, free_port
 from services_world import SERVE, SERVER, Receiver, World, world
 
+from sbx.client.sync import Client
 from sbx.web.console import ASSETS_DIR
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -363,6 +364,11 @@ def test_the_agents_are_listed_without_their_environment_values(fleet: Fleet) ->
         ("shouter", ["AGENT_KEY"], [], 120)
     ]
     assert agents[0]["argv"][-1] == "{prompt_file}"
+    with Client(fleet.url, fleet.dev_key) as client:  # the SDK's call
+        listed = client.jobs.agents()
+    assert [(a.name, a.secrets, a.env_names, a.timeout_secs) for a in listed] == [
+        ("shouter", ["AGENT_KEY"], [], 120)
+    ]
     reader = fleet.w.call("GET", "/v1/agents", key="reader")
     assert reader.status == 200
     assert fleet.w.call("GET", "/v1/agents", key="").status == 401
