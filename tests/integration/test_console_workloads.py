@@ -541,18 +541,48 @@ def test_a_bad_ssh_key_is_refused_with_the_gateways_message(tab: Tab, fleet: Fle
 # -- live updates of the fleet ----------------------------------------------------------------------------------
 
 
-def test_a_node_cordoned_elsewhere_shows_without_a_reload(browser: Any, fleet: Fleet) -> None:
+def test_a_node_cordoned_elsewhere_and_a_drain_show_without_a_reload(browser: Any, fleet: Fleet) -> None:
     admin = Tab(browser, fleet)
+    page = admin.page
+    made = fleet.api("POST", "/v1/sandboxes", {"name": "drained"}, status=201)
+    node = made["id"].split("_")[1]  # sbx_<node>_<hex>
+    running = f"tr:has(td strong:text-is('{node}')) td[data-label='Running']"
+    # The same cell for the page's own script (querySelector knows no :text-is).
+    cell = ("n => [...document.querySelectorAll('td strong')].find(e => e.textContent === n)"
+            "?.closest('tr').querySelector(\"td[data-label='Running']\")?.textContent")  # fmt: skip
+
+    def api_running() -> int:
+        nodes = fleet.w.ok("GET", "/v1/admin/nodes", key="admin")["nodes"]
+        return int(next(n for n in nodes if n["name"] == node)["status"]["running"])
+
     try:
         admin.sign_in(fleet.w.keys["admin"])
-        admin.page.click("header nav >> text=Nodes")
-        admin.page.wait_for_selector("button[aria-label='Cordon a']")
+        page.click("header nav >> text=Nodes")
+        page.wait_for_selector("button[aria-label='Cordon a']")
         fleet.w.ok("POST", "/v1/admin/nodes/a/cordon", {"cordoned": True}, key="admin")
-        admin.page.wait_for_selector("button[aria-label='Uncordon a']")
+        page.wait_for_selector("button[aria-label='Uncordon a']")
         admin.shot("admin-nodes-live")
         fleet.w.ok("POST", "/v1/admin/nodes/a/cordon", {"cordoned": False}, key="admin")
-        admin.page.wait_for_selector("button[aria-label='Cordon a']")
+        page.wait_for_selector("button[aria-label='Cordon a']")
+
+        # Drain the sandbox's node from the page (not terminating): one left running; once it ends elsewhere,
+        # the page shows the count going down by itself.
+        wait_for(lambda: api_running() >= 1, 30)
+        page.wait_for_function(f"n => Number(({cell})(n)) >= 1", arg=node)
+        before = int(page.inner_text(running))
+        page.click(f"button[aria-label='Drain {node}']")
+        page.click("dialog button:has-text('Drain')")
+        page.wait_for_selector("p.drain-result:has-text('still running; 0 terminated')")
+        assert int(page.inner_text("p.drain-result").split()[0]) >= 1
+        admin.shot("admin-drain")
+        page.click("dialog button:has-text('Close')")
+        page.wait_for_selector(f"button[aria-label='Uncordon {node}']")
+        fleet.api("DELETE", f"/v1/sandboxes/{made['id']}", status=204)
+        after = wait_for(lambda: (n := api_running()) < before and n + 1, 60) - 1
+        page.wait_for_function(f"([n, count]) => ({cell})(n) === String(count)", arg=[node, after])
+        admin.shot("admin-drain-done")
     finally:
+        fleet.w.ok("POST", f"/v1/admin/nodes/{node}/cordon", {"cordoned": False}, key="admin")
         admin.close()
 
 
