@@ -257,7 +257,7 @@ def test_a_hostile_job_name_is_refused_in_the_form_as_text(tab: Tab, fleet: Flee
 
 # -- jobs and agent runs ---------------------------------------------------------------------------------------
 
-TICKS = "for i in $(seq 1 12); do echo tick-$i; sleep 1; done"
+TICKS = "for i in $(seq 1 20); do echo tick-$i; sleep 1; done"  # 20 s: read while it runs
 
 
 def test_a_job_from_the_form_its_output_followed_live_and_its_kept_file(tab: Tab, fleet: Fleet) -> None:
@@ -281,12 +281,12 @@ def test_a_job_from_the_form_its_output_followed_live_and_its_kept_file(tab: Tab
     assert "live" in page.inner_text("#output-heading")
     job_id = page.url.rsplit("/", 1)[1]
     assert fleet.api("GET", f"/v1/jobs/{job_id}")["state"] == "running"
-    assert "tick-12" not in page.inner_text("#job-output")
+    assert "tick-20" not in page.inner_text("#job-output")
     tab.shot("job-live")
     page.wait_for_selector("#job-state:has-text('succeeded')")
     page.wait_for_selector("#output-heading:text-is('Output of attempt 1')")
     out = page.inner_text("#job-output")
-    assert "tick-12" in out and HOSTILE in out, out
+    assert "tick-20" in out and HOSTILE in out, out
     tab.no_markup_ran()
     job = fleet.api("GET", f"/v1/jobs/{job_id}")
     assert (
