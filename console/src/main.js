@@ -10,6 +10,10 @@ import { renderSandboxes } from "./pages/sandboxes.js";
 import { renderSandbox } from "./pages/sandbox.js";
 import { renderAdminOrgs, renderAudit, renderKeys, renderLost, renderNodes, renderQuotas } from "./pages/admin.js";
 import { renderMembers, renderOrgs } from "./pages/orgs.js";
+import { renderService, renderServices } from "./pages/services.js";
+import { renderJob, renderJobs } from "./pages/jobs.js";
+import { renderSecrets } from "./pages/secrets.js";
+import { renderSsh } from "./pages/ssh.js";
 
 installCspShims();
 
@@ -24,6 +28,12 @@ app.append(header, banner, main, footer);
 const ROUTES = [
   [/^#\/sandboxes\/([^/]+)(?:\/([a-z]+))?(?:\/(\d+))?$/, (m) => renderSandbox(main, decodeURIComponent(m[1]), m[2], m[3])],
   [/^#\/sandboxes$/, () => renderSandboxes(main)],
+  [/^#\/services\/([^/]+)\/([^/]+)$/, (m) => renderService(main, decodeURIComponent(m[1]), decodeURIComponent(m[2]))],
+  [/^#\/services$/, () => renderServices(main)],
+  [/^#\/jobs\/([^/]+)$/, (m) => renderJob(main, decodeURIComponent(m[1]))],
+  [/^#\/jobs$/, () => renderJobs(main)],
+  [/^#\/secrets$/, () => renderSecrets(main)],
+  [/^#\/ssh(?:\/([^/]+))?$/, (m) => renderSsh(main, m[1] ? decodeURIComponent(m[1]) : "")],
   [/^#\/orgs\/([^/]+)$/, (m) => renderMembers(main, decodeURIComponent(m[1]))],
   [/^#\/orgs$/, () => renderOrgs(main)],
   [/^#\/admin\/nodes$/, () => renderNodes(main), true],
@@ -87,7 +97,8 @@ function highlight(hash) {
 
 async function renderHeader() {
   const me = session.me;
-  const links = [["#/sandboxes", "Sandboxes"], ["#/orgs", "Organisations"]];
+  const links = [["#/sandboxes", "Sandboxes"], ["#/services", "Services"], ["#/jobs", "Jobs"],
+    ["#/secrets", "Secrets"], ["#/ssh", "SSH"], ["#/orgs", "Organisations"]];
   if (me.scopes.includes("admin")) {
     links.push(["#/admin/nodes", "Nodes"], ["#/admin/lost", "Lost"], ["#/admin/keys", "Keys"],
       ["#/admin/orgs", "All orgs"], ["#/admin/audit", "Audit"], ["#/admin/quotas", "Quotas"]);

@@ -209,3 +209,92 @@ export function action(label, run, { danger = false, ...attrs } = {}) {
   });
   return button;
 }
+
+/**
+ * A command as typed in a form: a JSON array is the argv as it is (`["python3", "-m", "http.server"]`); any
+ * other text is run by `sh -c` (so pipes and quotes work as in a shell). Empty: null.
+ */
+export function parseCommand(text) {
+  const trimmed = text.trim();
+  if (!trimmed) return null;
+  if (trimmed.startsWith("[")) {
+    let argv;
+    try {
+      argv = JSON.parse(trimmed);
+    } catch (error) {
+      throw new Error(`the command starts with "[" but is not a JSON array of strings: ${error.message}`);
+    }
+    if (!Array.isArray(argv) || !argv.length || argv.some((a) => typeof a !== "string")) {
+      throw new Error('the command starts with "[" but is not a JSON array of strings, e.g. ["make", "test"]');
+    }
+    return argv;
+  }
+  return ["sh", "-c", trimmed];
+}
+
+/** The form's text of an argv: the script of `sh -c SCRIPT`, else the JSON array. */
+export function commandText(argv) {
+  if (!argv) return "";
+  if (argv.length === 3 && argv[0] === "sh" && argv[1] === "-c") return argv[2];
+  return JSON.stringify(argv);
+}
+
+/** "NAME=value" lines to an object (a value may hold "="); throws on a line without "=". */
+export function parseEnv(text) {
+  const env = {};
+  for (const line of text.split("\n").map((s) => s.trim()).filter(Boolean)) {
+    const at = line.indexOf("=");
+    if (at <= 0) throw new Error(`environment line "${line}" is not NAME=value`);
+    env[line.slice(0, at).trim()] = line.slice(at + 1);
+  }
+  return env;
+}
+
+/** Names separated by commas, spaces or new lines. */
+export function parseNames(text) {
+  return text.split(/[\s,]+/).map((s) => s.trim()).filter(Boolean);
+}
+
+/** "3 s", "2 min 5 s", "1 h 4 min" between two times (the second absent: now). */
+export function fmtDuration(from, to) {
+  if (!from) return "";
+  const secs = Math.max(0, Math.round(((to ? Date.parse(to) : Date.now()) - Date.parse(from)) / 1000));
+  if (secs < 60) return `${secs} s`;
+  if (secs < 3600) return `${Math.floor(secs / 60)} min ${secs % 60} s`;
+  return `${Math.floor(secs / 3600)} h ${Math.floor((secs % 3600) / 60)} min`;
+}
+
+/**
+ * Run `refresh` now and every `ms` while the page shows (not while a dialog is open, so a form being filled is
+ * not redrawn under the person); answers the cleanup the router calls when the page is left.
+ */
+export function every(ms, refresh) {
+  let stopped = false;
+  let running = false;
+  const tick = async () => {
+    if (stopped || running || document.querySelector("dialog")) return;
+    running = true;
+    try {
+      await refresh();
+    } finally {
+      running = false;
+    }
+  };
+  const timer = setInterval(tick, ms);
+  tick();
+  return () => {
+    stopped = true;
+    clearInterval(timer);
+  };
+}
+
+/** Copy text to the clipboard with a toast; where the browser refuses, the person selects it themselves. */
+export function copyButton(text, label = "Copy", attrs = {}) {
+  return h("button", { type: "button", ...attrs, onclick: () => {
+    if (!navigator.clipboard) {
+      toast("this browser offers no clipboard here: select the text and copy it", "error");
+      return;
+    }
+    navigator.clipboard.writeText(text).then(() => toast("copied"), () => toast("the browser refused the copy", "error"));
+  } }, label);
+}

@@ -4,11 +4,13 @@
 import { del, enc, get, post, put, query } from "../api.js";
 import { action, clear, confirm, dialog, errorBox, fmtTime, h, table, toast } from "../ui.js";
 
+/** A page of one table: `load(refresh)` answers what to show, or null to keep what is shown (nothing changed). */
 function page(main, title, tools, load) {
   const body = h("div");
   const refresh = async () => {
     try {
-      clear(body, await load(refresh));
+      const shown = await load(refresh);
+      if (shown !== null) clear(body, shown);
     } catch (error) {
       clear(body, errorBox(error));
     }
@@ -18,11 +20,26 @@ function page(main, title, tools, load) {
   return refresh;
 }
 
+/** Seconds between refreshes of the nodes page (a drain, a cordon made elsewhere, a node going down show). */
+const NODES_MS = 5000;
+
 // -- nodes ----------------------------------------------------------------------------------------------------
 
 export function renderNodes(main) {
-  page(main, "Nodes", () => [], async (again) => {
+  let shown = "";
+  const refresh = page(main, "Nodes", () => [], async (again) => {
     const nodes = (await get("/v1/admin/nodes")).nodes;
+    // Redrawn only when something besides the last poll's time changed (a button being clicked stays put);
+    // the times are updated in place.
+    const text = JSON.stringify(nodes.map((n) => ({ ...n, last_seen: null })));
+    if (text === shown && main.querySelector(".last-seen")) {
+      for (const n of nodes) {
+        const cell = main.querySelector(`.last-seen[data-node="${CSS.escape(n.name)}"]`);
+        if (cell) cell.textContent = fmtTime(n.last_seen);
+      }
+      return null;
+    }
+    shown = text;
     const res = (r) => (r ? `${r.cpus} CPU · ${r.memory_mb} MiB · ${r.disk_mb} MiB disk` : "");
     return table([
       { label: "Node", cell: (n) => h("strong", n.name) },
@@ -32,7 +49,8 @@ export function renderNodes(main) {
       { label: "Capacity", cell: (n) => res(n.status?.capacity) },
       { label: "Free", cell: (n) => res(n.status?.free) },
       { label: "Version", cell: (n) => n.status?.version ?? "" },
-      { label: "Last seen", cell: (n) => [fmtTime(n.last_seen), n.error ? h("div.error", n.error) : null] },
+      { label: "Last seen", cell: (n) => [h("span.last-seen", { dataset: { node: n.name } }, fmtTime(n.last_seen)),
+        n.error ? h("div.error", n.error) : null] },
       { label: "Actions", cell: (n) => h("div.row-actions",
         action(n.cordoned ? "Uncordon" : "Cordon", async () => {
           await post(`/v1/admin/nodes/${enc(n.name)}/cordon`, { cordoned: !n.cordoned });
@@ -70,6 +88,8 @@ export function renderNodes(main) {
       again();
     });
   }
+  const timer = setInterval(() => !document.querySelector("dialog") && refresh(), NODES_MS);
+  return () => clearInterval(timer);
 }
 
 export function renderLost(main) {

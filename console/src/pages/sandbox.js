@@ -26,7 +26,8 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
       const s = await get(`/v1/sandboxes/${enc(id)}`);
       clear(head,
         h("div.bar", h("h1", s.name || s.id), h(`span.state.${s.state}`, s.state)),
-        h("div.row-actions", sandboxActions(s, () => loadHead())));
+        h("div.row-actions", sandboxActions(s, () => loadHead()),
+          s.state !== "terminated" ? h("a.button", { href: `#/ssh/${enc(s.id)}` }, "SSH") : null));
       return s;
     } catch (error) {
       clear(head, h("h1", id), errorBox(error));

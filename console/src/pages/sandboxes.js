@@ -129,7 +129,7 @@ export async function caps() {
   return capabilities;
 }
 
-function networkFields(caps, current = { mode: caps.network.default.mode }) {
+export function networkFields(caps, current = { mode: caps.network.default.mode }) {
   const order = ["none", "allowlist", "open"];
   const modes = order.slice(0, order.indexOf(caps.network.ceiling) + 1);
   const mayAllow = caps.network.may_allow.length ? caps.network.may_allow.join(", ") : "only the default list";
@@ -143,7 +143,7 @@ function networkFields(caps, current = { mode: caps.network.default.mode }) {
   ];
 }
 
-function networkRequest(v) {
+export function networkRequest(v) {
   const names = (text) => text.split(/[\s,]+/).map((s) => s.trim()).filter(Boolean);
   const network = { mode: v.mode };
   if (v.mode === "allowlist" && names(v.allow).length) network.allow = names(v.allow);

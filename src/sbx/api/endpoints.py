@@ -32,7 +32,7 @@ from sbx.api.gateway import (
     Whoami,
 )
 from sbx.api.images import Image, ImageList, ImageRemoved, ImageRequest
-from sbx.api.jobs import AgentRunRequest, Job, JobList, JobSpec, RunOutput
+from sbx.api.jobs import AgentList, AgentRunRequest, Job, JobList, JobSpec, RunOutput
 from sbx.api.metrics import SandboxMetrics
 from sbx.api.node import Capabilities, CordonRequest, NodeStatus
 from sbx.api.orgs import (
@@ -259,6 +259,8 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     Endpoint("POST", "/v1/agent-runs", "Start an agent run (a job of one run)", GATEWAY, (CREATE,), status=201,
              body="json", request=AgentRunRequest, answer=Job,
              errors=_errs(e.InvalidRequest, e.Refused, e.Unsupported)),
+    Endpoint("GET", "/v1/agents", "The agents this gateway defines (its --agents-file; an addition)", GATEWAY,
+             (READ,), answer=AgentList),
     Endpoint("PUT", "/v1/secrets/{name}", "Set a tenant secret", GATEWAY, ("secrets:write",), status=204,
              body="json", request=SecretRequest, answers="empty", errors=_errs(e.InvalidRequest, e.Unsupported)),
     Endpoint("GET", "/v1/secrets", "The tenant's secrets (names only)", GATEWAY, (READ,), answer=SecretList,

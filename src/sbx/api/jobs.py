@@ -93,6 +93,28 @@ class Run(msgspec.Struct, kw_only=True):
     finished_at: str | None
     error: str | UnsetType = UNSET
     files: list[KeptFile] | UnsetType = UNSET
+    #: The command's process id in ``sandbox`` once started (an addition to the spec, docs/jobs.md): while the
+    #: run lasts, ``GET /v1/sandboxes/{sandbox}/processes/{pid}/output`` follows its output live.
+    pid: int | UnsetType = UNSET
+
+
+class Agent(msgspec.Struct, kw_only=True):
+    """An agent of the gateway's agents file as ``GET /v1/agents`` lists it (an addition to the spec,
+    docs/jobs.md): its argv (``{prompt_file}`` as written), defaults and the names of its secrets and
+    environment; never an environment value."""
+
+    name: str
+    argv: list[str]
+    image: str | UnsetType = UNSET
+    secrets: list[str]
+    env_names: list[str]
+    timeout_secs: int | UnsetType = UNSET
+    network: NetworkRequest | UnsetType = UNSET
+    resources: ResourceRequest | UnsetType = UNSET
+
+
+class AgentList(msgspec.Struct):
+    agents: list[Agent]
 
 
 class Job(msgspec.Struct, kw_only=True):

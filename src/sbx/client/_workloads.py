@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from sbx.api.errors import Unavailable
-from sbx.api.jobs import FINISHED_STATES, AgentRunRequest, Job, JobList, JobSpec, RunOutput
+from sbx.api.jobs import FINISHED_STATES, Agent, AgentList, AgentRunRequest, Job, JobList, JobSpec, RunOutput
 from sbx.api.services import (
     ScaleRequest,
     Secret,
@@ -85,6 +85,10 @@ class Jobs:
     async def agent_run(self, request: AgentRunRequest) -> Job:
         """``POST /v1/agent-runs``: one run of an agent the gateway defines."""
         return await self._client.call("POST", "/v1/agent-runs", Job, json=request)
+
+    async def agents(self) -> list[Agent]:
+        """``GET /v1/agents``: the agents the gateway defines (its ``--agents-file``), by name."""
+        return (await self._client.call("GET", "/v1/agents", AgentList)).agents
 
     async def list(self) -> list[Job]:
         """``GET /v1/jobs``: newest first, without runs."""

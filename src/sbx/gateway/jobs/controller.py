@@ -338,4 +338,5 @@ def _run_wire(run: RunRecord) -> Run:
         n=run.n, state=run.state, sandbox=run.sandbox, node=run.node, exit_code=run.exit_code,
         started_at=run.started, finished_at=run.finished, error=run.error if run.error else UNSET,
         files=list(run.files) if run.files is not None else UNSET,
+        pid=run.pid if run.pid is not None else UNSET,
     )  # fmt: skip

@@ -127,6 +127,7 @@ def table(gw: Gateway) -> list[Route]:
         ("GET", "/v1/jobs/{id}/runs/{n}/output", jobs.output),
         ("GET", "/v1/jobs/{id}/runs/{n}/files", jobs.file),
         ("POST", "/v1/agent-runs", jobs.agent_run),
+        ("GET", "/v1/agents", jobs.agents),
         ("PUT", "/v1/secrets/{name}", secrets.put),
         ("GET", "/v1/secrets", secrets.list),
         ("DELETE", "/v1/secrets/{name}", secrets.delete),

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from sbx.api.codec import decode_request
 from sbx.api.errors import InvalidRequest
-from sbx.api.jobs import AgentRunRequest, JobList, JobSpec
+from sbx.api.jobs import Agent, AgentList, AgentRunRequest, JobList, JobSpec
 from sbx.gateway import auth
 from sbx.gateway.http import principal_of
 from sbx.gateway.jobs.spec import agent_job, check_job
@@ -38,6 +38,17 @@ class JobRoutes:
         spec = decode_request(await read_json_body(request), JobSpec)
         spec = check_job(self.gw, principal, spec, self.gw.jobs.options.notify)
         return self._answer(request, await self.gw.jobs.submit(principal, spec), 201)
+
+    async def agents(self, request: web.Request) -> web.Response:
+        """The agents file's agents by name (what the console offers for an agent run); never an env value."""
+        listed = [
+            Agent(
+                name=a.name, argv=list(a.argv), image=a.image, secrets=list(a.secrets), env_names=sorted(a.env),
+                timeout_secs=a.timeout_secs, network=a.network, resources=a.resources,
+            )
+            for a in sorted(self.gw.jobs.options.agents.values(), key=lambda a: a.name)
+        ]  # fmt: skip
+        return json_response(AgentList(listed))
 
     async def agent_run(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
