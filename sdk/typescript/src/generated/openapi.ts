@@ -270,6 +270,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/agents": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The agents this gateway defines (its --agents-file; an addition) */
+        get: operations["getAgents"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/capabilities": {
         parameters: {
             query?: never;
@@ -1088,6 +1105,45 @@ export interface components {
             members: number;
             owners: string[];
         };
+        /** AgentList */
+        AgentList: {
+            agents: components["schemas"]["Agent"][];
+        };
+        /**
+         * Agent
+         * @description An agent of the gateway's agents file as ``GET /v1/agents`` lists it (an addition to the spec,
+         *         docs/jobs.md): its argv (``{prompt_file}`` as written), defaults and the names of its secrets and
+         *         environment; never an environment value.
+         */
+        Agent: {
+            name: string;
+            argv: string[];
+            image?: string;
+            secrets: string[];
+            env_names: string[];
+            timeout_secs?: number;
+            network?: components["schemas"]["NetworkRequest"];
+            resources?: components["schemas"]["ResourceRequest"];
+        };
+        /**
+         * NetworkRequest
+         * @description A request's ``network`` object (create, PATCH): every field optional. ``allow`` null (the default list)
+         *         and absent are the same; ``allow: []`` (nothing) is kept distinct and refused by rule 5.
+         */
+        NetworkRequest: {
+            mode?: string;
+            allow?: string[] | null;
+            deny?: string[];
+        };
+        /**
+         * ResourceRequest
+         * @description ``resources`` of a service or job: each amount optional (the node's default when omitted).
+         */
+        ResourceRequest: {
+            cpus?: number;
+            memory_mb?: number;
+            disk_mb?: number;
+        };
         /**
          * AgentRunRequest
          * @description ``POST /v1/agent-runs``: one run of an agent the gateway defines (``--agents-file``); ``prompt`` is written
@@ -1109,25 +1165,6 @@ export interface components {
             from_snapshot?: string;
             keep?: components["schemas"]["KeepSpec"];
             notify?: string;
-        };
-        /**
-         * NetworkRequest
-         * @description A request's ``network`` object (create, PATCH): every field optional. ``allow`` null (the default list)
-         *         and absent are the same; ``allow: []`` (nothing) is kept distinct and refused by rule 5.
-         */
-        NetworkRequest: {
-            mode?: string;
-            allow?: string[] | null;
-            deny?: string[];
-        };
-        /**
-         * ResourceRequest
-         * @description ``resources`` of a service or job: each amount optional (the node's default when omitted).
-         */
-        ResourceRequest: {
-            cpus?: number;
-            memory_mb?: number;
-            disk_mb?: number;
         };
         /**
          * KeepSpec
@@ -1573,6 +1610,7 @@ export interface components {
             finished_at: string | null;
             error?: string;
             files?: components["schemas"]["KeptFile"][];
+            pid?: number;
         };
         /**
          * KeptFile
@@ -3529,6 +3567,80 @@ export interface operations {
             };
             /** @description error: unsupported */
             501: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getAgents: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description The agents this gateway defines (its --agents-file; an addition) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AgentList"];
+                };
+            };
+            /** @description error: invalid_request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: forbidden_origin, refused */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: invalid_request */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            500: {
                 headers: {
                     [name: string]: unknown;
                 };
