@@ -47,6 +47,8 @@ BAD_JOBS = [
     ({"command": ["x"], "secrets": ["NOPE"]}, 400, "this tenant has no secret 'NOPE'"),
     ({"command": ["x"], "env": {"BASH_ENV": "/x"}}, 403, "BASH_ENV is reserved"),
     ({"command": ["x"], "bind": "/"}, 400, "bind"),
+    ({"command": ["x"], "name": "j" * 64}, 400, "name: the job name is 64 characters long; use at most 63"),
+    ({"command": ["x"], "name": "Build!"}, 400, "name: 'Build!' is not a valid job name"),
 ]  # fmt: skip
 
 

@@ -61,6 +61,11 @@ def validate_volume_name(name: str, field: str = "name") -> str:
     return _check_name(name, field, "volume")
 
 
+def validate_job_name(name: str, field: str = "name") -> str:
+    """A job's name: the same alphabet and length as a volume's (1-63 of ``a-z 0-9 - _ .``)."""
+    return _check_name(name, field, "job")
+
+
 def validate_image_ref(image: str, field: str = "image") -> str:
     """An image reference: 1-255 printable characters with no whitespace; the image store checks the rest."""
     if not image:

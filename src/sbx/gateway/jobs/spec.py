@@ -40,7 +40,7 @@ MAX_KEPT_FILE_BYTES: Final = 64 * 1024 * 1024
 def check_job(gw: Gateway, principal: Principal, spec: JobSpec, policy: NotifyPolicy) -> JobSpec:
     """``spec`` checked for ``principal`` (as the module says), with ``retries`` filled in."""
     if spec.name is not UNSET:
-        v.validate_volume_name(spec.name, "name")
+        v.validate_job_name(spec.name, "name")
     specs.check_command(spec.command, "command")
     if spec.timeout_secs is not UNSET and not 1 <= spec.timeout_secs <= MAX_TIMEOUT_SECS:
         raise InvalidRequest(
