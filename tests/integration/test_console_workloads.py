@@ -591,7 +591,7 @@ def test_pages_at_phone_width(browser: Any, fleet: Fleet) -> None:
     try:
         phone.sign_in(fleet.dev_key)
         for hash_path, shown, name in [
-            ("#/services", "text=/services · updated/", "phone-services"),
+            ("#/services", "text=/ services? · updated/", "phone-services"),
             ("#/jobs", "text=/jobs · updated/", "phone-jobs"),
             ("#/secrets", "td code:text-is('AGENT_KEY')", "phone-secrets"),
             ("#/ssh", "code.fingerprint", "phone-ssh"),

@@ -78,7 +78,7 @@ export function renderServices(main) {
           { label: "Address", cell: (s) => addressLinks(s) },
         ].filter(Boolean), services, "No services yet: create one."));
       }
-      status.textContent = `${services.length} services · updated ${new Date().toLocaleTimeString()}`;
+      status.textContent = `${services.length} service${services.length === 1 ? "" : "s"} · updated ${new Date().toLocaleTimeString()}`;
     } catch (error) {
       shown = "";
       clear(list, errorBox(error));
