@@ -9,12 +9,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from console_harness import browser_fixture
 from pg_cluster import pg_cluster_fixture
 from sandboxd_harness import REPO, Sandboxd, missing_requirements
 
-__all__ = [
-    "pg_cluster_fixture"
-]  # the private PostgreSQL cluster, once per session (tests/support/pg_cluster.py)
+# Fixtures defined elsewhere: the private PostgreSQL cluster, once per session (tests/support/pg_cluster.py), and
+# Chromium for the console's browser tests, once per module (console_harness.py).
+__all__ = ["browser_fixture", "pg_cluster_fixture"]
 
 _MISSING = missing_requirements()
 

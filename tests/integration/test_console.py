@@ -16,20 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from console_harness import Tab, needs_browser
 from gateway_harness import FAST_ARGS, GatewayProcess
-from sandboxd_harness import REPO, Sandboxd
+from sandboxd_harness import Sandboxd
 
-from sbx.web.console import ASSETS_DIR
-
-CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = REPO / "test-artifacts" / "console"
 #: Milliseconds the browser waits for what a page shows (a sandbox boots, a shell starts).
 WAIT_MS = 60_000
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists() or not (ASSETS_DIR / "index.html").exists(),
-    reason="needs Debian's chromium and the built console: run scripts/install.sh --no-start --test-deps",
-)
+pytestmark = needs_browser
 
 
 class Fleet:
@@ -56,51 +50,8 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        # Playwright cannot download its own browsers here: Debian's Chromium it is.
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-class Tab:
-    """A browser tab on the console, recording what the page reports about the security policy."""
-
-    def __init__(self, browser: Any, fleet: Fleet, width: int = 1280, height: int = 800) -> None:
-        self.context = browser.new_context(viewport={"width": width, "height": height}, accept_downloads=True)
-        self.page = self.context.new_page()
-        self.page.set_default_timeout(WAIT_MS)
-        self.fleet = fleet
-        self.csp_violations: list[str] = []
-        self.page.on("console", self._console)
-
-    def _console(self, message: Any) -> None:
-        if "Content Security Policy" in message.text or "Content-Security-Policy" in message.text:
-            self.csp_violations.append(message.text)
-
-    def sign_in(self, key: str) -> None:
-        self.page.goto(self.fleet.url + "/console/")
-        self.page.fill("#api-key", key)
-        self.page.click("button:has-text('Sign in')")
-        self.page.wait_for_selector("h1:has-text('Sandboxes')")
-
-    def shot(self, name: str) -> None:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
-
-    def close(self) -> None:
-        assert self.csp_violations == [], self.csp_violations
-        self.context.close()
-
-
-@pytest.fixture(scope="module")
 def admin_tab(browser: Any, fleet: Fleet) -> Iterator[Tab]:
-    tab = Tab(browser, fleet)
+    tab = Tab(browser, fleet.url, wait_ms=WAIT_MS)
     yield tab
     tab.close()
 
@@ -303,7 +254,7 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
     assert secret.startswith("sgk_")
     admin_tab.shot("admin-key-created")
     page.click("dialog button:has-text('Done')")
-    eve = Tab(browser, fleet)
+    eve = Tab(browser, fleet.url, wait_ms=WAIT_MS)
     made: dict[str, Any] | None = None
     try:
         eve.sign_in(secret)
@@ -329,7 +280,7 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
 
 
 def test_readable_at_phone_width(browser: Any, fleet: Fleet) -> None:
-    phone = Tab(browser, fleet, width=390, height=844)
+    phone = Tab(browser, fleet.url, width=390, height=844, wait_ms=WAIT_MS)
     try:
         phone.sign_in(fleet.keys["admin"])
         phone.page.wait_for_selector("td >> text=web1")

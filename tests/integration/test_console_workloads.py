@@ -19,24 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from console_harness import Tab, needs_browser
 from gateway_harness import wait_for
-from sandboxd_harness import REPO, free_port
+from sandboxd_harness import free_port
 from services_world import SERVE, SERVER, Receiver, World, world
 
 from sbx.client.sync import Client
-from sbx.web.console import ASSETS_DIR
 
-CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = REPO / "test-artifacts" / "console"
 #: Milliseconds the browser waits for what a page shows (replicas boot, a rollout runs, a job ends).
 WAIT_MS = 120_000
 #: Markup a hostile name or output might carry: shown as text, it never runs (window.__pwned stays unset).
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists() or not (ASSETS_DIR / "index.html").exists(),
-    reason="needs Debian's chromium and the built console: run scripts/install.sh --no-start --test-deps",
-)
+pytestmark = needs_browser
 
 
 class Fleet:
@@ -63,61 +58,8 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        # Playwright cannot download its own browsers here: Debian's Chromium it is.
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-class Tab:
-    """A browser tab on the console, recording what the page reports about the security policy."""
-
-    def __init__(self, browser: Any, fleet: Fleet, width: int = 1280, height: int = 800) -> None:
-        self.context = browser.new_context(viewport={"width": width, "height": height}, accept_downloads=True)
-        self.page = self.context.new_page()
-        self.page.set_default_timeout(WAIT_MS)
-        self.fleet = fleet
-        self.csp_violations: list[str] = []
-        self.page.on("console", self._console)
-
-    def _console(self, message: Any) -> None:
-        if "Content Security Policy" in message.text or "Content-Security-Policy" in message.text:
-            self.csp_violations.append(message.text)
-
-    def sign_in(self, key: str) -> None:
-        self.page.goto(self.fleet.url + "/console/")
-        self.page.fill("#api-key", key)
-        self.page.click("button:has-text('Sign in')")
-        self.page.wait_for_selector("h1:has-text('Sandboxes')")
-
-    def go(self, hash_path: str) -> None:
-        """Open a page afresh (a reload: a going to another hash alone would keep a dialog left open)."""
-        self.page.goto(f"{self.fleet.url}/console/{hash_path}")
-        self.page.reload()
-
-    def shot(self, name: str) -> None:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
-
-    def no_markup_ran(self) -> None:
-        """Nothing hostile became markup: no <img> or <script> in the app, and no handler ran."""
-        assert self.page.evaluate("window.__pwned") is None
-        assert self.page.locator("#app img, #app script, dialog img").count() == 0
-
-    def close(self) -> None:
-        assert self.csp_violations == [], self.csp_violations
-        self.context.close()
-
-
-@pytest.fixture(scope="module")
 def tab(browser: Any, fleet: Fleet) -> Iterator[Tab]:
-    tab = Tab(browser, fleet)
+    tab = Tab(browser, fleet.url, wait_ms=WAIT_MS)
     tab.sign_in(fleet.dev_key)
     yield tab
     tab.close()
@@ -542,7 +484,7 @@ def test_a_bad_ssh_key_is_refused_with_the_gateways_message(tab: Tab, fleet: Fle
 
 
 def test_a_node_cordoned_elsewhere_and_a_drain_show_without_a_reload(browser: Any, fleet: Fleet) -> None:
-    admin = Tab(browser, fleet)
+    admin = Tab(browser, fleet.url, wait_ms=WAIT_MS)
     page = admin.page
     made = fleet.api("POST", "/v1/sandboxes", {"name": "drained"}, status=201)
     node = made["id"].split("_")[1]  # sbx_<node>_<hex>
@@ -587,7 +529,7 @@ def test_a_node_cordoned_elsewhere_and_a_drain_show_without_a_reload(browser: An
 
 
 def test_pages_at_phone_width(browser: Any, fleet: Fleet) -> None:
-    phone = Tab(browser, fleet, width=390, height=844)
+    phone = Tab(browser, fleet.url, width=390, height=844, wait_ms=WAIT_MS)
     try:
         phone.sign_in(fleet.dev_key)
         for hash_path, shown, name in [
