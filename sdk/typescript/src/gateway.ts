@@ -5,7 +5,7 @@
 import { fromBase64 } from "./bytes.js";
 import type { Client } from "./client.js";
 import { Unavailable } from "./errors.js";
-import type { AgentRunRequest, Job, JobSpec, Key, KeyCreated, RunOutput, Secret, Service, ServiceSpec, SshAccess, SshInfo, SshKey } from "./types.js";
+import type { Agent, AgentRunRequest, Job, JobSpec, Key, KeyCreated, RunOutput, Secret, Service, ServiceSpec, SshAccess, SshInfo, SshKey } from "./types.js";
 
 function tenantQuery(tenant?: string): Record<string, string> | undefined {
   return tenant === undefined ? undefined : { tenant };
@@ -58,6 +58,11 @@ export class Jobs {
   /** `POST /v1/agent-runs`: one run of a configured agent on `prompt` (201). */
   agentRun(request: AgentRunRequest): Promise<Job> {
     return this.client.call("POST", "/v1/agent-runs", { json: request });
+  }
+
+  /** `GET /v1/agents`: the agents `agentRun` may name (the gateway's agents file; names of env and secrets only). */
+  async agents(): Promise<Agent[]> {
+    return (await this.client.call<{ agents: Agent[] }>("GET", "/v1/agents")).agents;
   }
 
   /** `GET /v1/jobs`. */

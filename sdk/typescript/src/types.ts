@@ -27,6 +27,7 @@ export type ServiceSpec = Schemas["ServiceSpec"];
 export type Job = Schemas["Job"];
 export type JobSpec = Schemas["JobSpec"];
 export type AgentRunRequest = Schemas["AgentRunRequest"];
+export type Agent = Schemas["Agent"];
 export type Secret = Schemas["Secret"];
 export type SshInfo = Schemas["SshInfo"];
 export type SshAccess = Schemas["SshAccess"];

@@ -160,6 +160,9 @@ describe("jobs and agent runs", () => {
 
   test("an agent run with a secret: the prompt in, the result out", T, async () => {
     await alice.secrets.set("AGENT_KEY", "agent-secret-value");
+    const [shouter] = (await alice.jobs.agents()).filter((a) => a.name === "shouter");
+    assert.ok(shouter, "the agents file's shouter is listed");
+    assert.deepEqual([shouter.secrets, shouter.timeout_secs], [["AGENT_KEY"], 120]);
     const job = await alice.jobs.agentRun({ agent: "shouter", prompt: "hello agent", keep: { files: ["/sandbox/home/result.txt"] } });
     const done = await alice.jobs.wait(job.id, { timeoutMs: 240_000, pollMs: 300 });
     assert.equal(done.state, "succeeded", JSON.stringify(done));
