@@ -63,6 +63,28 @@ def test_sandbox_name_rejects(name: str, message: str) -> None:
     rejects(lambda: v.validate_sandbox_name(name), InvalidRequest, message)
 
 
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        pytest.param("build-1.v2", None, id="ok"),
+        pytest.param("sbx_nightly", None, id="id-like-prefix-is-fine"),
+        pytest.param("", "name: the job name is empty; give 1 to 63 characters", id="empty"),
+        pytest.param("j" * 64, "name: the job name is 64 characters long; use at most 63", id="64-chars"),
+        pytest.param(
+            "Build",
+            "name: 'Build' is not a valid job name: use lowercase letters, digits and '-', '_', "
+            "'.', starting with a letter or digit; use lowercase",
+            id="uppercase",
+        ),
+    ],
+)
+def test_job_name(name: str, message: str | None) -> None:
+    if message is None:
+        assert v.validate_job_name(name) == name
+    else:
+        rejects(lambda: v.validate_job_name(name), InvalidRequest, message)
+
+
 def test_volume_name_allows_id_like_prefix_but_same_alphabet() -> None:
     assert v.validate_volume_name("sbx_data") == "sbx_data"
     rejects(lambda: v.validate_volume_name("Data", "volumes[0].name"), InvalidRequest, "volumes[0].name")
@@ -542,7 +564,7 @@ def test_signal_names_rejected(name: str) -> None:
 def test_every_rule_function_is_covered() -> None:
     """Guard: a new public rule added to validation must get a table here."""
     tested = {
-        "validate_sandbox_name", "validate_volume_name", "validate_image_ref", "validate_snapshot_id",
+        "validate_sandbox_name", "validate_volume_name", "validate_job_name", "validate_image_ref", "validate_snapshot_id",
         "validate_label_key", "validate_label_value", "validate_labels", "is_reserved_env_name",
         "validate_env_name", "validate_env_value", "check_env_not_reserved", "validate_env",
         "validate_resource", "validate_resources", "resolve_create_idle_timeout", "validate_patch_idle_timeout",
