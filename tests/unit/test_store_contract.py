@@ -261,6 +261,42 @@ def test_one_owner_at_a_time(backend: Backend) -> None:
     second.close()
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "opens"),
+    [
+        # (what holds the store, what tries next, whether it opens: PostgreSQL / SQLite)
+        ("serve", "serve", (True, False)),  # replicas share a database; a SQLite file has one owner
+        ("serve", "offline", (False, False)),  # the spec's rule: offline commands refused while one serves
+        ("offline", "serve", (False, False)),
+        ("offline", "offline", (False, False)),
+    ],
+)
+def test_serving_replicas_share_the_owner_lock_and_offline_commands_stay_refused(
+    backend: Backend, first: str, second: str, opens: tuple[bool, bool]
+) -> None:
+    holder = open_store(backend.location, serving=first == "serve")
+    holder.add_key(keys.new_key("alice", "", {"admin"})[0])
+    try:
+        if opens[backend.kind == "sqlite"]:
+            other = open_store(backend.location, serving=second == "serve")
+            assert [k.user for k in other.keys.values()] == ["alice"]
+            # A third process, an offline command, is refused while either replica serves.
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location)
+            other.close()
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location)  # the first replica still serves
+        else:
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location, serving=second == "serve")
+    finally:
+        holder.close()
+    # Once every holder is gone, an offline command owns it alone, and nothing was changed by the refusals.
+    alone = open_store(backend.location)
+    assert [k.user for k in alone.keys.values()] == ["alice"]
+    alone.close()
+
+
 # -- every operation, and its round trip through a reopen -------------------------------------------------
 
 

@@ -320,7 +320,7 @@ def serve(
     poll = parse_duration(poll_interval, "--poll-interval")
     setup_logging(log_level)
     try:
-        store = open_store(location)
+        store = open_store(location, serving=True)
     except (StateLocked, StateError) as exc:
         click.echo(f"sandbox-gateway: {exc}", err=True)
         sys.exit(1)
