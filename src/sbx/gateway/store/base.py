@@ -39,7 +39,6 @@ from sbx.gateway.state import (
 from sbx.gateway.store.ops import Delete, Insert, Op, Update, Upsert
 from sbx.gateway.store.schema import TABLES
 
-
 Row = tuple[Any, ...]
 
 
