@@ -10,10 +10,11 @@ gateway's own controllers call alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +38,7 @@ from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE, DEFAULT_MAX_TOT
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, now_rfc3339
 from sbx.gateway.store import Store
+from sbx.gateway.store.base import Change
 
 if TYPE_CHECKING:
     from sbx.gateway.ssh.server import SshServer
@@ -44,6 +46,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ORGS_PER_USER = 10
+#: A miss (an unknown key, a sandbox not found) on a store shared with other replicas waits at most this long for
+#: the changes committed before it to arrive, then looks again.
+CATCH_UP_SECS = 2.0
+#: Tables whose change by another replica may take access away (its follow-up: ``access_changed``).
+ACCESS_TABLES = frozenset({"keys", "members", "orgs", "ssh_keys"})
 
 
 @dataclass
@@ -93,6 +100,13 @@ class Gateway:
         #: Volume creates one at a time: their names are one name space across every node.
         self.volume_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        #: Whether this replica runs the work done once (sweeps, services' and jobs' controllers, notifications):
+        #: always with SQLite; with PostgreSQL the one holding the leader lock (``lead``).
+        self.leading = not store.elects
+        #: Called when this process must stop (it lost the leader lock: another replica may lead by then).
+        self.stop_process: Callable[[str], None] | None = None
+        #: Follow-ups of other replicas' changes still running (kept referenced until they end).
+        self._follow_ups: set[asyncio.Task[None]] = set()
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
@@ -113,24 +127,70 @@ class Gateway:
             )
         self.jobs = JobController(self, options.jobs)
         registry.wanted_cordon = self.wanted_cordon
-        registry.on_answering_again.append(self.reconcile)
+        registry.on_answering_again.append(self._answering_again)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_changes(changes: list[Change]) -> None:  # from the store's listening thread
+            try:
+                loop.call_soon_threadsafe(self.changed, changes)
+            except RuntimeError:  # the loop is closed: the gateway is stopping
+                pass
+
+        self.store.listen(on_changes)
         for definition in [*self.options.file_nodes, *self.store.nodes.values()]:
             try:
                 self.registry.add(connect_node(definition))
             except (SandboxError, OSError, ValueError) as exc:
                 log.error("node not usable", extra={"node": definition.name, "error": str(exc)})
         await self.registry.start()
+        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.access_changed)))
+
+    async def lead(self) -> None:
+        """Run for leader (see ``Store.lead``); once elected, run the work done once. A SQLite gateway leads at
+        once, before this returns (as it always started its workloads before serving)."""
+        if not self.store.elects:
+            await self._take_lead()
+            return
+        loop = asyncio.get_running_loop()
+
+        def on_change(leading: bool) -> None:  # from the store's leader thread
+            try:
+                if leading:
+                    loop.call_soon_threadsafe(lambda: self._follow_up(self._take_lead()))
+                else:
+                    loop.call_soon_threadsafe(self._lost_lead)
+            except RuntimeError:  # the loop is closed: the gateway is stopping
+                pass
+
+        self.store.lead(on_change)
+
+    async def _take_lead(self) -> None:
+        self.leading = True
+        if self.store.elects:
+            log.info("this replica leads: it runs the sweeps, the services' and jobs' controllers and the "
+                     "notifications")  # fmt: skip
         self._tasks.append(
             asyncio.create_task(self._every(self.options.forget_interval_secs, self.forget_sweep))
         )
-        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.access_changed)))
+        await self.services.start()
+        await self.jobs.start()
+
+    def _lost_lead(self) -> None:
+        log.critical("lost the leader lock; stopping")
+        self.leading = False
+        if self.stop_process is not None:
+            self.stop_process("the leader lock's connection was lost")
+
+    async def _answering_again(self, node: Node) -> None:
+        if self.leading:  # the records follow the node's listing: one replica decides
+            await self.reconcile(node)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._follow_ups]:
             task.cancel()
         for task in self._tasks:
             try:
@@ -138,6 +198,82 @@ class Gateway:
             except asyncio.CancelledError:
                 pass
         await self.registry.close()
+
+    # -- other replicas' writes -----------------------------------------------------------------
+
+    def changed(self, changes: list[Change]) -> None:
+        """Rows committed by any replica (this one's own marked ``local``): into memory, then the follow-up a
+        local write runs for the same change — a revocation, a member or an SSH key removed, an org deleted end
+        what may no longer run here (``access_changed``); a node added or removed through another replica is
+        polled or let go here too."""
+        self.store.refresh(changes)
+        remote = {c.table for c in changes if not c.local}
+        if remote & ACCESS_TABLES:
+            self._follow_up(self.access_changed())
+        if "nodes" in remote:
+            self._follow_up(self.sync_nodes())
+        if self.leading and remote & {"services", "service_revisions"}:
+            self._follow_up(self.services.taken_up())
+        if self.leading and remote & {"jobs", "job_runs"}:
+            self._follow_up(self.jobs.taken_up())
+
+    def _follow_up(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("a follow-up of another replica's change failed")
+
+        task = asyncio.create_task(run())
+        self._follow_ups.add(task)
+        task.add_done_callback(self._follow_ups.discard)
+
+    async def sync_nodes(self) -> None:
+        """The registry holds the node file's nodes and the store's: those added or removed elsewhere follow."""
+        from_file = {d.name for d in self.options.file_nodes}
+        for name, definition in list(self.store.nodes.items()):
+            if name in self.registry.nodes:
+                continue
+            try:
+                node = connect_node(definition)
+            except (SandboxError, OSError, ValueError) as exc:
+                log.error("node not usable", extra={"node": name, "error": str(exc)})
+                continue
+            self.registry.add(node)
+            await self.registry.poll(node)
+        for name in list(self.registry.nodes):
+            if name not in from_file and name not in self.store.nodes:
+                await self.registry.remove(name)
+
+    @contextlib.asynccontextmanager
+    async def quota_reservation(self, tenant: str) -> AsyncIterator[None]:
+        """Held around a create's quota check, node call and record, for a tenant with a quota: with replicas, the
+        tenant's lock shared by all of them, then every record committed before it caught up with, so the check
+        counts every sandbox any replica made (docs/ha.md). One process: nothing beyond its in-process lock."""
+        if not self.store.shared:
+            yield
+            return
+        taking = asyncio.ensure_future(asyncio.to_thread(self.store.lock_tenant, tenant))
+        try:
+            handle = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The thread takes the lock all the same: let go of it once it has.
+            taking.add_done_callback(
+                lambda t: None if t.cancelled() or t.exception() else self.store.unlock_tenant(t.result())
+            )
+            raise
+        try:
+            await self.caught_up()
+            yield
+        finally:
+            await asyncio.to_thread(self.store.unlock_tenant, handle)
+
+    async def caught_up(self) -> bool:
+        """Before a miss is answered (an unknown key, a sandbox not found): whether changes committed by other
+        replicas before now have arrived (so looking again is worth it). False at once without other replicas."""
+        if not self.store.shared:
+            return False
+        return await asyncio.to_thread(self.store.caught_up, CATCH_UP_SECS)
 
     async def _every(self, interval_secs: float, fn: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -136,7 +136,8 @@ class JobController:
             spec=spec, prompt=prompt, state="queued", error=None, created=now, updated=now,
         )  # fmt: skip
         await self.db.put(job=job, run=RunRecord(job.id, 1, "queued"))
-        self._spawn(job.id)
+        if self.gw.leading:  # else the leader takes it up from the database (taken_up)
+            self._spawn(job.id)
         log.info("job submitted", extra={"job": job.id, "agent": agent})
         return job
 
@@ -152,6 +153,11 @@ class JobController:
 
     async def cancel(self, job: JobRecord, reason: str = "cancelled") -> JobRecord:
         """End ``job`` (see the module docstring) and answer it once its runs have stopped."""
+        if not self.gw.leading:
+            # The leader runs the job: end it here, in the database (its runs' sandboxes too); the leader's task
+            # is cancelled when the change reaches it (taken_up).
+            await self._cancelled(job.id, reason)
+            return self.db.jobs.get(job.id, job)
         rt = self.runtimes.get(job.id)
         if rt is not None and rt.task is not None and not rt.task.done():
             if rt.cancelling is None:
@@ -269,8 +275,28 @@ class JobController:
 
     # -- revocation ------------------------------------------------------------------------------------
 
+    async def taken_up(self) -> None:
+        """On the leader, after another replica changed jobs: a job submitted there gets its task here; a job
+        ended there (cancelled) has its task here cancelled."""
+        if self._sweeper is None:  # not started: this replica does not lead
+            return
+        for job in list(self.db.jobs.values()):
+            rt = self.runtimes.get(job.id)
+            if job.state not in FINISHED_STATES and rt is None:
+                log.info("job taken up from another replica", extra={"job": job.id})
+                self._spawn(job.id)
+            elif (
+                job.state in FINISHED_STATES and rt is not None and rt.task is not None and not rt.task.done()
+                and rt.cancelling is None
+            ):  # fmt: skip
+                rt.cancelling = job.error or "cancelled"
+                rt.task.cancel()
+
     async def access_changed(self) -> None:
-        """Cancel every unfinished job whose owner holds no active key at all in its tenant (spec: Revocation 3)."""
+        """Cancel every unfinished job whose owner holds no active key at all in its tenant (spec: Revocation 3).
+        The leader does it (every replica is told of a revocation; one cancels)."""
+        if not self.gw.leading:
+            return
         doomed = [
             job for job in list(self.db.jobs.values())
             if job.state not in FINISHED_STATES and not auth.has_access(self.gw.store, job.user, job.tenant)

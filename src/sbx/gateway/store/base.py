@@ -48,7 +48,7 @@ class Mirror:
     with a primary key (a tuple, in the key's column order; absent is fine), ``clear`` them all."""
 
     put: Callable[[Row], None]
-    drop: Callable[[Row], None]
+    drop: Callable[[Row], object]
     clear: Callable[[], None]
 
 
@@ -70,6 +70,8 @@ class Store(ABC):
 
     #: What the store is, for messages and logs: the state file's path or the database URL (never a password).
     location: str
+    #: Whether several processes serve it, one of them elected to lead (``lead``); else this one leads.
+    elects: bool = False
 
     def __init__(self) -> None:
         self.keys: dict[str, KeyRecord] = {}
@@ -123,6 +125,27 @@ class Store(ABC):
         any writer of the database committed, this one's included (marked ``local``), until :meth:`close`. A
         SQLite file has one writer, this process, whose memory is already exact: nothing to listen to."""
 
+    def lead(self, on_change: Callable[[bool], None]) -> None:
+        """Run for the leadership of the replicas: ``on_change(True)`` once this process leads (it then runs the
+        work done once: sweeps, the services' and jobs' controllers, the notification outbox), ``on_change(False)``
+        if it loses it (it must stop: another may lead by then). Called from another thread. A SQLite file has
+        one process: it leads at once, on the caller's thread."""
+        on_change(True)
+
+    def lock_tenant(self, tenant: str) -> object:
+        """Take the tenant's quota lock, shared by every replica, waiting for it (a create's quota check, node
+        call and record run under it); a handle for :meth:`unlock_tenant`. One process (SQLite): its own
+        in-process lock is enough, nothing to take."""
+        return None
+
+    def unlock_tenant(self, handle: object) -> None:
+        """Let go of a lock :meth:`lock_tenant` took."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may write the store now (replicas on one database, listened to)."""
+        return False
+
     def caught_up(self, timeout_secs: float) -> bool:
         """Block until every change committed before the call was handed to ``on_changes`` (False after
         ``timeout_secs``). Without other writers (SQLite), at once."""
@@ -141,7 +164,7 @@ class Store(ABC):
             for row in change.rows:
                 mirror.put(row)
 
-    def mirror(self, table: str, put: Callable[[Row], None], drop: Callable[[Row], None],
+    def mirror(self, table: str, put: Callable[[Row], None], drop: Callable[[Row], object],
                clear: Callable[[], None]) -> None:  # fmt: skip
         """Register how memory holds ``table`` (a module with its own in-memory copy: services, jobs, secrets)."""
         self.mirrors[table] = Mirror(put, drop, clear)

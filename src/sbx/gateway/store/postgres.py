@@ -51,6 +51,22 @@ PASSWORD_ENV = "SANDBOX_GATEWAY_DATABASE_PASSWORD"
 LOCK_CLASS = 0x73627800
 OWNER_LOCK = 1
 MIGRATION_LOCK = 2
+LEADER_LOCK = 3
+#: First key of the tenants' quota locks (the second is ``hashtext(tenant)``: a collision only makes two tenants'
+#: creates wait for each other).
+TENANT_LOCK_CLASS = 0x73627801
+#: A create waits this long for its tenant's quota lock, held by another replica's create, before a 503.
+TENANT_LOCK_WAIT_SECS = 60
+#: A replica that does not lead tries to take the leader lock this often (bounds a takeover after the leader's
+#: process ends: its session, and the lock, end with it).
+LEADER_TRY_SECS = 2.0
+#: The leader checks its lock's connection this often.
+LEADER_CHECK_SECS = 2.0
+#: Server-side keepalives of the leader's connection (seconds: idle, interval, count; and the send timeout in ms):
+#: PostgreSQL ends the session of a leader whose machine vanished after about 4 + 2 * 3 = 10 s, so another
+#: replica takes over within ~12 s, under the 15 s the operator is promised.
+LEADER_KEEPALIVES = {"tcp_keepalives_idle": 4, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3,
+                     "tcp_user_timeout": 10000}  # fmt: skip
 #: Connections in the pool: as many as the threads that call the store at once (asyncio's default executor).
 POOL_SIZE = 8
 #: A connection attempt, and the wait for a free (or new) connection of the pool, give up after this long.
@@ -111,6 +127,8 @@ def _connect_kwargs() -> dict[str, Any]:
 class PostgresStore(Store):
     """A PostgreSQL database holding the gateway's tables (in the connecting role's default schema)."""
 
+    elects = True
+
     def __init__(self, url: str, owner: psycopg.Connection[Any] | None, pool: ConnectionPool) -> None:
         super().__init__()
         self.location = url
@@ -119,6 +137,7 @@ class PostgresStore(Store):
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._listener: threading.Thread | None = None
+        self._leader: threading.Thread | None = None
         #: Names this store's own notifications (``Change.local``) and its catch-up markers.
         self.origin = uuid.uuid4().hex
         self._markers: dict[str, threading.Event] = {}
@@ -178,8 +197,9 @@ class PostgresStore(Store):
         self._closed.set()
         if self._watcher is not None:
             self._watcher.join()
-        if self._listener is not None:
-            self._listener.join()
+        for thread in (self._listener, self._leader):
+            if thread is not None:
+                thread.join()
         self._pool.close()
         if self._owner is not None:
             self._owner.close()
@@ -238,18 +258,28 @@ class PostgresStore(Store):
             raise Unavailable(UNREACHABLE) from exc
 
     def listen(self, on_changes: Callable[[list[Change]], None]) -> None:
-        """As ``Store.listen``: a thread LISTENing on a connection of its own (see the module's docstring)."""
+        """As ``Store.listen``: a thread LISTENing on a connection of its own (see the module's docstring). The
+        first connection is made before this returns (``StateError`` if it cannot be), so nothing committed
+        after it returns is missed; what was committed between the store's loading and then is read again: every
+        table is, whenever a connection starts listening."""
+        try:
+            first = psycopg.connect(self.location, **_connect_kwargs())
+            first.execute(f"LISTEN {CHANNEL}")
+        except psycopg.Error as exc:
+            raise StateError(f"cannot listen to the database {self.location}: {str(exc).strip()}") from exc
+
+        conn: psycopg.Connection[Any] | None = first
 
         def run() -> None:
-            first = True
+            nonlocal conn
             while not self._closed.is_set():
                 try:
-                    with psycopg.connect(self.location, **_connect_kwargs()) as conn:
+                    if conn is None:
+                        conn = psycopg.connect(self.location, **_connect_kwargs())
                         conn.execute(f"LISTEN {CHANNEL}")
-                        if not first:  # what was sent while no one listened is lost: read everything again
-                            log.info("listening to the database's changes again; reloading every table")
-                            on_changes([Change(t, None, self._rows(t)) for t in list(self.mirrors)])
-                        first = False
+                        log.info("listening to the database's changes again; reloading every table")
+                    with conn:
+                        on_changes([Change(t, None, self._rows(t)) for t in list(self.mirrors)])
                         self._listen_on(conn, on_changes)
                 except (psycopg.Error, Unavailable) as exc:
                     if self._closed.is_set():
@@ -257,6 +287,7 @@ class PostgresStore(Store):
                     log.warning("lost the database's change notifications; connecting again",
                                 extra={"error": str(exc).strip() or type(exc).__name__})  # fmt: skip
                     self._closed.wait(LISTEN_RETRY_SECS)
+                conn = None
 
         self._listener = threading.Thread(target=run, name="store-listener", daemon=True)
         self._listener.start()
@@ -307,6 +338,79 @@ class PostgresStore(Store):
                 return conn.execute(sql, key).fetchall()
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise Unavailable(UNREACHABLE) from exc
+
+    def lead(self, on_change: Callable[[bool], None]) -> None:
+        """As ``Store.lead``: a thread holding a connection of its own tries ``pg_try_advisory_lock(LOCK_CLASS,
+        LEADER_LOCK)`` every ``LEADER_TRY_SECS`` until it has it; the session holds it until it ends (the
+        process exits or is killed: at once; its machine vanishes: the keepalives above). Losing that connection
+        while leading calls ``on_change(False)`` once and ends the thread."""
+
+        def run() -> None:
+            while not self._closed.is_set():
+                leading = False
+                try:
+                    with psycopg.connect(self.location, **_connect_kwargs()) as conn:
+                        for name, value in LEADER_KEEPALIVES.items():
+                            conn.execute(f"SET {name} = {int(value)}")
+                        while not self._closed.is_set():
+                            row = conn.execute(
+                                "SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, LEADER_LOCK)
+                            ).fetchone()
+                            if row and row[0]:
+                                break
+                            self._closed.wait(LEADER_TRY_SECS)
+                        if self._closed.is_set():
+                            return
+                        leading = True
+                        on_change(True)
+                        while not self._closed.wait(LEADER_CHECK_SECS):
+                            conn.execute("SELECT 1")
+                        return
+                except psycopg.Error as exc:
+                    if self._closed.is_set():
+                        return
+                    reason = str(exc).strip() or type(exc).__name__
+                    if leading:
+                        on_change(False)
+                        log.error("lost the leader lock's connection", extra={"error": reason})
+                        return
+                    log.warning("cannot run for leader now; trying again", extra={"error": reason})
+                    self._closed.wait(LEADER_TRY_SECS)
+
+        self._leader = threading.Thread(target=run, name="store-leader", daemon=True)
+        self._leader.start()
+
+    def lock_tenant(self, tenant: str) -> object:
+        """As ``Store.lock_tenant``: a session advisory lock on a connection of its own (not the pool's, which
+        a create holding it for seconds would drain), let go of at :meth:`unlock_tenant` or when the
+        session ends (the replica died)."""
+        try:
+            conn = psycopg.connect(self.location, **_connect_kwargs())
+        except psycopg.OperationalError as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        try:
+            conn.execute(f"SET lock_timeout = '{TENANT_LOCK_WAIT_SECS}s'")
+            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (TENANT_LOCK_CLASS, tenant))
+        except psycopg.errors.LockNotAvailable:
+            conn.close()
+            raise Unavailable(
+                f"another create of tenant {tenant or 'default'} has held its quota for {TENANT_LOCK_WAIT_SECS} s; "
+                "try again shortly"
+            ) from None
+        except psycopg.Error as exc:
+            conn.close()
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        return conn
+
+    def unlock_tenant(self, handle: object) -> None:
+        assert isinstance(handle, psycopg.Connection)
+        handle.close()  # the session's end lets go of its lock
+
+    @property
+    def shared(self) -> bool:
+        return self._listener is not None
 
     def caught_up(self, timeout_secs: float) -> bool:
         """As ``Store.caught_up``: a marker notification of its own, sent after every commit made before the
