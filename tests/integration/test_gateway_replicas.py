@@ -289,6 +289,23 @@ def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigki
     done = wait_for(lambda: (j := job_state(follower))["state"] == "succeeded" and j, 60)
     assert [r["n"] for r in done["runs"]] == [1]
     assert "job taken up from another replica" in leader.log_text()
+    # A job running on the leader, cancelled through the follower: ended once, its sandbox with it, and the
+    # leader's task for it stops (no second attempt).
+    job = follower.request("POST", "/v1/jobs", {"command": ["sleep", "120"], "retries": 2}, key=alice)
+    assert job.status == 201, job.body
+    job_id = job.json()["id"]
+    running = wait_for(
+        lambda: (j := job_state(follower))["runs"] and j["runs"][0]["state"] == "running" and j, 60
+    )
+    cancelled = follower.request("DELETE", f"/v1/jobs/{job_id}", key=alice)
+    assert cancelled.status == 200 and cancelled.json()["state"] == "cancelled", cancelled.body
+    time.sleep(3)  # the leader had the change; an attempt it would still make would show by now
+    after = job_state(leader)
+    assert after["state"] == "cancelled" and [(r["n"], r["state"]) for r in after["runs"]] == [
+        (1, "cancelled")
+    ]
+    sandbox = running["runs"][0]["sandbox"]
+    assert pair.node.request("GET", f"/v1/sandboxes/{sandbox}").json().get("state") in (None, "terminated")
     # A service created through the follower gets its one replica from the leader, and only one.
     made = follower.request("POST", "/v1/services", {"name": "web", "command": SERVE, "port": 8080,
                                                      "replicas": 1}, key=alice)  # fmt: skip

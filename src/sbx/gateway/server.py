@@ -25,7 +25,7 @@ from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
 from sbx.gateway.audit import GatewayAudit
-from sbx.gateway.jobs.controller import JobController, JobOptions
+from sbx.gateway.jobs.controller import CANCEL_SIGNAL, JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
@@ -216,6 +216,12 @@ class Gateway:
             self._follow_up(self.services.taken_up())
         if self.leading and remote & {"jobs", "job_runs"}:
             self._follow_up(self.jobs.taken_up())
+        if self.leading:
+            for change in changes:
+                if change.table == f"signal:{CANCEL_SIGNAL}" and change.key is not None:
+                    self._follow_up(self.jobs.cancel_asked(str(change.key[0]), str(change.key[1])))
+        if self.leading and "notifications" in remote:  # written by a follower (a job cancelled there)
+            self.jobs.notifier.wake()
 
     def _follow_up(self, work: Awaitable[None]) -> None:
         async def run() -> None:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets as random_source
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -73,6 +74,10 @@ class JobOptions:
     retention_secs: float = DEFAULT_RETENTION_SECS
     notify: NotifyPolicy = dataclasses.field(default_factory=NotifyPolicy)
     agents: dict[str, AgentDef] = dataclasses.field(default_factory=dict)
+
+
+#: The signal a follower sends the leader to cancel a job (``Store.signal``; arguments: job id, reason).
+CANCEL_SIGNAL = "cancel_job"
 
 
 class JobController:
@@ -154,9 +159,15 @@ class JobController:
     async def cancel(self, job: JobRecord, reason: str = "cancelled") -> JobRecord:
         """End ``job`` (see the module docstring) and answer it once its runs have stopped."""
         if not self.gw.leading:
-            # The leader runs the job: end it here, in the database (its runs' sandboxes too); the leader's task
-            # is cancelled when the change reaches it (taken_up).
-            await self._cancelled(job.id, reason)
+            # The leader runs the job: ask it (``cancel_asked``), and answer once its end arrives here, or as the
+            # job is after the wait (while no replica leads, during a takeover, the request is lost: ask again).
+            await asyncio.to_thread(self.gw.store.signal, CANCEL_SIGNAL, (job.id, reason))
+            deadline = time.monotonic() + CANCEL_WAIT_SECS
+            while time.monotonic() < deadline:
+                current = self.db.jobs.get(job.id)
+                if current is None or current.state in FINISHED_STATES:
+                    break
+                await asyncio.sleep(0.05)
             return self.db.jobs.get(job.id, job)
         rt = self.runtimes.get(job.id)
         if rt is not None and rt.task is not None and not rt.task.done():
@@ -274,6 +285,12 @@ class JobController:
         log.info("job ended", extra={"job": job.id, "state": state})
 
     # -- revocation ------------------------------------------------------------------------------------
+
+    async def cancel_asked(self, job_id: str, reason: str) -> None:
+        """On the leader: a follower asked for ``job_id`` to be cancelled (see :meth:`cancel`)."""
+        job = self.db.jobs.get(job_id)
+        if job is not None and job.state not in FINISHED_STATES:
+            await self.cancel(job, reason)
 
     async def taken_up(self) -> None:
         """On the leader, after another replica changed jobs: a job submitted there gets its task here; a job

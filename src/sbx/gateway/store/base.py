@@ -122,7 +122,8 @@ class Store(ABC):
 
     def listen(self, on_changes: Callable[[list[Change]], None]) -> None:
         """Call ``on_changes`` (from another thread, in commit order) with the rows of the mirrored tables that
-        any writer of the database committed, this one's included (marked ``local``), until :meth:`close`. A
+        any writer of the database committed, this one's included (marked ``local``), until :meth:`close`; a
+        table memory does not hold (the notification outbox) is named with no rows. A
         SQLite file has one writer, this process, whose memory is already exact: nothing to listen to."""
 
     def lead(self, on_change: Callable[[bool], None]) -> None:
@@ -145,6 +146,11 @@ class Store(ABC):
     def shared(self) -> bool:
         """Whether other processes may write the store now (replicas on one database, listened to)."""
         return False
+
+    def signal(self, name: str, args: Sequence[str]) -> None:
+        """Tell every listener (this store's too) ``name`` with ``args``, without a write: it arrives as a
+        ``Change`` of table ``signal:NAME``, key ``args``, no rows (a follower asking the leader to cancel a job).
+        One process (SQLite) has nobody else to tell: nothing is sent."""
 
     def caught_up(self, timeout_secs: float) -> bool:
         """Block until every change committed before the call was handed to ``on_changes`` (False after

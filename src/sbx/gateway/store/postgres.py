@@ -308,16 +308,19 @@ class PostgresStore(Store):
                     markers.append(body["marker"])
                     continue
                 local = body["origin"] == self.origin
+                if "signal" in body:
+                    named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
+                    continue
                 for table, key in body["rows"]:
-                    if table not in self.mirrors:
-                        continue
                     entry = (table, tuple(key) if key is not None else None)
                     named[entry] = named.get(entry, True) and local
             if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
                 whole = {t for t, key in named if key is None}
                 named = {(t, k): v for (t, k), v in named.items() if k is None or t not in whole}
+            # A table memory does not hold (the notification outbox) is named without its rows.
             changes = [
-                Change(table, key, self._rows(table, key), local) for (table, key), local in named.items()
+                Change(table, key, self._rows(table, key) if table in self.mirrors else [], local)
+                for (table, key), local in named.items()
             ]
             if changes:
                 on_changes(changes)
@@ -411,6 +414,16 @@ class PostgresStore(Store):
     @property
     def shared(self) -> bool:
         return self._listener is not None
+
+    def signal(self, name: str, args: Sequence[str]) -> None:
+        """As ``Store.signal``: a notification of its own (after every commit made before it)."""
+        payload = json.dumps({"origin": self.origin, "signal": name, "args": list(args)})
+        try:
+            with self._pool.connection() as conn:
+                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
 
     def caught_up(self, timeout_secs: float) -> bool:
         """As ``Store.caught_up``: a marker notification of its own, sent after every commit made before the
