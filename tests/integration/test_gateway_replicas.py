@@ -12,6 +12,7 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import aiohttp
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
 from pg_cluster import PgCluster
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import Sandboxd, free_port
 from ws_attach import WsAttach
 
 from sbx.api import frames
@@ -56,8 +57,13 @@ def pair(pg_cluster: PgCluster) -> Iterator[Pair]:
     node = Sandboxd(workdir / "n1", args=["--node-id", "r"]).start()
     url = pg_cluster.create_database()
     env = pg_cluster.env()
-    a = GatewayProcess(workdir / "a", [("n1", node)], FAST_ARGS, database=url, database_env=env)
-    b = GatewayProcess(workdir / "b", [("n1", node)], FAST_ARGS, database=url, database_env=env)
+    metrics = {name: free_port() for name in ("a", "b")}
+    a, b = (
+        GatewayProcess(workdir / name, [("n1", node)], [*FAST_ARGS, "--metrics-listen", f"127.0.0.1:{port}"],
+                       database=url, database_env=env)
+        for name, port in metrics.items()
+    )  # fmt: skip
+    a.metrics_port, b.metrics_port = metrics["a"], metrics["b"]  # type: ignore[attr-defined]
     admin = a.create_key("root", "admin")
     try:
         a.start()
@@ -268,6 +274,15 @@ def leader_of(pair: Pair) -> tuple[GatewayProcess, GatewayProcess]:
     return leader, pair.b if leader is pair.a else pair.a
 
 
+def leader_gauge(gw: GatewayProcess) -> float:
+    """``sandbox_gateway_leader`` as the replica's /metrics says it."""
+    port = gw.metrics_port  # type: ignore[attr-defined]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    [line] = [ln for ln in text.splitlines() if ln.startswith("sandbox_gateway_leader ")]
+    return float(line.split()[1])
+
+
 def service_sandboxes(pair: Pair) -> list[str]:
     listing = pair.node.request("GET", "/v1/sandboxes").json()["sandboxes"]
     return sorted(
@@ -277,6 +292,7 @@ def service_sandboxes(pair: Pair) -> list[str]:
 
 def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigkill(pair: Pair) -> None:
     leader, follower = leader_of(pair)
+    assert (leader_gauge(leader), leader_gauge(follower)) == (1.0, 0.0)
     alice = pair.new_key(follower, "alice", *ALL, tenant="acme")["secret"]
     # A job submitted through the follower is run once, by the leader.
     job = follower.request("POST", "/v1/jobs", {"command": ["sh", "-c", "echo ran"]}, key=alice)
@@ -320,6 +336,7 @@ def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigki
     took = time.monotonic() - killed
     print(f"takeover after the leader's SIGKILL: {took:.2f} s")
     assert took < 15
+    assert leader_gauge(follower) == 1.0
     # The new leader keeps the service's replica (no second one) and runs a new job once.
     job = follower.request("POST", "/v1/jobs", {"command": ["sh", "-c", "echo again"]}, key=alice)
     assert job.status == 201, job.body

@@ -306,7 +306,8 @@ class Gateway:
                 status.capacity if status else Resources(0, 0, 0), status.free if status else Resources(0, 0, 0),
             ))  # fmt: skip
         records = list(self.store.sandboxes.values())
-        return GatewaySnapshot(len(records), sum(1 for r in records if self.is_lost_node(r.node)), nodes)
+        lost = sum(1 for r in records if self.is_lost_node(r.node))
+        return GatewaySnapshot(len(records), lost, nodes, self.leading)
 
     def is_lost_node(self, name: str) -> bool:
         node = self.registry.get(name)
