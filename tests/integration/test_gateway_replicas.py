@@ -128,6 +128,30 @@ def test_a_write_on_one_replica_is_seen_by_the_next_request_on_the_other(pair: P
     assert b.request("PUT", "/v1/admin/quotas/acme", {}, key=pair.admin).status == 200
     wait_for(lambda: a_quota() == [], 10, 0.01)
 
+    # A job and a service made on one replica are found by the next request on the other (the caught-up rule).
+    for maker, reader in ((a, b), (b, a)):
+        made_job = maker.request("POST", "/v1/jobs", {"command": ["true"]}, key=alice)
+        assert made_job.status == 201, made_job.body
+        job_id = made_job.json()["id"]
+        got = reader.request("GET", f"/v1/jobs/{job_id}", key=alice)
+        assert got.status == 200 and got.json()["id"] == job_id, got.body
+        made = maker.request("POST", "/v1/services", {"name": "seen", "command": SERVE, "port": 8080,
+                                                      "replicas": 1}, key=alice)  # fmt: skip
+        assert made.status == 201, made.body
+        got = reader.request("GET", "/v1/services/seen", key=alice)
+        assert got.status == 200 and got.json()["created_at"] == made.json()["created_at"], got.body
+        # Its replica made by the leader (a delete cutting a create short leaves the sandbox to the sweeper, on
+        # one gateway as on several), then deleted through the other replica: the leader ends it.
+        leader = leader_of(pair)[0]
+        wait_for(
+            lambda g=leader: len(g.request("GET", "/v1/services/seen", key=alice).json()["replicas"]) == 1, 60
+        )
+        assert reader.request("DELETE", "/v1/services/seen", key=alice).status == 204
+        wait_for(lambda m=maker: m.request("GET", "/v1/services/seen", key=alice).status == 404, 10)
+        wait_for(lambda r=reader, j=job_id: r.request("GET", f"/v1/jobs/{j}", key=alice).json()["state"]
+                 == "succeeded", 60)  # fmt: skip
+    wait_for(lambda: service_sandboxes(pair) == [], 60)
+
 
 def test_a_revocation_on_one_replica_is_seen_on_the_other_within_the_bound(pair: Pair) -> None:
     """Revoke keys on A; B refuses each (no catch-up on a known key: this is the propagation itself)."""

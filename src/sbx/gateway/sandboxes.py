@@ -83,12 +83,7 @@ class Sandboxes:
     async def find(self, principal: Principal, ref: str) -> SandboxRecord:
         """As :meth:`resolve`; a miss on a store shared with other replicas first waits for the changes
         committed before it (a sandbox just created through another replica), then looks again."""
-        try:
-            return self.resolve(principal, ref)
-        except NotFound:
-            if not await self.gw.caught_up():
-                raise
-        return self.resolve(principal, ref)
+        return await self.gw.fresh(lambda: self.resolve(principal, ref))
 
     def name_taken(self, principal: Principal, name: str, except_id: str | None = None) -> bool:
         """Whether ``name`` is held by another live sandbox of the caller (on any node but a lost one)."""

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from sbx.api.errors import SandboxError, Unavailable
+from sbx.api.errors import NotFound, SandboxError, Unavailable
 from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from sbx.gateway.ssh.server import SshServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_ORGS_PER_USER = 10
 #: A miss (an unknown key, a sandbox not found) on a store shared with other replicas waits at most this long for
@@ -273,6 +274,16 @@ class Gateway:
             yield
         finally:
             await asyncio.to_thread(self.store.unlock_tenant, handle)
+
+    async def fresh(self, lookup: Callable[[], T]) -> T:
+        """``lookup()``; a ``NotFound`` from it on a store shared with other replicas first waits for the changes
+        committed before now (a record just made through another replica), then looks again."""
+        try:
+            return lookup()
+        except NotFound:
+            if not await self.caught_up():
+                raise
+        return lookup()
 
     async def caught_up(self) -> bool:
         """Before a miss is answered (an unknown key, a sandbox not found): whether changes committed by other
