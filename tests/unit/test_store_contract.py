@@ -324,7 +324,7 @@ def test_one_replica_leads_and_another_takes_over_when_it_closes(backend: Backen
         leader.close()
         started = time.monotonic()
         assert elected["second" if leaders == ["first"] else "first"].wait(10)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 8  # the retry interval is 2 s; generous for a loaded machine
         assert lost == []  # closing is not losing
     finally:
         for store in (first, second):
