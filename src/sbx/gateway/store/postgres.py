@@ -315,8 +315,11 @@ class PostgresStore(Store):
                     entry = (table, tuple(key) if key is not None else None)
                     named[entry] = named.get(entry, True) and local
             if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
-                whole = {t for t, key in named if key is None}
-                named = {(t, k): v for (t, k), v in named.items() if k is None or t not in whole}
+                whole = {
+                    t: all(v for (t2, _), v in named.items() if t2 == t) for t, key in named if key is None
+                }
+                named = {(t, k): v for (t, k), v in named.items() if t not in whole}
+                named.update({(t, None): local for t, local in whole.items()})  # local only if all of it was
             # A table memory does not hold (the notification outbox) is named without its rows.
             changes = [
                 Change(table, key, self._rows(table, key) if table in self.mirrors else [], local)
