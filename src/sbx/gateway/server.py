@@ -128,6 +128,8 @@ class Gateway:
             )
         self.jobs = JobController(self, options.jobs)
         registry.wanted_cordon = self.wanted_cordon
+        registry.cordon_guard = lambda name: self.shared_lock(self.store.lock_node, name)
+        registry.still_wanted = self._cordon_still_wanted
         registry.on_answering_again.append(self._answering_again)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -253,14 +255,12 @@ class Gateway:
                 await self.registry.remove(name)
 
     @contextlib.asynccontextmanager
-    async def quota_reservation(self, tenant: str) -> AsyncIterator[None]:
-        """Held around a create's quota check, node call and record, for a tenant with a quota: with replicas, the
-        tenant's lock shared by all of them, then every record committed before it caught up with, so the check
-        counts every sandbox any replica made (docs/ha.md). One process: nothing beyond its in-process lock."""
+    async def shared_lock(self, take: Callable[[str], object], name: str) -> AsyncIterator[None]:
+        """``take(name)`` (a store lock shared by the replicas) held for the block; nothing with one process."""
         if not self.store.shared:
             yield
             return
-        taking = asyncio.ensure_future(asyncio.to_thread(self.store.lock_tenant, tenant))
+        taking = asyncio.ensure_future(asyncio.to_thread(take, name))
         try:
             handle = await asyncio.shield(taking)
         except asyncio.CancelledError:
@@ -270,10 +270,22 @@ class Gateway:
             )
             raise
         try:
-            await self.caught_up()
             yield
         finally:
             await asyncio.to_thread(self.store.unlock_tenant, handle)
+
+    async def _cordon_still_wanted(self, name: str) -> bool:
+        await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock
+        return self.wanted_cordon(name)
+
+    @contextlib.asynccontextmanager
+    async def quota_reservation(self, tenant: str) -> AsyncIterator[None]:
+        """Held around a create's quota check, node call and record, for a tenant with a quota: with replicas, the
+        tenant's lock shared by all of them, then every record committed before it caught up with, so the check
+        counts every sandbox any replica made (docs/ha.md). One process: nothing beyond its in-process lock."""
+        async with self.shared_lock(self.store.lock_tenant, tenant):
+            await self.caught_up()
+            yield
 
     async def fresh(self, lookup: Callable[[], T]) -> T:
         """``lookup()``; a ``NotFound`` from it on a store shared with other replicas first waits for the changes

@@ -139,6 +139,10 @@ class Store(ABC):
         in-process lock is enough, nothing to take."""
         return None
 
+    def lock_node(self, name: str) -> object:
+        """As :meth:`lock_tenant`, for a node's cordon (set by one replica, restored by another's poll)."""
+        return None
+
     def unlock_tenant(self, handle: object) -> None:
         """Let go of a lock :meth:`lock_tenant` took."""
 

@@ -55,6 +55,8 @@ LEADER_LOCK = 3
 #: First key of the tenants' quota locks (the second is ``hashtext(tenant)``: a collision only makes two tenants'
 #: creates wait for each other).
 TENANT_LOCK_CLASS = 0x73627801
+#: First key of the nodes' cordon locks (the second is ``hashtext(node name)``).
+NODE_LOCK_CLASS = 0x73627802
 #: A create waits this long for its tenant's quota lock, held by another replica's create, before a 503.
 TENANT_LOCK_WAIT_SECS = 60
 #: A replica that does not lead tries to take the leader lock this often (bounds a takeover after the leader's
@@ -386,7 +388,10 @@ class PostgresStore(Store):
         self._leader = threading.Thread(target=run, name="store-leader", daemon=True)
         self._leader.start()
 
-    def lock_tenant(self, tenant: str) -> object:
+    def lock_node(self, name: str) -> object:
+        return self.lock_tenant(name, NODE_LOCK_CLASS)
+
+    def lock_tenant(self, tenant: str, lock_class: int = TENANT_LOCK_CLASS) -> object:
         """As ``Store.lock_tenant``: a session advisory lock on a connection of its own (not the pool's, which
         a create holding it for seconds would drain), let go of at :meth:`unlock_tenant` or when the
         session ends (the replica died)."""
@@ -397,7 +402,7 @@ class PostgresStore(Store):
             raise Unavailable(UNREACHABLE) from exc
         try:
             conn.execute(f"SET lock_timeout = '{TENANT_LOCK_WAIT_SECS}s'")
-            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (TENANT_LOCK_CLASS, tenant))
+            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (lock_class, tenant))
         except psycopg.errors.LockNotAvailable:
             conn.close()
             raise Unavailable(
