@@ -1,6 +1,6 @@
 """A real sandbox-gateway keeping its state in PostgreSQL (a private cluster, tests/support/pg_cluster.py) in
 front of a real sandboxd: keys made offline and through the API, create/run/delete, cordon and quotas, the owner
-lock against offline commands and a second gateway, and restarts (SIGTERM and SIGKILL) that take everything
+lock against offline commands (a second replica serves beside the first), and restarts (SIGTERM and SIGKILL) that take everything
 back."""
 
 from __future__ import annotations
@@ -61,13 +61,21 @@ def test_a_gateway_on_postgresql_serves_and_takes_everything_back(world: World) 
     for args in (["keys", "list"], ["keys", "create", "--user", "x", "--scope", "admin"], ["nodes", "list"]):
         refused = gw.cli(*args, check=False)
         assert refused.returncode == 1 and "another sandbox-gateway holds the database" in refused.stderr
-    # A second gateway on the same database is refused too (replicas are not served yet: docs/ha.md).
+    # A second replica on the same database serves beside it (the owner lock is shared between replicas); the
+    # offline commands stay refused while either serves, and while only the second one does.
     (world.workdir / "gw2").mkdir()
     second = GatewayProcess(world.workdir / "gw2", [("n1", world.node)], FAST_ARGS, database=world.url,
                             database_env=world.cluster.env())  # fmt: skip
     try:
-        with pytest.raises(RuntimeError, match="another sandbox-gateway holds the database"):
-            second.start()
+        second.start()
+        assert second.request("GET", "/v1/whoami", key=alice).json()["user"] == "alice"
+        for args in (["keys", "list"], ["nodes", "list"]):
+            refused = gw.cli(*args, check=False)
+            assert refused.returncode == 1 and "another sandbox-gateway holds the database" in refused.stderr
+        gw.stop()
+        refused = gw.cli("keys", "create", "--user", "x", "--scope", "admin", check=False)
+        assert refused.returncode == 1 and "another sandbox-gateway holds the database" in refused.stderr
+        gw.start()
     finally:
         second.stop()
 

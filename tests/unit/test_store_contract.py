@@ -51,6 +51,7 @@ from sbx.gateway.store import (
     Upsert,
     open_store,
 )
+from sbx.gateway.store.base import Change
 from sbx.gateway.store.schema import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
 
 T0 = "2026-01-02T03:04:05Z"
@@ -259,6 +260,130 @@ def test_one_owner_at_a_time(backend: Backend) -> None:
     second = backend.open()
     assert [k.user for k in second.keys.values()] == ["alice"]
     second.close()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "opens"),
+    [
+        # (what holds the store, what tries next, whether it opens: PostgreSQL / SQLite)
+        ("serve", "serve", (True, False)),  # replicas share a database; a SQLite file has one owner
+        ("serve", "offline", (False, False)),  # the spec's rule: offline commands refused while one serves
+        ("offline", "serve", (False, False)),
+        ("offline", "offline", (False, False)),
+    ],
+)
+def test_serving_replicas_share_the_owner_lock_and_offline_commands_stay_refused(
+    backend: Backend, first: str, second: str, opens: tuple[bool, bool]
+) -> None:
+    holder = open_store(backend.location, serving=first == "serve")
+    holder.add_key(keys.new_key("alice", "", {"admin"})[0])
+    try:
+        if opens[backend.kind == "sqlite"]:
+            other = open_store(backend.location, serving=second == "serve")
+            assert [k.user for k in other.keys.values()] == ["alice"]
+            # A third process, an offline command, is refused while either replica serves.
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location)
+            other.close()
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location)  # the first replica still serves
+        else:
+            with pytest.raises(StateLocked, match="stop that gateway first"):
+                open_store(backend.location, serving=second == "serve")
+    finally:
+        holder.close()
+    # Once every holder is gone, an offline command owns it alone, and nothing was changed by the refusals.
+    alone = open_store(backend.location)
+    assert [k.user for k in alone.keys.values()] == ["alice"]
+    alone.close()
+
+
+def test_one_replica_leads_and_another_takes_over_when_it_closes(backend: Backend) -> None:
+    """SQLite: the one process leads at once. PostgreSQL: of two serving replicas exactly one is elected; once it
+    closes (its session ends, as at a SIGKILL), the other is within the retry interval."""
+    first = open_store(backend.location, serving=True)
+    if backend.kind == "sqlite":
+        told: list[bool] = []
+        first.lead(told.append)
+        assert told == [True] and not first.elects
+        first.close()
+        return
+    second = open_store(backend.location, serving=True)
+    elected: dict[str, threading.Event] = {"first": threading.Event(), "second": threading.Event()}
+    lost: list[str] = []
+    try:
+        for name, store in (("first", first), ("second", second)):
+            store.lead(lambda leading, n=name: elected[n].set() if leading else lost.append(n))
+        deadline = time.monotonic() + 10
+        while not any(e.is_set() for e in elected.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.5)  # more than a retry interval: the other has tried again, and was refused
+        leaders = [n for n, e in elected.items() if e.is_set()]
+        assert len(leaders) == 1, leaders
+        leader = first if leaders == ["first"] else second
+        leader.close()
+        started = time.monotonic()
+        assert elected["second" if leaders == ["first"] else "first"].wait(10)
+        assert time.monotonic() - started < 8  # the retry interval is 2 s; generous for a loaded machine
+        assert lost == []  # closing is not losing
+    finally:
+        for store in (first, second):
+            store.close()
+
+
+def test_a_replica_sees_the_rows_another_commits(backend: Backend) -> None:
+    """Writes on one store reach another's memory through ``listen``/``refresh``: a row by its key, a delete not
+    bounded by a key (the whole table read again), and ``caught_up`` returns once every earlier commit arrived.
+    SQLite has one process: nothing to listen to, and caught up at once."""
+    writer = open_store(backend.location, serving=True)
+    if backend.kind == "sqlite":
+        writer.listen(lambda changes: pytest.fail("SQLite has no other writer"))
+        assert writer.caught_up(0.1) and not writer.shared
+        writer.close()
+        return
+    reader = open_store(backend.location, serving=True)
+    arrived: list[Change] = []
+    lock = threading.Lock()
+
+    def on_changes(changes: list[Change]) -> None:  # the listener's thread; the gateway hands it to its loop
+        with lock:
+            arrived.extend(changes)
+            reader.refresh(changes)
+
+    try:
+        reader.listen(on_changes)
+        writer.listen(lambda changes: None)
+        assert reader.shared
+        # Listening starts with every table read again (what was committed since the store loaded).
+        assert reader.caught_up(5)
+        with lock:
+            assert {(c.table, c.key) for c in arrived} == {(t, None) for t in reader.mirrors}
+            arrived.clear()
+        key = keys.new_key("alice", "acme", {"admin"})[0]
+        writer.add_key(key)
+        assert reader.caught_up(5)
+        with lock:
+            assert reader.keys[key.id] == key and reader.keys_by_hash[key.secret_sha256] == key
+            assert [(c.table, c.key, c.local) for c in arrived] == [("keys", (key.id,), False)]
+        revoked = writer.revoke_key(key.id)
+        writer.put_sandbox(SandboxRecord("sb1", "alice", "acme", "n1", None, 1, 512, T0))
+        writer.put_sandbox(SandboxRecord("sb2", "alice", "acme", "n2", None, 1, 512, T0))
+        assert reader.caught_up(5)
+        with lock:
+            assert reader.keys[key.id] == revoked and set(reader.sandboxes) == {"sb1", "sb2"}
+        writer.execute([Delete("sandboxes", {"node": "n1"})])  # not by key: the table is read again whole
+        assert reader.caught_up(5)
+        with lock:
+            assert set(reader.sandboxes) == {"sb2"}
+            assert ("sandboxes", None) in [(c.table, c.key) for c in arrived]
+        # The reader's own write comes back marked local.
+        reader.set_quota("acme", Quota(max_sandboxes=3))
+        assert reader.caught_up(5)
+        with lock:
+            assert [c.local for c in arrived if c.table == "quotas"] == [True]
+    finally:
+        reader.close()
+        writer.close()
 
 
 # -- every operation, and its round trip through a reopen -------------------------------------------------

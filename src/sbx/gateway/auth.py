@@ -114,6 +114,16 @@ def key_from_header(store: Store, authorization: str | None) -> KeyRecord:
     return key
 
 
+def names_unknown_key(store: Store, authorization: str | None) -> bool:
+    """Whether ``authorization`` carries a key's secret (``sgk_...``) that no key of memory has."""
+    secret = bearer_credential(authorization)
+    return (
+        secret is not None
+        and secret.startswith(SECRET_PREFIX)
+        and hash_secret(secret) not in store.keys_by_hash
+    )
+
+
 def acting_tenant(store: Store, key: KeyRecord, org_headers: list[str]) -> tuple[str, str | None]:
     """``(tenant, org)`` the request acts in, from ``X-Sandbox-Org`` (spec: Organisation header)."""
     if len(org_headers) > 1:

@@ -320,7 +320,7 @@ def serve(
     poll = parse_duration(poll_interval, "--poll-interval")
     setup_logging(log_level)
     try:
-        store = open_store(location)
+        store = open_store(location, serving=True)
     except (StateLocked, StateError) as exc:
         click.echo(f"sandbox-gateway: {exc}", err=True)
         sys.exit(1)
@@ -356,6 +356,7 @@ def serve(
         os.kill(os.getpid(), signal.SIGTERM)
 
     store.watch_owner(owner_lost)
+    gateway.stop_process = owner_lost
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
         console = Console() if serve_console else None
@@ -432,8 +433,9 @@ def build_app(
 
     async def run_workloads(app: web.Application) -> AsyncIterator[None]:
         # After the gateway's loops (nodes polled once), before serving; stopped before them.
-        await gateway.services.start()
-        await gateway.jobs.start()
+        # The work done once starts here on the leader (at once with SQLite; on PostgreSQL once this replica is
+        # elected, which may be later: docs/ha.md).
+        await gateway.lead()
         gateway.watchers += [gateway.services, front, gateway.jobs]
         yield
         await gateway.jobs.close()

@@ -62,6 +62,8 @@ class GatewaySnapshot:
     recorded: int
     lost: int
     nodes: list[NodeGauges]
+    #: Whether this replica runs the work done once (always with SQLite; docs/ha.md).
+    leading: bool = True
 
 
 class GatewayMetrics:
@@ -133,6 +135,8 @@ class GatewayMetrics:
         yield GaugeMetricFamily("sandbox_gateway_sandboxes_recorded", "Sandboxes with recorded owners.",
                                 value=snap.recorded)  # fmt: skip
         yield GaugeMetricFamily("sandbox_gateway_sandboxes_lost", "Sandboxes on lost nodes.", value=snap.lost)
+        yield GaugeMetricFamily("sandbox_gateway_leader", "1 while this replica leads (runs the work done once).",
+                                value=1 if snap.leading else 0)  # fmt: skip
         connections, sessions = self.ssh_counts()
         yield GaugeMetricFamily(
             "sandbox_gateway_ssh_connections_open", "Open SSH connections.", value=connections

@@ -83,7 +83,12 @@ def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
         if row is not None and row.scope is None:
             return await handler(request)  # no credential (GET /v1/health)
         # A WebSocket route may carry the key (and the organisation) as offered subprotocols (sbx.web.websocket).
-        key = auth.key_from_header(gw.store, websocket.authorization(request))
+        authorization = websocket.authorization(request)
+        if auth.names_unknown_key(gw.store, authorization):
+            # A key made through another replica a moment ago may not have arrived yet: wait for what was
+            # committed before this request, then look (docs/ha.md).
+            await gw.caught_up()
+        key = auth.key_from_header(gw.store, authorization)
         mark_authenticated(request)
         # Known before the organisation is checked, so a refused X-Sandbox-Org still leaves an audit line.
         request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)

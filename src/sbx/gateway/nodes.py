@@ -12,6 +12,7 @@ restore the cordon being lifted, and nothing would ever lift it again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -134,6 +135,14 @@ class Registry:
         self.lost_after_secs = lost_after_secs
         self.wanted_cordon = wanted_cordon
         self.on_answering_again: list[ReconcileHook] = []
+        #: Held (inside the poll's lock) while a cordon is set or restored: with several gateway replicas, a lock
+        #: they share, so one never restores a cordon another is lifting (docs/ha.md). One gateway: nothing.
+        self.cordon_guard: Callable[[str], contextlib.AbstractAsyncContextManager[object]] = lambda name: (
+            contextlib.nullcontext()
+        )
+        #: Whether the cordon is still wanted, asked under ``cordon_guard`` before one is restored (replicas
+        #: catch up with each other's changes first).
+        self.still_wanted: Callable[[str], Awaitable[bool]] = _still_wanted(self)
         self._task: asyncio.Task[None] | None = None
 
     def add(self, node: Node) -> None:
@@ -181,7 +190,9 @@ class Registry:
                 status = await node.client.status(timeout_secs=timeout)
                 if self.wanted_cordon(node.name) and not status.cordoned:
                     # The node restarted (a restart clears its own cordon): restore ours.
-                    status = await node.client.cordon(True, timeout_secs=timeout)
+                    async with self.cordon_guard(node.name):
+                        if await self.still_wanted(node.name):
+                            status = await node.client.cordon(True, timeout_secs=timeout)
             except Exception as exc:  # noqa: BLE001 - any failure is a failed poll
                 self._failed(node, exc)
                 return
@@ -206,7 +217,7 @@ class Registry:
         """Tell ``node`` to take new sandboxes or not, then ``record`` the wish (the gateway's store), both under
         the poll's lock so no poll restores a cordon while it is being lifted. The node is told first: a node
         that does not answer raises (``BadGateway``) and nothing is recorded."""
-        async with node.poll_lock:
+        async with node.poll_lock, self.cordon_guard(node.name):
             node.status = await node.client.cordon(cordoned)
             await record()
 
@@ -230,3 +241,10 @@ class Registry:
             error=node.error if node.error is not None else UNSET,
             status=node.status if node.status is not None else UNSET,
         )  # fmt: skip
+
+
+def _still_wanted(registry: Registry) -> Callable[[str], Awaitable[bool]]:
+    async def still_wanted(name: str) -> bool:
+        return registry.wanted_cordon(name)
+
+    return still_wanted

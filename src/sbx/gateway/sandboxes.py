@@ -80,6 +80,11 @@ class Sandboxes:
             return mine[0]
         raise NotFound(f"no sandbox {ref!r} among yours")
 
+    async def find(self, principal: Principal, ref: str) -> SandboxRecord:
+        """As :meth:`resolve`; a miss on a store shared with other replicas first waits for the changes
+        committed before it (a sandbox just created through another replica), then looks again."""
+        return await self.gw.fresh(lambda: self.resolve(principal, ref))
+
     def name_taken(self, principal: Principal, name: str, except_id: str | None = None) -> bool:
         """Whether ``name`` is held by another live sandbox of the caller (on any node but a lost one)."""
         return any(
@@ -90,7 +95,7 @@ class Sandboxes:
 
     async def get(self, principal: Principal, ref: str) -> Sandbox:
         """The caller's sandbox as its node answers it now."""
-        rec = self.resolve(principal, ref)
+        rec = await self.find(principal, ref)
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
         answer = await node.client.call("GET", f"/v1/sandboxes/{rec.id}", Sandbox)
         assert answer is not None
@@ -104,23 +109,32 @@ class Sandboxes:
         nodes = gw.registry.healthy()
         wanted = list(labels)
         results = await asyncio.gather(*(n.client.sandboxes(wanted) for n in nodes), return_exceptions=True)
-        merged: list[Sandbox] = []
+        listed: list[tuple[Node, Sandbox]] = []
         for node, result in zip(nodes, results, strict=True):
             if isinstance(result, InvalidRequest):
                 raise result
             if isinstance(result, BaseException):
                 continue
-            for sandbox in result:
-                rec = gw.store.sandboxes.get(sandbox.id)
-                mine = rec is not None and rec.node == node.name and principal.owns(rec.user, rec.tenant)
-                if mine or (rec is None and principal.admin):
-                    merged.append(sandbox)
+            listed += [(node, sandbox) for sandbox in result]
+        # A sandbox made through another replica a moment ago (our labels, no record here yet): wait for what
+        # was committed before the listing, then sort them.
+        if any(
+            OWNER_LABEL in s.labels and s.state != "terminated" and s.id not in gw.store.sandboxes
+            for _, s in listed
+        ):
+            await gw.caught_up()
+        merged: list[Sandbox] = []
+        for node, sandbox in listed:
+            rec = gw.store.sandboxes.get(sandbox.id)
+            mine = rec is not None and rec.node == node.name and principal.owns(rec.user, rec.tenant)
+            if mine or (rec is None and principal.admin):
+                merged.append(sandbox)
         merged.sort(key=lambda s: s.created_at, reverse=True)
         return merged
 
     async def delete(self, principal: Principal, ref: str) -> None:
         """Terminate the caller's sandbox (idempotent); its name is free again at once."""
-        rec = self.resolve(principal, ref)
+        rec = await self.find(principal, ref)
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
         await node.client.delete_sandbox(rec.id)
         await self.terminated(rec)
@@ -172,8 +186,10 @@ class Sandboxes:
         requested = _requested(req, snapshot)
         name = req.name or None
         user_lock = gw.user_locks[(principal.user, principal.tenant)] if name else None
-        tenant_lock = gw.tenant_locks[principal.tenant] if gw.store.quotas.get(principal.tenant) else None
-        async with _holding(user_lock), _holding(tenant_lock):
+        quota = gw.store.quotas.get(principal.tenant) is not None
+        tenant_lock = gw.tenant_locks[principal.tenant] if quota else None
+        reservation = gw.quota_reservation(principal.tenant) if quota else contextlib.nullcontext()
+        async with _holding(user_lock), _holding(tenant_lock), reservation:
             if name is not None and self.name_taken(principal, name):
                 raise Conflict(
                     f"you already have a live sandbox named {name!r}: pick another name or delete it"

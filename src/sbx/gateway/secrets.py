@@ -141,10 +141,16 @@ class Secrets:
         self.store = store
         self.box = box
         self._rows: dict[tuple[str, str], _Sealed] = {}
-        for tenant, name, nonce, ciphertext, updated in store.query(
-            "secrets", ("tenant", "name", "nonce", "ciphertext", "updated")
-        ):
-            self._rows[(tenant, name)] = _Sealed(bytes(nonce), bytes(ciphertext), updated)
+        # Memory is a copy of the table, kept in step with other replicas' writes (``Store.mirror``).
+        store.mirror("secrets", self._put_row, lambda k: self._rows.pop((k[0], k[1]), None),
+                     self._rows.clear)  # fmt: skip
+        for row in store.query("secrets", ("tenant", "name", "nonce", "ciphertext", "updated")):
+            self._put_row(row)
+
+    def _put_row(self, row: tuple[object, ...]) -> None:
+        tenant, name, nonce, ciphertext, updated = row
+        assert isinstance(nonce, bytes | memoryview) and isinstance(ciphertext, bytes | memoryview)
+        self._rows[(str(tenant), str(name))] = _Sealed(bytes(nonce), bytes(ciphertext), str(updated))
 
     def tenants(self) -> set[str]:
         """Tenants holding a secret (an organisation name may not take one)."""

@@ -10,21 +10,22 @@ gateway's own controllers call alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from sbx.api.errors import SandboxError, Unavailable
+from sbx.api.errors import NotFound, SandboxError, Unavailable
 from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
 from sbx.gateway.audit import GatewayAudit
-from sbx.gateway.jobs.controller import JobController, JobOptions
+from sbx.gateway.jobs.controller import CANCEL_SIGNAL, JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
@@ -37,13 +38,20 @@ from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE, DEFAULT_MAX_TOT
 from sbx.gateway.snapshots import Snapshots
 from sbx.gateway.state import NodeDef, NodeFlags, SandboxRecord, now_rfc3339
 from sbx.gateway.store import Store
+from sbx.gateway.store.base import Change
 
 if TYPE_CHECKING:
     from sbx.gateway.ssh.server import SshServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_ORGS_PER_USER = 10
+#: A miss (an unknown key, a sandbox not found) on a store shared with other replicas waits at most this long for
+#: the changes committed before it to arrive, then looks again.
+CATCH_UP_SECS = 2.0
+#: Tables whose change by another replica may take access away (its follow-up: ``access_changed``).
+ACCESS_TABLES = frozenset({"keys", "members", "orgs", "ssh_keys"})
 
 
 @dataclass
@@ -93,6 +101,13 @@ class Gateway:
         #: Volume creates one at a time: their names are one name space across every node.
         self.volume_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        #: Whether this replica runs the work done once (sweeps, services' and jobs' controllers, notifications):
+        #: always with SQLite; with PostgreSQL the one holding the leader lock (``lead``).
+        self.leading = not store.elects
+        #: Called when this process must stop (it lost the leader lock: another replica may lead by then).
+        self.stop_process: Callable[[str], None] | None = None
+        #: Follow-ups of other replicas' changes still running (kept referenced until they end).
+        self._follow_ups: set[asyncio.Task[None]] = set()
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
@@ -113,24 +128,72 @@ class Gateway:
             )
         self.jobs = JobController(self, options.jobs)
         registry.wanted_cordon = self.wanted_cordon
-        registry.on_answering_again.append(self.reconcile)
+        registry.cordon_guard = lambda name: self.shared_lock(self.store.lock_node, name)
+        registry.still_wanted = self._cordon_still_wanted
+        registry.on_answering_again.append(self._answering_again)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_changes(changes: list[Change]) -> None:  # from the store's listening thread
+            try:
+                loop.call_soon_threadsafe(self.changed, changes)
+            except RuntimeError:  # the loop is closed: the gateway is stopping
+                pass
+
+        self.store.listen(on_changes)
         for definition in [*self.options.file_nodes, *self.store.nodes.values()]:
             try:
                 self.registry.add(connect_node(definition))
             except (SandboxError, OSError, ValueError) as exc:
                 log.error("node not usable", extra={"node": definition.name, "error": str(exc)})
         await self.registry.start()
+        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.access_changed)))
+
+    async def lead(self) -> None:
+        """Run for leader (see ``Store.lead``); once elected, run the work done once. A SQLite gateway leads at
+        once, before this returns (as it always started its workloads before serving)."""
+        if not self.store.elects:
+            await self._take_lead()
+            return
+        loop = asyncio.get_running_loop()
+
+        def on_change(leading: bool) -> None:  # from the store's leader thread
+            try:
+                if leading:
+                    loop.call_soon_threadsafe(lambda: self._follow_up(self._take_lead()))
+                else:
+                    loop.call_soon_threadsafe(self._lost_lead)
+            except RuntimeError:  # the loop is closed: the gateway is stopping
+                pass
+
+        self.store.lead(on_change)
+
+    async def _take_lead(self) -> None:
+        self.leading = True
+        if self.store.elects:
+            log.info("this replica leads: it runs the sweeps, the services' and jobs' controllers and the "
+                     "notifications")  # fmt: skip
         self._tasks.append(
             asyncio.create_task(self._every(self.options.forget_interval_secs, self.forget_sweep))
         )
-        self._tasks.append(asyncio.create_task(self._every(self.options.recheck_secs, self.access_changed)))
+        await self.services.start()
+        await self.jobs.start()
+
+    def _lost_lead(self) -> None:
+        log.critical("lost the leader lock; stopping")
+        self.leading = False
+        if self.stop_process is not None:
+            self.stop_process("the leader lock's connection was lost")
+
+    async def _answering_again(self, node: Node) -> None:
+        if self.leading:  # the records follow the node's listing: one replica decides
+            await self.reconcile(node)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._follow_ups]:
             task.cancel()
         for task in self._tasks:
             try:
@@ -138,6 +201,108 @@ class Gateway:
             except asyncio.CancelledError:
                 pass
         await self.registry.close()
+
+    # -- other replicas' writes -----------------------------------------------------------------
+
+    def changed(self, changes: list[Change]) -> None:
+        """Rows committed by any replica (this one's own marked ``local``): into memory, then the follow-up a
+        local write runs for the same change — a revocation, a member or an SSH key removed, an org deleted end
+        what may no longer run here (``access_changed``); a node added or removed through another replica is
+        polled or let go here too."""
+        self.store.refresh(changes)
+        remote = {c.table for c in changes if not c.local}
+        if remote & ACCESS_TABLES:
+            self._follow_up(self.access_changed())
+        if "nodes" in remote:
+            self._follow_up(self.sync_nodes())
+        if self.leading and remote & {"services", "service_revisions"}:
+            self._follow_up(self.services.taken_up())
+        if self.leading and remote & {"jobs", "job_runs"}:
+            self._follow_up(self.jobs.taken_up())
+        if self.leading:
+            for change in changes:
+                if change.table == f"signal:{CANCEL_SIGNAL}" and change.key is not None:
+                    self._follow_up(self.jobs.cancel_asked(str(change.key[0]), str(change.key[1])))
+        if self.leading and "notifications" in remote:  # written by a follower (a job cancelled there)
+            self.jobs.notifier.wake()
+
+    def _follow_up(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("a follow-up of another replica's change failed")
+
+        task = asyncio.create_task(run())
+        self._follow_ups.add(task)
+        task.add_done_callback(self._follow_ups.discard)
+
+    async def sync_nodes(self) -> None:
+        """The registry holds the node file's nodes and the store's: those added or removed elsewhere follow."""
+        from_file = {d.name for d in self.options.file_nodes}
+        for name, definition in list(self.store.nodes.items()):
+            if name in self.registry.nodes:
+                continue
+            try:
+                node = connect_node(definition)
+            except (SandboxError, OSError, ValueError) as exc:
+                log.error("node not usable", extra={"node": name, "error": str(exc)})
+                continue
+            self.registry.add(node)
+            await self.registry.poll(node)
+        for name in list(self.registry.nodes):
+            if name not in from_file and name not in self.store.nodes:
+                await self.registry.remove(name)
+
+    @contextlib.asynccontextmanager
+    async def shared_lock(self, take: Callable[[str], object], name: str) -> AsyncIterator[None]:
+        """``take(name)`` (a store lock shared by the replicas) held for the block; nothing with one process."""
+        if not self.store.shared:
+            yield
+            return
+        taking = asyncio.ensure_future(asyncio.to_thread(take, name))
+        try:
+            handle = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The thread takes the lock all the same: let go of it once it has.
+            taking.add_done_callback(
+                lambda t: None if t.cancelled() or t.exception() else self.store.unlock_tenant(t.result())
+            )
+            raise
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.store.unlock_tenant, handle)
+
+    async def _cordon_still_wanted(self, name: str) -> bool:
+        await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock
+        return self.wanted_cordon(name)
+
+    @contextlib.asynccontextmanager
+    async def quota_reservation(self, tenant: str) -> AsyncIterator[None]:
+        """Held around a create's quota check, node call and record, for a tenant with a quota: with replicas, the
+        tenant's lock shared by all of them, then every record committed before it caught up with, so the check
+        counts every sandbox any replica made (docs/ha.md). One process: nothing beyond its in-process lock."""
+        async with self.shared_lock(self.store.lock_tenant, tenant):
+            await self.caught_up()
+            yield
+
+    async def fresh(self, lookup: Callable[[], T]) -> T:
+        """``lookup()``; a ``NotFound`` from it on a store shared with other replicas first waits for the changes
+        committed before now (a record just made through another replica), then looks again."""
+        try:
+            return lookup()
+        except NotFound:
+            if not await self.caught_up():
+                raise
+        return lookup()
+
+    async def caught_up(self) -> bool:
+        """Before a miss is answered (an unknown key, a sandbox not found): whether changes committed by other
+        replicas before now have arrived (so looking again is worth it). False at once without other replicas."""
+        if not self.store.shared:
+            return False
+        return await asyncio.to_thread(self.store.caught_up, CATCH_UP_SECS)
 
     async def _every(self, interval_secs: float, fn: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -164,7 +329,8 @@ class Gateway:
                 status.capacity if status else Resources(0, 0, 0), status.free if status else Resources(0, 0, 0),
             ))  # fmt: skip
         records = list(self.store.sandboxes.values())
-        return GatewaySnapshot(len(records), sum(1 for r in records if self.is_lost_node(r.node)), nodes)
+        lost = sum(1 for r in records if self.is_lost_node(r.node))
+        return GatewaySnapshot(len(records), lost, nodes, self.leading)
 
     def is_lost_node(self, name: str) -> bool:
         node = self.registry.get(name)

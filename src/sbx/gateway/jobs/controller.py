@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets as random_source
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -73,6 +74,10 @@ class JobOptions:
     retention_secs: float = DEFAULT_RETENTION_SECS
     notify: NotifyPolicy = dataclasses.field(default_factory=NotifyPolicy)
     agents: dict[str, AgentDef] = dataclasses.field(default_factory=dict)
+
+
+#: The signal a follower sends the leader to cancel a job (``Store.signal``; arguments: job id, reason).
+CANCEL_SIGNAL = "cancel_job"
 
 
 class JobController:
@@ -136,7 +141,8 @@ class JobController:
             spec=spec, prompt=prompt, state="queued", error=None, created=now, updated=now,
         )  # fmt: skip
         await self.db.put(job=job, run=RunRecord(job.id, 1, "queued"))
-        self._spawn(job.id)
+        if self.gw.leading:  # else the leader takes it up from the database (taken_up)
+            self._spawn(job.id)
         log.info("job submitted", extra={"job": job.id, "agent": agent})
         return job
 
@@ -152,6 +158,17 @@ class JobController:
 
     async def cancel(self, job: JobRecord, reason: str = "cancelled") -> JobRecord:
         """End ``job`` (see the module docstring) and answer it once its runs have stopped."""
+        if not self.gw.leading:
+            # The leader runs the job: ask it (``cancel_asked``), and answer once its end arrives here, or as the
+            # job is after the wait (while no replica leads, during a takeover, the request is lost: ask again).
+            await asyncio.to_thread(self.gw.store.signal, CANCEL_SIGNAL, (job.id, reason))
+            deadline = time.monotonic() + CANCEL_WAIT_SECS
+            while time.monotonic() < deadline:
+                current = self.db.jobs.get(job.id)
+                if current is None or current.state in FINISHED_STATES:
+                    break
+                await asyncio.sleep(0.05)
+            return self.db.jobs.get(job.id, job)
         rt = self.runtimes.get(job.id)
         if rt is not None and rt.task is not None and not rt.task.done():
             if rt.cancelling is None:
@@ -269,8 +286,34 @@ class JobController:
 
     # -- revocation ------------------------------------------------------------------------------------
 
+    async def cancel_asked(self, job_id: str, reason: str) -> None:
+        """On the leader: a follower asked for ``job_id`` to be cancelled (see :meth:`cancel`)."""
+        job = self.db.jobs.get(job_id)
+        if job is not None and job.state not in FINISHED_STATES:
+            await self.cancel(job, reason)
+
+    async def taken_up(self) -> None:
+        """On the leader, after another replica changed jobs: a job submitted there gets its task here; a job
+        ended there (cancelled) has its task here cancelled."""
+        if self._sweeper is None:  # not started: this replica does not lead
+            return
+        for job in list(self.db.jobs.values()):
+            rt = self.runtimes.get(job.id)
+            if job.state not in FINISHED_STATES and rt is None:
+                log.info("job taken up from another replica", extra={"job": job.id})
+                self._spawn(job.id)
+            elif (
+                job.state in FINISHED_STATES and rt is not None and rt.task is not None and not rt.task.done()
+                and rt.cancelling is None
+            ):  # fmt: skip
+                rt.cancelling = job.error or "cancelled"
+                rt.task.cancel()
+
     async def access_changed(self) -> None:
-        """Cancel every unfinished job whose owner holds no active key at all in its tenant (spec: Revocation 3)."""
+        """Cancel every unfinished job whose owner holds no active key at all in its tenant (spec: Revocation 3).
+        The leader does it (every replica is told of a revocation; one cancels)."""
+        if not self.gw.leading:
+            return
         doomed = [
             job for job in list(self.db.jobs.values())
             if job.state not in FINISHED_STATES and not auth.has_access(self.gw.store, job.user, job.tenant)

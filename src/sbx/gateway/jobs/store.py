@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from sbx.api.jobs import JobSpec, JobState, KeptFile, RunState
-from sbx.gateway.store import Delete, Op, Store, Upsert
+from sbx.gateway.store import TABLES, Delete, Op, Store, Upsert
 
 Writer = Callable[..., Awaitable[Any]]
 Statement = Op
@@ -63,21 +63,26 @@ class JobStore:
         self._write = write
         self.jobs: dict[str, JobRecord] = {}
         self.runs: dict[tuple[str, int], RunRecord] = {}
-        for row in store.query(
-            "jobs",
-            ("id", "user", "tenant", "agent", "spec", "prompt", "state", "error", "created", "updated"),
-        ):
-            self.jobs[row[0]] = JobRecord(
-                id=row[0], user=row[1], tenant=row[2], agent=row[3], spec=msgspec.json.decode(row[4], type=JobSpec),
-                prompt=row[5], state=row[6], error=row[7], created=row[8], updated=row[9],
-            )  # fmt: skip
-        for row in store.query("job_runs", ("job", "n", "state", "sandbox", "node", "pid", "exit_code", "started",
-                                            "finished", "error", "truncated", "files")):  # fmt: skip
-            self.runs[(row[0], row[1])] = RunRecord(
-                job=row[0], n=row[1], state=row[2], sandbox=row[3], node=row[4], pid=row[5], exit_code=row[6],
-                started=row[7], finished=row[8], error=row[9], truncated=bool(row[10]),
-                files=tuple(_FILES.decode(row[11])) if row[11] else None,
-            )  # fmt: skip
+        # Memory is a copy of the tables, kept in step with other replicas' writes (``Store.mirror``).
+        store.mirror("jobs", self._put_job, lambda k: self.jobs.pop(k[0], None), self.jobs.clear)
+        store.mirror("job_runs", self._put_run, lambda k: self.runs.pop((k[0], k[1]), None),
+                     self.runs.clear)  # fmt: skip
+        for table in ("jobs", "job_runs"):
+            for row in store.query(table, TABLES[table].columns):
+                store.mirrors[table].put(row)
+
+    def _put_job(self, row: tuple[Any, ...]) -> None:
+        self.jobs[row[0]] = JobRecord(
+            id=row[0], user=row[1], tenant=row[2], agent=row[3], spec=msgspec.json.decode(row[4], type=JobSpec),
+            prompt=row[5], state=row[6], error=row[7], created=row[8], updated=row[9],
+        )  # fmt: skip
+
+    def _put_run(self, row: tuple[Any, ...]) -> None:
+        self.runs[(row[0], row[1])] = RunRecord(
+            job=row[0], n=row[1], state=row[2], sandbox=row[3], node=row[4], pid=row[5], exit_code=row[6],
+            started=row[7], finished=row[8], error=row[9], truncated=bool(row[10]),
+            files=tuple(_FILES.decode(row[11])) if row[11] else None,
+        )  # fmt: skip
 
     def runs_of(self, job_id: str) -> list[RunRecord]:
         return sorted((r for r in list(self.runs.values()) if r.job == job_id), key=lambda r: r.n)

@@ -24,8 +24,9 @@ class JobRoutes:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
-    def _target(self, request: web.Request) -> JobRecord:
-        job = self.gw.jobs.find(principal_of(request), request.match_info["id"])
+    async def _target(self, request: web.Request) -> JobRecord:
+        principal, job_id = principal_of(request), request.match_info["id"]
+        job = await self.gw.fresh(lambda: self.gw.jobs.find(principal, job_id))
         request[auth.TARGET_KEY] = job.id
         return job
 
@@ -70,17 +71,17 @@ class JobRoutes:
         return json_response(JobList([self.gw.jobs.wire(j, with_runs=False) for j in jobs]))
 
     async def get(self, request: web.Request) -> web.Response:
-        return self._answer(request, self._target(request))
+        return self._answer(request, await self._target(request))
 
     async def delete(self, request: web.Request) -> web.Response:
-        return self._answer(request, await self.gw.jobs.cancel(self._target(request)))
+        return self._answer(request, await self.gw.jobs.cancel(await self._target(request)))
 
     async def output(self, request: web.Request) -> web.Response:
-        job = self._target(request)
+        job = await self._target(request)
         return json_response(await self.gw.jobs.output(job, request.match_info["n"]))
 
     async def file(self, request: web.Request) -> web.StreamResponse:
-        job = self._target(request)
+        job = await self._target(request)
         paths = request.query.getall("path", [])
         if len(paths) != 1:
             raise InvalidRequest(

@@ -56,7 +56,7 @@ class SandboxRoutes:
 
     async def patch(self, request: web.Request) -> web.StreamResponse:
         principal = principal_of(request)
-        rec = self._target(request)
+        rec = await self._target(request)
         req = decode_request(await read_json_body(request), PatchRequest)
         # Renames of one user run one at a time with their creates, so two cannot take one name together.
         stamped: dict[str, str] = {}
@@ -82,7 +82,7 @@ class SandboxRoutes:
 
         async def handler(request: web.Request) -> web.StreamResponse:
             principal = principal_of(request)
-            rec = self._target(request)
+            rec = await self._target(request)
             body: Body = None
             if policy == "raw":
                 body = CappedBody(request, FILE_BODY_CAP)
@@ -98,7 +98,7 @@ class SandboxRoutes:
     async def attach_websocket(self, request: web.Request) -> web.StreamResponse:
         """The WebSocket form of attach, served here over the node's plain attach (``relay_websocket``)."""
         principal = principal_of(request)
-        rec = self._target(request)
+        rec = await self._target(request)
         check_websocket(request)
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}").client
         attach_path = relayed_path(request, rec.id).split("?", 1)[0].removesuffix("/websocket")
@@ -114,8 +114,8 @@ class SandboxRoutes:
             sandbox=rec.id, node=node,
         )  # fmt: skip
 
-    def _target(self, request: web.Request) -> SandboxRecord:
-        rec = self.gw.sandboxes.resolve(principal_of(request), request.match_info["ref"])
+    async def _target(self, request: web.Request) -> SandboxRecord:
+        rec = await self.gw.sandboxes.find(principal_of(request), request.match_info["ref"])
         request[auth.TARGET_KEY] = rec.id
         return rec
 

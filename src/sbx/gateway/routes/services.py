@@ -30,10 +30,13 @@ class ServiceRoutes:
             self.gw.services.wire(svc, self.gw.service_front.url(svc, request)), status=status
         )
 
-    def _target(self, request: web.Request) -> ServiceRecord:
-        return self.gw.services.find(
-            principal_of(request), request.match_info["name"], request.query.get("tenant")
+    async def _target(self, request: web.Request) -> ServiceRecord:
+        principal, name, tenant = (
+            principal_of(request),
+            request.match_info["name"],
+            request.query.get("tenant"),
         )
+        return await self.gw.fresh(lambda: self.gw.services.find(principal, name, tenant))
 
     async def create(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
@@ -47,22 +50,22 @@ class ServiceRoutes:
         return json_response(ServiceList([self.gw.services.wire(s, front.url(s, request)) for s in services]))
 
     async def get(self, request: web.Request) -> web.Response:
-        return self._answer(request, self._target(request))
+        return self._answer(request, await self._target(request))
 
     async def put(self, request: web.Request) -> web.Response:
-        svc = self._target(request)
+        svc = await self._target(request)
         spec = decode_request(await read_json_body(request), ServiceSpec)
         return self._answer(
             request, await self.gw.services.update(svc, check_spec(self.gw, svc.tenant, spec))
         )
 
     async def scale(self, request: web.Request) -> web.Response:
-        svc = self._target(request)
+        svc = await self._target(request)
         req = decode_request(await read_json_body(request), ScaleRequest)
         return self._answer(request, await self.gw.services.scale(svc, check_replicas(req.replicas)))
 
     async def delete(self, request: web.Request) -> web.Response:
-        svc = self._target(request)
+        svc = await self._target(request)
         request[auth.TARGET_KEY] = svc.name
         await self.gw.services.delete(svc)
         return web.Response(status=204)

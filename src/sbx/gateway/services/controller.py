@@ -226,8 +226,9 @@ class ServiceController:
             updated=now,
         )  # fmt: skip
         await self.db.put_service(svc, spec)
-        rt = self.runtimes[svc.id] = ServiceRuntime(svc.id)
-        rt.task = asyncio.create_task(self._run(rt), name=f"service-{svc.id}")
+        if self.gw.leading:  # else the leader takes it up from the database (taken_up)
+            rt = self.runtimes[svc.id] = ServiceRuntime(svc.id)
+            rt.task = asyncio.create_task(self._run(rt), name=f"service-{svc.id}")
         log.info("service created", extra={"service": svc.id, "replicas": svc.desired})
         return svc
 
@@ -295,6 +296,31 @@ class ServiceController:
             await self.db.delete_service(svc.id)
         self._locks.pop(svc.id, None)
         log.info("service deleted", extra={"service": svc.id})
+
+    async def taken_up(self) -> None:
+        """On the leader, after another replica changed services: a new one gets its task, a changed one is
+        woken, a deleted one has its task and replicas ended (as :meth:`delete` does for one deleted here)."""
+        if not self._started:
+            return
+        for svc in list(self.db.services.values()):
+            if svc.id not in self.runtimes:
+                rt = self.runtimes[svc.id] = ServiceRuntime(svc.id)
+                rt.task = asyncio.create_task(self._run(rt), name=f"service-{svc.id}")
+                log.info("service taken up from another replica", extra={"service": svc.id})
+            else:
+                self._wake(svc.id)
+        for service_id in [i for i in self.runtimes if i not in self.db.services]:
+            rt = self.runtimes.pop(service_id)
+            if rt.task is not None:
+                rt.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await rt.task
+            for fn in self.on_access_lost:
+                fn(service_id)
+            await asyncio.gather(*(self._end(service_id, rep) for rep in list(rt.replicas.values())))
+            for rep in list(rt.replicas.values()):
+                await self.db.forget_replica(rep.rec.sandbox)
+            log.info("service deleted through another replica: replicas ended", extra={"service": service_id})
 
     def wire(self, svc: ServiceRecord, url: str | None) -> Service:
         rt = self.runtimes.get(svc.id) or ServiceRuntime(svc.id)
@@ -563,7 +589,7 @@ class ServiceController:
         if done is not None and done.serving == svc.revision:
             await self.db.forget_revisions_before(svc.id, svc.revision)
 
-    async def _end(self, svc: ServiceRecord, rep: ReplicaRuntime) -> None:
+    async def _end(self, svc: ServiceRecord | str, rep: ReplicaRuntime) -> None:
         """Terminate ``rep``'s sandbox when its node answers (else it is ended when the node is seen again)."""
         self._stop_watch(rep)
         node = self.gw.registry.get(rep.rec.node)
@@ -574,7 +600,8 @@ class ServiceController:
         except NotFound:
             pass
         except SandboxError as exc:
-            log.warning("replica not ended", extra={"service": svc.id, "sandbox": rep.rec.sandbox,
+            service_id = svc if isinstance(svc, str) else svc.id
+            log.warning("replica not ended", extra={"service": service_id, "sandbox": rep.rec.sandbox,
                                                     "error": exc.message})  # fmt: skip
             return
         record = self.gw.store.sandboxes.get(rep.rec.sandbox)

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from sbx.api.services import RolloutState, ServiceSpec
-from sbx.gateway.store import Delete, Store, Upsert
+from sbx.gateway.store import TABLES, Delete, Store, Upsert
 
 Writer = Callable[..., Awaitable[Any]]
 
@@ -88,24 +88,32 @@ class ServiceStore:
         self.services: dict[str, ServiceRecord] = {}
         self.revisions: dict[tuple[str, int], ServiceSpec] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
-        rows = store.query("services", ("id", "tenant", "name", "user", "spec", "revision", "serving", "desired",
-                                        "restarts", "rollout", "created", "updated"))  # fmt: skip
-        for row in rows:
-            self.services[row[0]] = ServiceRecord(
-                id=row[0], tenant=row[1], name=row[2], user=row[3], spec=msgspec.json.decode(row[4], type=ServiceSpec),
-                revision=row[5], serving=row[6], desired=row[7], restarts=row[8], rollout=_rollout_of(row[9]),
-                created=row[10], updated=row[11],
-            )  # fmt: skip
-        for service, revision, spec in store.query("service_revisions", ("service", "revision", "spec")):
-            self.revisions[(service, revision)] = msgspec.json.decode(spec, type=ServiceSpec)
-        for row in store.query(
-            "service_replicas",
-            ("sandbox", "service", "node", "revision", "pid", "restarts", "ever_healthy", "created"),
-        ):
-            self.replicas[row[0]] = ReplicaRecord(
-                sandbox=row[0], service=row[1], node=row[2], revision=row[3], pid=row[4], restarts=row[5],
-                ever_healthy=bool(row[6]), created=row[7],
-            )  # fmt: skip
+        # Memory is a copy of the tables, kept in step with other replicas' writes (``Store.mirror``).
+        store.mirror("services", self._put_service, lambda k: self.services.pop(k[0], None),
+                     self.services.clear)  # fmt: skip
+        store.mirror("service_revisions", self._put_revision,
+                     lambda k: self.revisions.pop((k[0], k[1]), None), self.revisions.clear)  # fmt: skip
+        store.mirror("service_replicas", self._put_replica, lambda k: self.replicas.pop(k[0], None),
+                     self.replicas.clear)  # fmt: skip
+        for table in ("services", "service_revisions", "service_replicas"):
+            for row in store.query(table, TABLES[table].columns):
+                store.mirrors[table].put(row)
+
+    def _put_service(self, row: tuple[Any, ...]) -> None:
+        self.services[row[0]] = ServiceRecord(
+            id=row[0], tenant=row[1], name=row[2], user=row[3], spec=msgspec.json.decode(row[4], type=ServiceSpec),
+            revision=row[5], serving=row[6], desired=row[7], restarts=row[8], rollout=_rollout_of(row[9]),
+            created=row[10], updated=row[11],
+        )  # fmt: skip
+
+    def _put_revision(self, row: tuple[Any, ...]) -> None:
+        self.revisions[(row[0], row[1])] = msgspec.json.decode(row[2], type=ServiceSpec)
+
+    def _put_replica(self, row: tuple[Any, ...]) -> None:
+        self.replicas[row[0]] = ReplicaRecord(
+            sandbox=row[0], service=row[1], node=row[2], revision=row[3], pid=row[4], restarts=row[5],
+            ever_healthy=bool(row[6]), created=row[7],
+        )  # fmt: skip
 
     def by_name(self, tenant: str, name: str) -> ServiceRecord | None:
         for svc in list(self.services.values()):

@@ -60,9 +60,12 @@ def check_database_url(url: str) -> None:
         raise StateError(str(exc)) from None
 
 
-def open_store(location: StoreLocation) -> Store:
+def open_store(location: StoreLocation, serving: bool = False) -> Store:
     """Open the store at ``location`` as its owner: ``StateLocked`` while another process (a serving gateway, an
-    offline command) owns it, ``StateError`` when it cannot be used; migrated to ``SCHEMA_VERSION``."""
+    offline command) owns it, ``StateError`` when it cannot be used; migrated to ``SCHEMA_VERSION``.
+
+    ``serving``: for ``serve``. A database is then owned in shared mode, with the other serving replicas (only an
+    offline command or a migrate is refused, and refuses); a SQLite file has one owner either way."""
     # Each back-end is imported when named: a SQLite gateway never loads psycopg.
     if location.state is not None:
         from sbx.gateway.store.sqlite import SqliteStore, acquire_lock
@@ -77,7 +80,7 @@ def open_store(location: StoreLocation) -> Store:
 
     assert location.database is not None
     try:
-        return PostgresStore.open(location.database)
+        return PostgresStore.open(location.database, shared=serving)
     except DatabaseUrlError as exc:
         raise StateError(str(exc)) from None
 

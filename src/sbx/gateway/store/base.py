@@ -6,10 +6,12 @@ Two implementations (``sqlite.SqliteStore``, ``postgres.PostgresStore``) provide
 once, here, in terms of them. Nothing outside ``sbx.gateway.store`` names an implementation; ``open_store``
 picks one from the location (``--state FILE`` or ``--database URL``).
 
-Every table the request path reads is held in memory: the process that opened the store (and holds its owner
-lock) is its only writer, and each write updates memory only after its commit. Methods are synchronous; the
-server calls the writing ones through ``asyncio.to_thread`` (a commit waits on a disk or a network) and reads
-memory directly.
+Every table the request path reads is held in memory, and each write updates memory only after its commit.
+Several replicas may write one PostgreSQL database: each in-memory table is then a cache kept in step through
+:meth:`Store.listen` (every commit announces the rows it changed; each replica reloads them and hands them to
+:meth:`Store.refresh`, which puts them into the table's :class:`Mirror`). Methods are synchronous; the server
+calls the writing ones through ``asyncio.to_thread`` (a commit waits on a disk or a network) and reads memory
+directly.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sbx.gateway.state import (
@@ -37,6 +39,30 @@ from sbx.gateway.state import (
 from sbx.gateway.store.ops import Delete, Insert, Op, Update, Upsert
 from sbx.gateway.store.schema import TABLES
 
+Row = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """How memory holds a table: ``put`` a row (every column of ``schema.TABLES``, in order), ``drop`` the row
+    with a primary key (a tuple, in the key's column order; absent is fine), ``clear`` them all."""
+
+    put: Callable[[Row], None]
+    drop: Callable[[Row], object]
+    clear: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Change:
+    """Rows another writer committed: ``key`` the primary key of the one row changed (``rows`` is then that row,
+    or nothing when it is gone), or None for the whole table (``rows`` is every row). ``local``: the change was
+    this store's own write (memory already has it; no follow-up to run)."""
+
+    table: str
+    key: Row | None
+    rows: list[Row]
+    local: bool = False
+
 
 class Store(ABC):
     """The open store plus its in-memory tables. Open one with ``sbx.gateway.store.open_store``; call
@@ -44,6 +70,8 @@ class Store(ABC):
 
     #: What the store is, for messages and logs: the state file's path or the database URL (never a password).
     location: str
+    #: Whether several processes serve it, one of them elected to lead (``lead``); else this one leads.
+    elects: bool = False
 
     def __init__(self) -> None:
         self.keys: dict[str, KeyRecord] = {}
@@ -58,6 +86,10 @@ class Store(ABC):
         self.quotas: dict[str, Quota] = {}
         self.ssh_keys: dict[str, SshKeyRecord] = {}
         self.ssh_tokens: dict[str, SshTokenRecord] = {}
+        #: Per table: how memory holds it (``mirror``); the store's own tables here, the services', jobs' and
+        #: secrets' added by their modules.
+        self.mirrors: dict[str, Mirror] = {}
+        self._mirror_own_tables()
 
     # -- the primitives each implementation provides ---------------------------------------------
 
@@ -88,6 +120,65 @@ class Store(ABC):
         """Call ``on_lost(reason)`` (once, from another thread) if the owner lock is ever lost while open. A
         SQLite lock file cannot be: nothing to watch."""
 
+    def listen(self, on_changes: Callable[[list[Change]], None]) -> None:
+        """Call ``on_changes`` (from another thread, in commit order) with the rows of the mirrored tables that
+        any writer of the database committed, this one's included (marked ``local``), until :meth:`close`; a
+        table memory does not hold (the notification outbox) is named with no rows. A
+        SQLite file has one writer, this process, whose memory is already exact: nothing to listen to."""
+
+    def lead(self, on_change: Callable[[bool], None]) -> None:
+        """Run for the leadership of the replicas: ``on_change(True)`` once this process leads (it then runs the
+        work done once: sweeps, the services' and jobs' controllers, the notification outbox), ``on_change(False)``
+        if it loses it (it must stop: another may lead by then). Called from another thread. A SQLite file has
+        one process: it leads at once, on the caller's thread."""
+        on_change(True)
+
+    def lock_tenant(self, tenant: str) -> object:
+        """Take the tenant's quota lock, shared by every replica, waiting for it (a create's quota check, node
+        call and record run under it); a handle for :meth:`unlock_tenant`. One process (SQLite): its own
+        in-process lock is enough, nothing to take."""
+        return None
+
+    def lock_node(self, name: str) -> object:
+        """As :meth:`lock_tenant`, for a node's cordon (set by one replica, restored by another's poll)."""
+        return None
+
+    def unlock_tenant(self, handle: object) -> None:
+        """Let go of a lock :meth:`lock_tenant` took."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may write the store now (replicas on one database, listened to)."""
+        return False
+
+    def signal(self, name: str, args: Sequence[str]) -> None:
+        """Tell every listener (this store's too) ``name`` with ``args``, without a write: it arrives as a
+        ``Change`` of table ``signal:NAME``, key ``args``, no rows (a follower asking the leader to cancel a job).
+        One process (SQLite) has nobody else to tell: nothing is sent."""
+
+    def caught_up(self, timeout_secs: float) -> bool:
+        """Block until every change committed before the call was handed to ``on_changes`` (False after
+        ``timeout_secs``). Without other writers (SQLite), at once."""
+        return True
+
+    def refresh(self, changes: Sequence[Change]) -> None:
+        """Put ``changes`` into memory (on the thread that reads memory: the event loop)."""
+        for change in changes:
+            mirror = self.mirrors.get(change.table)
+            if mirror is None:
+                continue
+            if change.key is None:
+                mirror.clear()
+            else:
+                mirror.drop(change.key)
+            for row in change.rows:
+                mirror.put(row)
+
+    def mirror(self, table: str, put: Callable[[Row], None], drop: Callable[[Row], object],
+               clear: Callable[[], None]) -> None:  # fmt: skip
+        """Register how memory holds ``table`` (a module with its own in-memory copy: services, jobs, secrets)."""
+        self.mirrors[table] = Mirror(put, drop, clear)
+
     def after_copy(self) -> None:
         """Called once ``copy_state`` has written rows with their ids (a back-end with sequences moves them on)."""
 
@@ -109,40 +200,52 @@ class Store(ABC):
     # -- loading ---------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        for row in self.select(
-            "keys", ("id", "user", "tenant", "scopes", "secret_sha256", "created", "revoked")
-        ):
-            key = KeyRecord(row[0], row[1], row[2], frozenset(json.loads(row[3])), row[4], row[5], row[6])
+        for table, mirror in self.mirrors.items():
+            mirror.clear()
+            for row in self.select(table, TABLES[table].columns):
+                mirror.put(row)
+
+    def _mirror_own_tables(self) -> None:
+        def put_key(r: Row) -> None:
+            old = self.keys.get(r[0])
+            if old is not None:
+                self.keys_by_hash.pop(old.secret_sha256, None)
+            key = KeyRecord(r[0], r[1], r[2], frozenset(json.loads(r[3])), r[4], r[5], r[6])
             self.keys[key.id] = key
             self.keys_by_hash[key.secret_sha256] = key
-        for row in self.select(
-            "nodes", ("name", "endpoint", "token_file", "ca_file", "cert_file", "key_file")
-        ):
-            self.nodes[row[0]] = NodeDef(*row)
-        for name, cordoned, drained in self.select("node_flags", ("name", "cordoned", "drained")):
-            self.node_flags[name] = NodeFlags(bool(cordoned), bool(drained))
-        for row in self.select(
-            "sandboxes", ("id", "user", "tenant", "node", "name", "cpus", "memory_mb", "created")
-        ):
-            self.sandboxes[row[0]] = SandboxRecord(*row)
-        for row in self.select("volumes", ("name", "user", "tenant", "node", "created")):
-            self.volumes[row[0]] = VolumeRecord(*row)
-        for row in self.select("snapshots", ("id", "user", "tenant", "node", "sandbox", "created")):
-            self.snapshots[row[0]] = SnapshotRecord(*row)
-        for row in self.select("orgs", ("name", "created", "created_by", "created_by_tenant")):
-            self.orgs[row[0]] = OrgRecord(*row)
-        for row in self.select("members", ("org", "user", "tenant", "role", "added")):
-            self.members[(row[0], row[1])] = MemberRecord(*row)
-        for row in self.select("quotas", ("tenant", "max_cpus", "max_memory_mb", "max_sandboxes")):
-            self.quotas[row[0]] = Quota(row[1], row[2], row[3])
-        for row in self.select(
-            "ssh_keys", ("id", "user", "home_tenant", "tenant", "fingerprint", "key", "sandbox", "created")
-        ):
-            self.ssh_keys[row[0]] = SshKeyRecord(*row)
-        for row in self.select(
-            "ssh_tokens", ("token_sha256", "user", "tenant", "sandbox", "expires_at", "created")
-        ):
-            self.ssh_tokens[row[0]] = SshTokenRecord(*row)
+
+        def drop_key(k: Row) -> None:
+            old = self.keys.pop(k[0], None)
+            if old is not None:
+                self.keys_by_hash.pop(old.secret_sha256, None)
+
+        def clear_keys() -> None:
+            self.keys.clear()
+            self.keys_by_hash.clear()
+
+        self.mirror("keys", put_key, drop_key, clear_keys)
+        # Each of the others: a dict keyed by the primary key (one column, or (org, user) for members).
+        simple: list[tuple[str, dict[Any, Any], Callable[[Row], Any]]] = [
+            ("nodes", self.nodes, lambda r: NodeDef(*r[:6])),
+            ("node_flags", self.node_flags, lambda r: NodeFlags(bool(r[1]), bool(r[2]))),
+            ("sandboxes", self.sandboxes, lambda r: SandboxRecord(*r)),
+            ("volumes", self.volumes, lambda r: VolumeRecord(*r)),
+            ("snapshots", self.snapshots, lambda r: SnapshotRecord(*r)),
+            ("orgs", self.orgs, lambda r: OrgRecord(*r)),
+            ("quotas", self.quotas, lambda r: Quota(r[1], r[2], r[3])),
+            ("ssh_keys", self.ssh_keys, lambda r: SshKeyRecord(*r)),
+            ("ssh_tokens", self.ssh_tokens, lambda r: SshTokenRecord(*r)),
+        ]
+        for table, memory, make in simple:
+            self.mirror(table, *_dict_mirror(memory, make))
+
+        def put_member(r: Row) -> None:
+            self.members[(r[0], r[1])] = MemberRecord(*r)
+
+        def drop_member(k: Row) -> None:
+            self.members.pop((k[0], k[1]), None)
+
+        self.mirror("members", put_member, drop_member, self.members.clear)
 
     def _write(self, op: Op, full: bool = True) -> int:
         """One write in its own transaction; the number of rows it changed."""
@@ -288,3 +391,17 @@ class Store(ABC):
         self.apply([Delete("ssh_tokens", {"token_sha256": h}) for h in hashes])
         for h in hashes:
             self.ssh_tokens.pop(h, None)
+
+
+def _dict_mirror(
+    memory: dict[Any, Any], make: Callable[[Row], Any]
+) -> tuple[Callable[[Row], None], Callable[[Row], None], Callable[[], None]]:
+    """put/drop/clear of a table held as ``memory[first column] = make(row)``."""
+
+    def put(row: Row) -> None:
+        memory[row[0]] = make(row)
+
+    def drop(key: Row) -> None:
+        memory.pop(key[0], None)
+
+    return put, drop, memory.clear

@@ -6,11 +6,19 @@ variable ``SANDBOX_GATEWAY_DATABASE_PASSWORD`` when set, else from libpq's own s
 
 Two advisory locks (``pg_advisory_lock``, two int4 keys under ``LOCK_CLASS``):
 
-- the **owner lock**, held on a connection of its own for as long as the store is open: a serving gateway and
-  the offline commands take it without waiting and refuse while another process has it, the rule the SQLite
-  store keeps with its lock file. (Several replicas on one database are not served yet: docs/ha.md.)
+- the **owner lock**, held on a connection of its own for as long as the store is open, taken without waiting:
+  a serving replica takes it in shared mode (``pg_try_advisory_lock_shared``), so any number of replicas serve
+  one database together, and the offline commands and ``migrate`` take it exclusively, so they are refused while
+  any replica serves (and a replica is refused while one of them runs) — the rule the SQLite store keeps with its
+  lock file (docs/ha.md).
 - the **migration lock**, a transaction lock taken before the schema version is read: of two processes starting
   on an empty database together, one migrates and the other waits, then finds the schema current.
+
+Replicas keep their memory in step: every write transaction also sends ``NOTIFY sbx_gateway`` naming the rows it
+changed (table and primary key; a whole table for a write not bounded by a key), delivered to every listener at
+its commit, in commit order. ``listen`` holds one more connection, LISTENing, and a thread that reloads the named
+rows through the pool and hands them on; after its connection is lost it connects again and reloads every table
+(notifications sent meanwhile are lost).
 
 Durability: a ``full`` write waits for PostgreSQL's ``synchronous_commit`` (its WAL flushed, and a synchronous
 standby's when one is configured); the others set ``synchronous_commit = off`` for their transaction (a
@@ -19,9 +27,11 @@ PostgreSQL crash may lose the last ~0.6 s of them; a gateway crash loses nothing
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,9 +41,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from sbx.api.errors import Unavailable
 from sbx.gateway.state import StateError, StateLocked
-from sbx.gateway.store.base import Store
-from sbx.gateway.store.ops import Op, render, select_sql
-from sbx.gateway.store.schema import POSTGRES_MIGRATIONS
+from sbx.gateway.store.base import Change, Row, Store
+from sbx.gateway.store.ops import Delete, Insert, Op, Update, Upsert, quote, render, select_sql
+from sbx.gateway.store.schema import POSTGRES_MIGRATIONS, TABLES
 
 #: Environment variable holding the database password (when libpq's PGPASSWORD/PGPASSFILE are not used).
 PASSWORD_ENV = "SANDBOX_GATEWAY_DATABASE_PASSWORD"
@@ -41,12 +51,35 @@ PASSWORD_ENV = "SANDBOX_GATEWAY_DATABASE_PASSWORD"
 LOCK_CLASS = 0x73627800
 OWNER_LOCK = 1
 MIGRATION_LOCK = 2
+LEADER_LOCK = 3
+#: First key of the tenants' quota locks (the second is ``hashtext(tenant)``: a collision only makes two tenants'
+#: creates wait for each other).
+TENANT_LOCK_CLASS = 0x73627801
+#: First key of the nodes' cordon locks (the second is ``hashtext(node name)``).
+NODE_LOCK_CLASS = 0x73627802
+#: A create waits this long for its tenant's quota lock, held by another replica's create, before a 503.
+TENANT_LOCK_WAIT_SECS = 60
+#: A replica that does not lead tries to take the leader lock this often (bounds a takeover after the leader's
+#: process ends: its session, and the lock, end with it).
+LEADER_TRY_SECS = 2.0
+#: The leader checks its lock's connection this often.
+LEADER_CHECK_SECS = 2.0
+#: Server-side keepalives of the leader's connection (seconds: idle, interval, count; and the send timeout in ms):
+#: PostgreSQL ends the session of a leader whose machine vanished after about 4 + 2 * 3 = 10 s, so another
+#: replica takes over within ~12 s, under the 15 s the operator is promised.
+LEADER_KEEPALIVES = {"tcp_keepalives_idle": 4, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3,
+                     "tcp_user_timeout": 10000}  # fmt: skip
 #: Connections in the pool: as many as the threads that call the store at once (asyncio's default executor).
 POOL_SIZE = 8
 #: A connection attempt, and the wait for a free (or new) connection of the pool, give up after this long.
 CONNECT_TIMEOUT_SECS = 10
 #: How often the owner lock's connection is checked (``watch_owner``).
 OWNER_CHECK_SECS = 2.0
+#: The channel of the changes' notifications, and the most a payload holds (PostgreSQL's limit is 8000 bytes).
+CHANNEL = "sbx_gateway"
+PAYLOAD_MAX = 7000
+#: The listener waits this long between reconnection attempts after losing its connection.
+LISTEN_RETRY_SECS = 1.0
 #: What a client is told while the database cannot be reached (the log has libpq's reason).
 UNREACHABLE = "the gateway cannot reach its database now; try again shortly"
 
@@ -96,6 +129,8 @@ def _connect_kwargs() -> dict[str, Any]:
 class PostgresStore(Store):
     """A PostgreSQL database holding the gateway's tables (in the connecting role's default schema)."""
 
+    elects = True
+
     def __init__(self, url: str, owner: psycopg.Connection[Any] | None, pool: ConnectionPool) -> None:
         super().__init__()
         self.location = url
@@ -103,11 +138,18 @@ class PostgresStore(Store):
         self._pool = pool
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._listener: threading.Thread | None = None
+        self._leader: threading.Thread | None = None
+        #: Names this store's own notifications (``Change.local``) and its catch-up markers.
+        self.origin = uuid.uuid4().hex
+        self._markers: dict[str, threading.Event] = {}
+        self._markers_lock = threading.Lock()
         self._load()
 
     @classmethod
-    def open(cls, url: str, lock: bool = True) -> PostgresStore:
-        """Connect, take the owner lock (``lock``; ``StateLocked`` while another process has it), migrate."""
+    def open(cls, url: str, lock: bool = True, shared: bool = False) -> PostgresStore:
+        """Connect, take the owner lock (``lock``; ``StateLocked`` while another process holds it in a mode that
+        conflicts: ``shared`` for a serving replica, exclusive for the offline commands), migrate."""
         check_url(url)
         kwargs = _connect_kwargs()
         owner: psycopg.Connection[Any] | None = None
@@ -123,13 +165,12 @@ class PostgresStore(Store):
             # One direct connection first: its error (refused, bad password, no such database) is the one shown.
             owner = psycopg.connect(url, **kwargs)
             if lock:
-                row = owner.execute(
-                    "SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, OWNER_LOCK)
-                ).fetchone()
+                try_lock = "pg_try_advisory_lock_shared" if shared else "pg_try_advisory_lock"
+                row = owner.execute(f"SELECT {try_lock}(%s, %s)", (LOCK_CLASS, OWNER_LOCK)).fetchone()
                 if not row or not row[0]:
                     raise StateLocked(
-                        f"another sandbox-gateway holds the database {url} (one serves it, or an offline command "
-                        "or a migrate runs on it); stop that gateway first, or make the change through the admin "
+                        f"another sandbox-gateway holds the database {url} (replicas serve it, or an offline "
+                        "command or a migrate runs on it); stop that gateway first (every replica), or make the change through the admin "
                         "API while it runs"
                     )
             _migrate(owner, url)
@@ -158,6 +199,9 @@ class PostgresStore(Store):
         self._closed.set()
         if self._watcher is not None:
             self._watcher.join()
+        for thread in (self._listener, self._leader):
+            if thread is not None:
+                thread.join()
         self._pool.close()
         if self._owner is not None:
             self._owner.close()
@@ -197,7 +241,10 @@ class PostgresStore(Store):
             with self._pool.connection() as conn, conn.transaction():
                 if not full:
                     conn.execute("SET LOCAL synchronous_commit TO OFF")
-                return [conn.execute(sql, params).rowcount for sql, params in statements]
+                counts = [conn.execute(sql, params).rowcount for sql, params in statements]
+                for payload in _payloads(self.origin, ops):
+                    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+                return counts
         except (psycopg.OperationalError, PoolTimeout) as exc:
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
@@ -211,6 +258,199 @@ class PostgresStore(Store):
         except (psycopg.OperationalError, PoolTimeout) as exc:
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
+
+    def listen(self, on_changes: Callable[[list[Change]], None]) -> None:
+        """As ``Store.listen``: a thread LISTENing on a connection of its own (see the module's docstring). The
+        first connection is made before this returns (``StateError`` if it cannot be), so nothing committed
+        after it returns is missed; what was committed between the store's loading and then is read again: every
+        table is, whenever a connection starts listening."""
+        try:
+            first = psycopg.connect(self.location, **_connect_kwargs())
+            first.execute(f"LISTEN {CHANNEL}")
+        except psycopg.Error as exc:
+            raise StateError(f"cannot listen to the database {self.location}: {str(exc).strip()}") from exc
+
+        conn: psycopg.Connection[Any] | None = first
+
+        def run() -> None:
+            nonlocal conn
+            while not self._closed.is_set():
+                try:
+                    if conn is None:
+                        conn = psycopg.connect(self.location, **_connect_kwargs())
+                        conn.execute(f"LISTEN {CHANNEL}")
+                        log.info("listening to the database's changes again; reloading every table")
+                    with conn:
+                        on_changes([Change(t, None, self._rows(t)) for t in list(self.mirrors)])
+                        self._listen_on(conn, on_changes)
+                except (psycopg.Error, Unavailable) as exc:
+                    if self._closed.is_set():
+                        return
+                    log.warning("lost the database's change notifications; connecting again",
+                                extra={"error": str(exc).strip() or type(exc).__name__})  # fmt: skip
+                    self._closed.wait(LISTEN_RETRY_SECS)
+                conn = None
+
+        self._listener = threading.Thread(target=run, name="store-listener", daemon=True)
+        self._listener.start()
+
+    def _listen_on(self, conn: psycopg.Connection[Any], on_changes: Callable[[list[Change]], None]) -> None:
+        while not self._closed.is_set():
+            # The first notification (or a timeout, to see close()), then whatever else already arrived: the rows
+            # of one batch are read once each, the newest state of every row named.
+            batch = list(conn.notifies(timeout=0.5, stop_after=1))
+            if not batch:
+                continue
+            batch += list(conn.notifies(timeout=0.001))
+            named: dict[tuple[str, Row | None], bool] = {}
+            markers: list[str] = []
+            for note in batch:
+                body = json.loads(note.payload)
+                if "marker" in body:
+                    markers.append(body["marker"])
+                    continue
+                local = body["origin"] == self.origin
+                if "signal" in body:
+                    named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
+                    continue
+                for table, key in body["rows"]:
+                    entry = (table, tuple(key) if key is not None else None)
+                    named[entry] = named.get(entry, True) and local
+            if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
+                whole = {
+                    t: all(v for (t2, _), v in named.items() if t2 == t) for t, key in named if key is None
+                }
+                named = {(t, k): v for (t, k), v in named.items() if t not in whole}
+                named.update({(t, None): local for t, local in whole.items()})  # local only if all of it was
+            # A table memory does not hold (the notification outbox) is named without its rows.
+            changes = [
+                Change(table, key, self._rows(table, key) if table in self.mirrors else [], local)
+                for (table, key), local in named.items()
+            ]
+            if changes:
+                on_changes(changes)
+            with self._markers_lock:
+                for marker in markers:
+                    event = self._markers.get(marker)
+                    if event is not None:
+                        event.set()
+
+    def _rows(self, table: str, key: Row | None = None) -> list[Row]:
+        """Every row of ``table``, or the one with primary key ``key`` (none when it is gone)."""
+        sql = select_sql(table, TABLES[table].columns)
+        if key is None:
+            return self.select(table, TABLES[table].columns)
+        sql += " WHERE " + " AND ".join(f"{quote(c)} = %s" for c in TABLES[table].key)
+        try:
+            with self._pool.connection() as conn:
+                return conn.execute(sql, key).fetchall()
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise Unavailable(UNREACHABLE) from exc
+
+    def lead(self, on_change: Callable[[bool], None]) -> None:
+        """As ``Store.lead``: a thread holding a connection of its own tries ``pg_try_advisory_lock(LOCK_CLASS,
+        LEADER_LOCK)`` every ``LEADER_TRY_SECS`` until it has it; the session holds it until it ends (the
+        process exits or is killed: at once; its machine vanishes: the keepalives above). Losing that connection
+        while leading calls ``on_change(False)`` once and ends the thread."""
+
+        def run() -> None:
+            while not self._closed.is_set():
+                leading = False
+                try:
+                    with psycopg.connect(self.location, **_connect_kwargs()) as conn:
+                        for name, value in LEADER_KEEPALIVES.items():
+                            conn.execute(f"SET {name} = {int(value)}")
+                        while not self._closed.is_set():
+                            row = conn.execute(
+                                "SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, LEADER_LOCK)
+                            ).fetchone()
+                            if row and row[0]:
+                                break
+                            self._closed.wait(LEADER_TRY_SECS)
+                        if self._closed.is_set():
+                            return
+                        leading = True
+                        on_change(True)
+                        while not self._closed.wait(LEADER_CHECK_SECS):
+                            conn.execute("SELECT 1")
+                        return
+                except psycopg.Error as exc:
+                    if self._closed.is_set():
+                        return
+                    reason = str(exc).strip() or type(exc).__name__
+                    if leading:
+                        on_change(False)
+                        log.error("lost the leader lock's connection", extra={"error": reason})
+                        return
+                    log.warning("cannot run for leader now; trying again", extra={"error": reason})
+                    self._closed.wait(LEADER_TRY_SECS)
+
+        self._leader = threading.Thread(target=run, name="store-leader", daemon=True)
+        self._leader.start()
+
+    def lock_node(self, name: str) -> object:
+        return self.lock_tenant(name, NODE_LOCK_CLASS)
+
+    def lock_tenant(self, tenant: str, lock_class: int = TENANT_LOCK_CLASS) -> object:
+        """As ``Store.lock_tenant``: a session advisory lock on a connection of its own (not the pool's, which
+        a create holding it for seconds would drain), let go of at :meth:`unlock_tenant` or when the
+        session ends (the replica died)."""
+        try:
+            conn = psycopg.connect(self.location, **_connect_kwargs())
+        except psycopg.OperationalError as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        try:
+            conn.execute(f"SET lock_timeout = '{TENANT_LOCK_WAIT_SECS}s'")
+            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (lock_class, tenant))
+        except psycopg.errors.LockNotAvailable:
+            conn.close()
+            raise Unavailable(
+                f"another create of tenant {tenant or 'default'} has held its quota for {TENANT_LOCK_WAIT_SECS} s; "
+                "try again shortly"
+            ) from None
+        except psycopg.Error as exc:
+            conn.close()
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        return conn
+
+    def unlock_tenant(self, handle: object) -> None:
+        assert isinstance(handle, psycopg.Connection)
+        handle.close()  # the session's end lets go of its lock
+
+    @property
+    def shared(self) -> bool:
+        return self._listener is not None
+
+    def signal(self, name: str, args: Sequence[str]) -> None:
+        """As ``Store.signal``: a notification of its own (after every commit made before it)."""
+        payload = json.dumps({"origin": self.origin, "signal": name, "args": list(args)})
+        try:
+            with self._pool.connection() as conn:
+                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+
+    def caught_up(self, timeout_secs: float) -> bool:
+        """As ``Store.caught_up``: a marker notification of its own, sent after every commit made before the
+        call, comes back to the listener after theirs (one channel delivers in commit order)."""
+        if self._listener is None:
+            return True
+        marker = uuid.uuid4().hex
+        event = threading.Event()
+        with self._markers_lock:
+            self._markers[marker] = event
+        try:
+            with self._pool.connection() as conn:
+                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps({"marker": marker})))
+            return event.wait(timeout_secs)
+        except (psycopg.OperationalError, PoolTimeout):
+            return False
+        finally:
+            with self._markers_lock:
+                self._markers.pop(marker, None)
 
     def after_copy(self) -> None:
         """After rows were copied in with their ids: the notification ids go on after the highest copied."""
@@ -241,3 +481,35 @@ def _migrate(conn: psycopg.Connection[Any], url: str) -> None:
         for version in range(current + 1, len(POSTGRES_MIGRATIONS) + 1):
             conn.execute(POSTGRES_MIGRATIONS[version - 1])
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
+
+
+def _key_of(op: Op) -> Row | None:
+    """The primary key of the one row ``op`` changes; None when it is not bounded by one (a whole table then)."""
+    key = TABLES[op.table].key
+    if isinstance(op, Insert | Upsert):
+        return tuple(op.row[c] for c in key) if all(c in op.row for c in key) else None
+    if isinstance(op, Update) and any(c in op.values for c in key):
+        return None
+    if isinstance(op, Delete) and op.below:
+        return None
+    where = op.where
+    return tuple(where[c] for c in key) if all(c in where for c in key) else None
+
+
+def _payloads(origin: str, ops: Sequence[Op]) -> list[str]:
+    """The notifications of a transaction running ``ops``: each names the rows changed, within PAYLOAD_MAX."""
+    rows: list[list[Any]] = []
+    for op in ops:
+        entry = [op.table, _key_of(op)]
+        if entry not in rows:
+            rows.append(entry)
+    payloads: list[str] = []
+    chunk: list[list[Any]] = []
+    for entry in rows:
+        if chunk and len(json.dumps({"origin": origin, "rows": [*chunk, entry]})) > PAYLOAD_MAX:
+            payloads.append(json.dumps({"origin": origin, "rows": chunk}))
+            chunk = []
+        chunk.append(entry)
+    if chunk:
+        payloads.append(json.dumps({"origin": origin, "rows": chunk}))
+    return payloads
