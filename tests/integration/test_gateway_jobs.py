@@ -5,6 +5,7 @@ gateways without --notify-allow-private and with --no-notify."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -285,6 +286,13 @@ def test_the_cli_and_the_sdk(w: World, tmp_path: Path) -> None:
     job_id = ran.stdout.split()[1]
     assert "succeeded" in ran.stdout
     assert cli("jobs", "output", job_id).stdout == "1 10\n"
+    agents = cli("jobs", "agents")
+    assert agents.returncode == 0, agents
+    assert [line.split() for line in agents.stdout.splitlines()] == [
+        ["NAME", "IMAGE", "PROGRAM", "SECRETS", "ENV"],
+        ["shouter", "python3", "AGENT_KEY"],
+    ]
+    assert [a["name"] for a in json.loads(cli("--json", "jobs", "agents").stdout)["agents"]] == ["shouter"]
     failing = cli("jobs", "run", "--wait", "--", "false")
     assert failing.returncode == 1 and "exit code 1" in failing.stdout
     spec = tmp_path / "api.toml"

@@ -5,6 +5,7 @@ sandbox-cli services list | get web | scale web 3 | delete web
 sandbox-cli jobs run --retries 1 --keep /sandbox/home/report.txt --wait -- make test
 sandbox-cli jobs agent claude-code --prompt-file task.md --wait
 sandbox-cli jobs list | get ID | cancel ID | output ID [N] | file ID N PATH
+sandbox-cli jobs agents                     # the agents `jobs agent NAME` can run
 printf %s "$TOKEN" | sandbox-cli secrets set API_TOKEN   # the value from stdin, never the command line
 sandbox-cli secrets list | delete API_TOKEN
 """
@@ -252,6 +253,22 @@ def jobs_list(opts: Options) -> None:
     rows = [[j.id, cell(j.spec.name or None), cell(j.agent or None), j.state, j.created_at, cell(j.error)]
             for j in listed]  # fmt: skip
     print_table(["id", "name", "agent", "state", "created", "error"], rows)
+
+
+@jobs.command("agents")
+@pass_options
+def jobs_agents(opts: Options) -> None:
+    """The agents the gateway defines (its --agents-file): what `jobs agent NAME` can run.
+
+    The names of their secrets and environment variables are shown, never a value."""
+    listed = call(opts, lambda c: c.jobs.agents())
+    if opts.as_json:
+        print_json({"agents": listed})
+        return
+    # The program alone: an agent's argv often holds a whole script (the full argv is in --json).
+    rows = [[a.name, cell(a.image or None), a.argv[0] if a.argv else "", cell(a.secrets or None),
+             cell(a.env_names or None)] for a in listed]  # fmt: skip
+    print_table(["name", "image", "program", "secrets", "env"], rows)
 
 
 @jobs.command("get")
