@@ -133,18 +133,17 @@ class Store(ABC):
         one process: it leads at once, on the caller's thread."""
         on_change(True)
 
-    def lock_tenant(self, tenant: str) -> object:
-        """Take the tenant's quota lock, shared by every replica, waiting for it (a create's quota check, node
-        call and record run under it); a handle for :meth:`unlock_tenant`. One process (SQLite): its own
-        in-process lock is enough, nothing to take."""
+    def lock(self, names: Sequence[tuple[str, str]]) -> object:
+        """Take the locks shared by every replica named by ``names`` — (kind, name) pairs, kind ``tenant`` (a
+        create's quota check, node call and record run under it), ``node`` (a node's cordon, set by one replica
+        and restored by another's poll) or ``name`` (a name's check and its create) — waiting for them; a handle
+        for :meth:`unlock`. All of them are held together on one database connection from a small pool, so a
+        replica holds a bounded number however many creates wait (docs/ha.md). One process (SQLite): its own
+        in-process locks are enough, nothing to take."""
         return None
 
-    def lock_node(self, name: str) -> object:
-        """As :meth:`lock_tenant`, for a node's cordon (set by one replica, restored by another's poll)."""
-        return None
-
-    def unlock_tenant(self, handle: object) -> None:
-        """Let go of a lock :meth:`lock_tenant` took."""
+    def unlock(self, handle: object) -> None:
+        """Let go of the locks :meth:`lock` took."""
 
     @property
     def shared(self) -> bool:
