@@ -15,6 +15,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -52,6 +53,8 @@ DEFAULT_MAX_ORGS_PER_USER = 10
 CATCH_UP_SECS = 2.0
 #: Tables whose change by another replica may take access away (its follow-up: ``access_changed``).
 ACCESS_TABLES = frozenset({"keys", "members", "orgs", "ssh_keys"})
+#: Threads that may wait at once for the replicas' shared locks (beyond them, waiters queue).
+LOCK_THREADS = 32
 
 
 @dataclass
@@ -100,6 +103,9 @@ class Gateway:
         self.tenant_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         #: Volume creates one at a time: their names are one name space across every node.
         self.volume_lock = asyncio.Lock()
+        #: Threads waiting for the store's shared locks (seconds, while another replica holds one), apart from
+        #: asyncio's default executor, which the store's writes need meanwhile (6 threads on 2 cores).
+        self._lock_threads = ThreadPoolExecutor(max_workers=LOCK_THREADS, thread_name_prefix="store-lock")
         #: ``reservation``'s in-process locks, by name, with how many hold or wait for each.
         self._reserving: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -203,6 +209,7 @@ class Gateway:
             except asyncio.CancelledError:
                 pass
         await self.registry.close()
+        self._lock_threads.shutdown(wait=False, cancel_futures=True)
 
     # -- other replicas' writes -----------------------------------------------------------------
 
@@ -263,7 +270,8 @@ class Gateway:
         if not self.store.shared or not names:
             yield
             return
-        taking = asyncio.ensure_future(asyncio.to_thread(self.store.lock, names))
+        loop = asyncio.get_running_loop()
+        taking = asyncio.ensure_future(loop.run_in_executor(self._lock_threads, self.store.lock, names))
         try:
             handle = await asyncio.shield(taking)
         except asyncio.CancelledError:
@@ -275,7 +283,7 @@ class Gateway:
         try:
             yield
         finally:
-            await asyncio.to_thread(self.store.unlock, handle)
+            await loop.run_in_executor(self._lock_threads, self.store.unlock, handle)
 
     async def _cordon_still_wanted(self, name: str) -> bool:
         await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock

@@ -62,9 +62,9 @@ LOCK_KINDS = {"tenant": TENANT_LOCK_CLASS, "node": NODE_LOCK_CLASS, "name": NAME
 LOCK_WAIT_SECS = 60
 #: Connections of the lock pool: the most locks' holders a replica has at once (one connection each, however
 #: many locks it holds); more wait for one of them.
-LOCK_POOL_SIZE = 4
+LOCK_POOL_SIZE = 8
 #: How long a holder-to-be waits for a free lock connection before a 503.
-LOCK_POOL_WAIT_SECS = 10
+LOCK_POOL_WAIT_SECS = 30
 #: A replica that does not lead tries to take the leader lock this often (bounds a takeover after the leader's
 #: process ends: its session, and the lock, end with it).
 LEADER_TRY_SECS = 2.0
