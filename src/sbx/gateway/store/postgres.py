@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -455,6 +456,30 @@ class PostgresStore(Store):
         """After a wait for a lock connection timed out: whether the database answers (the pool's connections
         were all busy) or not (none could be made)."""
         return self._locks.get_stats().get("pool_size", 0) >= LOCK_POOL_SIZE
+
+    def claim_notifications(self, owner: str, lease_secs: float) -> list[Row]:
+        """As ``Store.claim_notifications``: in one transaction, the due rows no other worker holds a lease on are
+        locked (``FOR UPDATE SKIP LOCKED``: two workers claiming at once never get one row both) and leased to
+        ``owner`` until the database's clock says ``lease_secs`` more."""
+        columns = ", ".join(quote(c) for c in self.OUTBOX_COLUMNS)
+        sql = f"""
+            UPDATE notifications SET lease_owner = %(owner)s,
+                lease_until = EXTRACT(EPOCH FROM clock_timestamp()) + %(lease)s
+            WHERE id IN (
+                SELECT id FROM notifications
+                WHERE id IN (SELECT MIN(id) FROM notifications GROUP BY job) AND next_try <= %(now)s
+                    AND (lease_until IS NULL OR lease_until < EXTRACT(EPOCH FROM clock_timestamp()))
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING {columns}
+        """
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                rows = conn.execute(sql, {"owner": owner, "lease": lease_secs, "now": time.time()}).fetchall()
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        return sorted(rows, key=lambda r: r[5])
 
     @property
     def shared(self) -> bool:
