@@ -11,6 +11,12 @@ followed. ``--no-notify`` refuses any ``notify`` (501): the gateway then never p
 Delivery: from an outbox in the state file, written in the same transaction as the state change it reports, so a
 gateway restart loses none; a job's notifications are delivered one after the other, in order. A 2xx answer delivers; a refused address, a 4xx other than 408 and 429, or
 :data:`GIVE_UP_SECS` of failures gives up (logged, counted); anything else is tried again after 1, 2, 4 ... 60 s.
+
+Each delivery is a claim of its row (``Store.claim_notifications``), ended in one transaction with the row
+deleted or its next try written (``Store.end_claim``). On PostgreSQL a claim is a lease of :data:`LEASE_SECS`
+(``FOR UPDATE SKIP LOCKED``; docs/ha.md): a POST ends before its lease, so across a leadership takeover a row is
+posted by one worker at a time; a worker dying after the receiver got its POST and before its end has the row
+posted again once its lease ends (at-least-once in that one case).
 """
 
 from __future__ import annotations
