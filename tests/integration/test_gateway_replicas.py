@@ -25,6 +25,8 @@ from sandboxd_harness import Sandboxd, free_port
 from ws_attach import WsAttach
 
 from sbx.api import frames
+from sbx.gateway.server import Gateway
+from sbx.gateway.store.postgres import LOCK_POOL_SIZE, LOCK_POOL_WAIT_SECS, NAME_LOCK_CLASS
 
 ALL = ("sandbox:read", "sandbox:create", "sandbox:delete")
 #: The spec's bound for a revocation to end what the key holds open, on every replica.
@@ -32,8 +34,8 @@ REVOCATION_BOUND_SECS = 2.0
 
 
 class Pair:
-    def __init__(self, a: GatewayProcess, b: GatewayProcess, node: Sandboxd, admin: str) -> None:
-        self.a, self.b, self.node, self.admin = a, b, node, admin
+    def __init__(self, a: GatewayProcess, b: GatewayProcess, node: Sandboxd, admin: str, url: str) -> None:
+        self.a, self.b, self.node, self.admin, self.url = a, b, node, admin, url
 
     def base(self, gw: GatewayProcess) -> str:
         return f"http://127.0.0.1:{gw.port}"
@@ -68,7 +70,7 @@ def pair(pg_cluster: PgCluster) -> Iterator[Pair]:
     try:
         a.start()
         b.start()
-        yield Pair(a, b, node, admin)
+        yield Pair(a, b, node, admin, url)
     finally:
         a.stop()
         b.stop()
@@ -482,3 +484,58 @@ def test_one_name_created_on_both_replicas_at_once_is_made_once(pair: Pair) -> N
         assert [o["name"] for o in orgs].count(org) == 1
     for gw in (a, b):
         wait_for(lambda g=gw: g.request("GET", "/v1/sandboxes", key=sam).json()["sandboxes"] == [], 60)
+
+
+def test_creates_beyond_the_lock_connections_are_a_503_that_makes_nothing(
+    pair: Pair, pg_cluster: PgCluster
+) -> None:
+    """A replica holds at most LOCK_POOL_SIZE lock connections: with that many of its named creates waiting for
+    their names' locks (held here, as another replica stuck on a node would), one more waits for a connection and
+    is answered 503 with the message, having reached no node; the waiting ones go on once the locks are free."""
+    a = pair.a
+    fired = LOCK_POOL_SIZE + 1
+    users = [f"lk{i}" for i in range(fired)]
+    keys = {u: pair.new_key(a, u, *ALL, tenant="lockco")["secret"] for u in users}
+    dbname = pair.url.split("/")[3].split("?")[0]
+    holder = pg_cluster.connect(dbname)
+    for u in users:
+        holder.execute(
+            "SELECT pg_advisory_lock(%s, hashtext(%s))",
+            (NAME_LOCK_CLASS, Gateway.name_lock("sandbox", u, "lockco")[1]),
+        )
+    answers: dict[str, Any] = {}
+
+    def fire(user: str) -> None:
+        answers[user] = a.request(
+            "POST", "/v1/sandboxes", {"name": "locked", "memory_mb": 128}, key=keys[user]
+        )
+
+    threads = [threading.Thread(target=fire, args=(u,)) for u in users]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: answers or None, 120)  # the one left without a connection, after its 30 s wait
+        [(late, refused)] = answers.items()
+        assert (refused.status, refused.error) == (503, ("unavailable", (
+            f"this gateway replica has all its {LOCK_POOL_SIZE} database lock connections in use (creates under a "
+            "quota or naming a sandbox, service, volume, organisation, node or SSH key, and cordons) for "
+            f"{LOCK_POOL_WAIT_SECS} s; try again shortly"
+        ))), refused.body  # fmt: skip
+    finally:
+        holder.close()  # the others' locks free: they go on
+        for t in threads:
+            t.join(180)
+    listing = pair.node.request("GET", "/v1/sandboxes").json()["sandboxes"]
+    ours = [
+        s
+        for s in listing
+        if s.get("labels", {}).get("gateway.tenant") == "lockco" and s["state"] != "terminated"
+    ]
+    assert late not in [s["labels"].get("gateway.owner") for s in ours]  # nothing made for the refused one
+    made = [(u, r.json()["id"]) for u, r in answers.items() if r.status == 201]
+    assert sorted(s["id"] for s in ours) == sorted(i for _, i in made)
+    assert all(r.status in (201, 503) for r in answers.values()), [
+        (r.status, r.body) for r in answers.values()
+    ]
+    for user, sandbox_id in made:
+        assert a.request("DELETE", f"/v1/sandboxes/{sandbox_id}", key=keys[user]).status in (200, 202, 204)
