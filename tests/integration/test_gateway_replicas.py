@@ -25,6 +25,8 @@ from sandboxd_harness import Sandboxd, free_port
 from ws_attach import WsAttach
 
 from sbx.api import frames
+from sbx.gateway.server import Gateway
+from sbx.gateway.store.postgres import LOCK_POOL_SIZE, LOCK_POOL_WAIT_SECS, NAME_LOCK_CLASS
 
 ALL = ("sandbox:read", "sandbox:create", "sandbox:delete")
 #: The spec's bound for a revocation to end what the key holds open, on every replica.
@@ -32,8 +34,8 @@ REVOCATION_BOUND_SECS = 2.0
 
 
 class Pair:
-    def __init__(self, a: GatewayProcess, b: GatewayProcess, node: Sandboxd, admin: str) -> None:
-        self.a, self.b, self.node, self.admin = a, b, node, admin
+    def __init__(self, a: GatewayProcess, b: GatewayProcess, node: Sandboxd, admin: str, url: str) -> None:
+        self.a, self.b, self.node, self.admin, self.url = a, b, node, admin, url
 
     def base(self, gw: GatewayProcess) -> str:
         return f"http://127.0.0.1:{gw.port}"
@@ -68,7 +70,7 @@ def pair(pg_cluster: PgCluster) -> Iterator[Pair]:
     try:
         a.start()
         b.start()
-        yield Pair(a, b, node, admin)
+        yield Pair(a, b, node, admin, url)
     finally:
         a.stop()
         b.stop()
@@ -374,3 +376,166 @@ def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigki
     assert follower.request("DELETE", "/v1/services/web", key=alice).status == 204
     wait_for(lambda: service_sandboxes(pair) == [], 60)
     assert LEADS not in leader.log_text().split("sandbox-gateway serving")[-1]
+
+
+def fire_pair(pair: Pair, requests: list[tuple[GatewayProcess, str, str, Any, str]]) -> list[Any]:
+    """The requests (replica, method, path, body, key) sent at once; their answers in the same order."""
+    barrier = threading.Barrier(len(requests))
+    answers: list[Any] = [None] * len(requests)
+
+    def fire(i: int) -> None:
+        gw, method, path, body, key = requests[i]
+        barrier.wait()
+        answers[i] = gw.request(method, path, body, key=key)
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return answers
+
+
+def one_made_one_conflict(answers: list[Any], message: str) -> Any:
+    """Exactly one answer 201, the other today's 409 ``conflict`` with ``message``; the 201."""
+    statuses = sorted(r.status for r in answers)
+    assert statuses == [201, 409], [(r.status, r.body) for r in answers]
+    [refused] = [r for r in answers if r.status == 409]
+    assert refused.error == ("conflict", message), refused.body
+    [made] = [r for r in answers if r.status == 201]
+    return made
+
+
+#: Rounds of each race: without the names' shared lock both creates pass in most rounds (seen: every one of
+#: the first three for sandboxes and services).
+NAME_ROUNDS = 3
+
+
+def test_one_name_created_on_both_replicas_at_once_is_made_once(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    sam = pair.new_key(a, "sam", *ALL, "org:create", tenant="nameco")["secret"]
+    other = pair.new_key(a, "tess", *ALL, "org:create", tenant="nameco")["secret"]
+    wait_for(lambda: b.request("GET", "/v1/whoami", key=other).status == 200, 10)
+
+    def live(name: str) -> list[str]:
+        listing = pair.node.request("GET", "/v1/sandboxes").json()["sandboxes"]
+        return [
+            s["id"] for s in listing
+            if s.get("name") == name and s["state"] != "terminated"
+            and s.get("labels", {}).get("gateway.tenant") == "nameco"
+        ]  # fmt: skip
+
+    for n in range(NAME_ROUNDS):
+        # A sandbox name of one user: one made (on the node too: nothing orphaned), the other today's 409.
+        name = f"race-{n}"
+        answers = fire_pair(pair, [(gw, "POST", "/v1/sandboxes", {"name": name}, sam) for gw in (a, b)])
+        made = one_made_one_conflict(
+            answers, f"you already have a live sandbox named {name!r}: pick another name or delete it"
+        )
+        assert live(name) == [made.json()["id"]]
+        # A rename racing a create of the same name: one of them has it.
+        first = a.create(sam, name=f"first-{n}")
+        answers = fire_pair(pair, [
+            (a, "PATCH", f"/v1/sandboxes/{first['id']}", {"name": f"renamed-{n}"}, sam),
+            (b, "POST", "/v1/sandboxes", {"name": f"renamed-{n}"}, sam),
+        ])  # fmt: skip
+        assert sorted(r.status for r in answers) in ([200, 409], [201, 409]), [
+            (r.status, r.body) for r in answers
+        ]
+        assert len(live(f"renamed-{n}")) == 1
+        for sandbox_id in live(name) + live(f"renamed-{n}") + live(f"first-{n}"):
+            assert a.request("DELETE", f"/v1/sandboxes/{sandbox_id}", key=sam).status in (200, 202, 204)
+
+        # A service name of one tenant (two users of it).
+        svc = f"web-{n}"
+        spec = {"name": svc, "command": SERVE, "port": 8080, "replicas": 0}
+        answers = fire_pair(
+            pair, [(a, "POST", "/v1/services", spec, sam), (b, "POST", "/v1/services", spec, other)]
+        )
+        made = one_made_one_conflict(
+            answers, f"this tenant already has a service named {svc!r}: pick another name or PUT it"
+        )
+        owner = sam if made is answers[0] else other
+        for gw in (a, b):
+            listed = gw.request("GET", "/v1/services", key=owner).json()["services"]
+            assert [s["spec"]["name"] for s in listed].count(svc) == 1
+        assert a.request("DELETE", f"/v1/services/{svc}", key=owner).status in (200, 202, 204)
+
+        # A volume name (one name space across the gateway): one on the node.
+        vol = f"vol-{n}"
+        answers = fire_pair(pair, [(gw, "POST", "/v1/volumes", {"name": vol, "size_mb": 16}, k)
+                                   for gw, k in ((a, sam), (b, other))])  # fmt: skip
+        made = one_made_one_conflict(
+            answers, f"a volume named {vol!r} exists: volume names are shared across the gateway"
+        )
+        owner = sam if made is answers[0] else other
+        volumes = pair.node.request("GET", "/v1/volumes").json()["volumes"]
+        assert [v["name"] for v in volumes].count(vol) == 1
+        assert a.request("DELETE", f"/v1/volumes/{vol}", key=owner).status in (200, 202, 204)
+
+        # An organisation's name.
+        org = f"org-{n}"
+        answers = fire_pair(pair, [(a, "POST", "/v1/orgs", {"name": org}, sam),
+                                   (b, "POST", "/v1/orgs", {"name": org}, other)])  # fmt: skip
+        one_made_one_conflict(
+            answers, f"{org!r} is already an organisation or a tenant in use: pick another name"
+        )
+        orgs = a.request("GET", "/v1/admin/orgs", key=pair.admin).json()["orgs"]
+        assert [o["name"] for o in orgs].count(org) == 1
+    for gw in (a, b):
+        wait_for(lambda g=gw: g.request("GET", "/v1/sandboxes", key=sam).json()["sandboxes"] == [], 60)
+
+
+def test_creates_beyond_the_lock_connections_are_a_503_that_makes_nothing(
+    pair: Pair, pg_cluster: PgCluster
+) -> None:
+    """A replica holds at most LOCK_POOL_SIZE lock connections: with that many of its named creates waiting for
+    their names' locks (held here, as another replica stuck on a node would), one more waits for a connection and
+    is answered 503 with the message, having reached no node; the waiting ones go on once the locks are free."""
+    a = pair.a
+    fired = LOCK_POOL_SIZE + 1
+    users = [f"lk{i}" for i in range(fired)]
+    keys = {u: pair.new_key(a, u, *ALL, tenant="lockco")["secret"] for u in users}
+    dbname = pair.url.split("/")[3].split("?")[0]
+    holder = pg_cluster.connect(dbname)
+    for u in users:
+        holder.execute(
+            "SELECT pg_advisory_lock(%s, hashtext(%s))",
+            (NAME_LOCK_CLASS, Gateway.name_lock("sandbox", u, "lockco")[1]),
+        )
+    answers: dict[str, Any] = {}
+
+    def fire(user: str) -> None:
+        answers[user] = a.request(
+            "POST", "/v1/sandboxes", {"name": "locked", "memory_mb": 128}, key=keys[user]
+        )
+
+    threads = [threading.Thread(target=fire, args=(u,)) for u in users]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: answers or None, 120)  # the one left without a connection, after its 30 s wait
+        [(late, refused)] = answers.items()
+        assert (refused.status, refused.error) == (503, ("unavailable", (
+            f"this gateway replica has all its {LOCK_POOL_SIZE} database lock connections in use (creates under a "
+            "quota or naming a sandbox, service, volume, organisation, node or SSH key, and cordons) for "
+            f"{LOCK_POOL_WAIT_SECS} s; try again shortly"
+        ))), refused.body  # fmt: skip
+    finally:
+        holder.close()  # the others' locks free: they go on
+        for t in threads:
+            t.join(180)
+    listing = pair.node.request("GET", "/v1/sandboxes").json()["sandboxes"]
+    ours = [
+        s
+        for s in listing
+        if s.get("labels", {}).get("gateway.tenant") == "lockco" and s["state"] != "terminated"
+    ]
+    assert late not in [s["labels"].get("gateway.owner") for s in ours]  # nothing made for the refused one
+    made = [(u, r.json()["id"]) for u, r in answers.items() if r.status == 201]
+    assert sorted(s["id"] for s in ours) == sorted(i for _, i in made)
+    assert all(r.status in (201, 503) for r in answers.values()), [
+        (r.status, r.body) for r in answers.values()
+    ]
+    for user, sandbox_id in made:
+        assert a.request("DELETE", f"/v1/sandboxes/{sandbox_id}", key=keys[user]).status in (200, 202, 204)

@@ -91,6 +91,12 @@ class OrgRoutes:
         problem = keys.org_name_problem(name)
         if problem is not None:
             raise InvalidRequest(f"organisation name {problem}")
+        # The name's check and the org's write under its lock shared by the replicas (names differing in case
+        # only are one name).
+        async with self.gw.reservation(self.gw.name_lock("org", name.lower())):
+            return await self._create(request, principal, name)
+
+    async def _create(self, request: web.Request, principal: auth.Principal, name: str) -> web.Response:
         store = self.store
         gw = self.gw
         if any(o.lower() == name.lower() for o in store.orgs) or tenant_in_use(gw, name):

@@ -188,8 +188,11 @@ class Sandboxes:
         user_lock = gw.user_locks[(principal.user, principal.tenant)] if name else None
         quota = gw.store.quotas.get(principal.tenant) is not None
         tenant_lock = gw.tenant_locks[principal.tenant] if quota else None
-        reservation = gw.quota_reservation(principal.tenant) if quota else contextlib.nullcontext()
-        async with _holding(user_lock), _holding(tenant_lock), reservation:
+        # With replicas, the same two locks shared by all of them (on one connection), then caught up: the name
+        # and the quota are checked against every record any replica made.
+        shared = [gw.name_lock("sandbox", principal.user, principal.tenant)] if name else []
+        shared += [("tenant", principal.tenant)] if quota else []
+        async with _holding(user_lock), _holding(tenant_lock), gw.reservation(*shared):
             if name is not None and self.name_taken(principal, name):
                 raise Conflict(
                     f"you already have a live sandbox named {name!r}: pick another name or delete it"

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -52,6 +53,8 @@ DEFAULT_MAX_ORGS_PER_USER = 10
 CATCH_UP_SECS = 2.0
 #: Tables whose change by another replica may take access away (its follow-up: ``access_changed``).
 ACCESS_TABLES = frozenset({"keys", "members", "orgs", "ssh_keys"})
+#: Threads that may wait at once for the replicas' shared locks (beyond them, waiters queue).
+LOCK_THREADS = 32
 
 
 @dataclass
@@ -100,6 +103,11 @@ class Gateway:
         self.tenant_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         #: Volume creates one at a time: their names are one name space across every node.
         self.volume_lock = asyncio.Lock()
+        #: Threads waiting for the store's shared locks (seconds, while another replica holds one), apart from
+        #: asyncio's default executor, which the store's writes need meanwhile (6 threads on 2 cores).
+        self._lock_threads = ThreadPoolExecutor(max_workers=LOCK_THREADS, thread_name_prefix="store-lock")
+        #: ``reservation``'s in-process locks, by name, with how many hold or wait for each.
+        self._reserving: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         #: Whether this replica runs the work done once (sweeps, services' and jobs' controllers, notifications):
         #: always with SQLite; with PostgreSQL the one holding the leader lock (``lead``).
@@ -128,7 +136,7 @@ class Gateway:
             )
         self.jobs = JobController(self, options.jobs)
         registry.wanted_cordon = self.wanted_cordon
-        registry.cordon_guard = lambda name: self.shared_lock(self.store.lock_node, name)
+        registry.cordon_guard = lambda name: self.shared_lock(("node", name))
         registry.still_wanted = self._cordon_still_wanted
         registry.on_answering_again.append(self._answering_again)
 
@@ -201,6 +209,7 @@ class Gateway:
             except asyncio.CancelledError:
                 pass
         await self.registry.close()
+        self._lock_threads.shutdown(wait=False, cancel_futures=True)
 
     # -- other replicas' writes -----------------------------------------------------------------
 
@@ -255,37 +264,68 @@ class Gateway:
                 await self.registry.remove(name)
 
     @contextlib.asynccontextmanager
-    async def shared_lock(self, take: Callable[[str], object], name: str) -> AsyncIterator[None]:
-        """``take(name)`` (a store lock shared by the replicas) held for the block; nothing with one process."""
-        if not self.store.shared:
+    async def shared_lock(self, *names: tuple[str, str]) -> AsyncIterator[None]:
+        """The store's locks shared by the replicas (``Store.lock``: ``(kind, name)`` pairs) held for the block;
+        nothing with one process."""
+        if not self.store.shared or not names:
             yield
             return
-        taking = asyncio.ensure_future(asyncio.to_thread(take, name))
+        loop = asyncio.get_running_loop()
+        taking = asyncio.ensure_future(loop.run_in_executor(self._lock_threads, self.store.lock, names))
         try:
             handle = await asyncio.shield(taking)
         except asyncio.CancelledError:
-            # The thread takes the lock all the same: let go of it once it has.
+            # The thread takes the locks all the same: let go of them once it has.
             taking.add_done_callback(
-                lambda t: None if t.cancelled() or t.exception() else self.store.unlock_tenant(t.result())
+                lambda t: None if t.cancelled() or t.exception() else self.store.unlock(t.result())
             )
             raise
         try:
             yield
         finally:
-            await asyncio.to_thread(self.store.unlock_tenant, handle)
+            await loop.run_in_executor(self._lock_threads, self.store.unlock, handle)
 
     async def _cordon_still_wanted(self, name: str) -> bool:
         await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock
         return self.wanted_cordon(name)
 
     @contextlib.asynccontextmanager
-    async def quota_reservation(self, tenant: str) -> AsyncIterator[None]:
-        """Held around a create's quota check, node call and record, for a tenant with a quota: with replicas, the
-        tenant's lock shared by all of them, then every record committed before it caught up with, so the check
-        counts every sandbox any replica made (docs/ha.md). One process: nothing beyond its in-process lock."""
-        async with self.shared_lock(self.store.lock_tenant, tenant):
-            await self.caught_up()
+    async def reservation(self, *names: tuple[str, str]) -> AsyncIterator[None]:
+        """Held around a check and the create it allows — a tenant's quota (``("tenant", tenant)``), a name
+        unique in its scope (``("name", "KIND...")``): with replicas, those locks shared by all of them,
+        then every record committed before them caught up with, so the check sees what any replica made
+        (docs/ha.md). In-process locks of the same names come first, so one process's own creates wait here
+        and not for a lock connection."""
+        async with contextlib.AsyncExitStack() as held:
+            for name in sorted(set(names)):  # one order everywhere: two reservations never wait on each other
+                await held.enter_async_context(self._local_lock(name))
+            await held.enter_async_context(self.shared_lock(*names))
+            if self.store.shared and names:
+                await self.caught_up()
             yield
+
+    @contextlib.asynccontextmanager
+    async def _local_lock(self, name: tuple[str, str]) -> AsyncIterator[None]:
+        """This process's lock of ``name``, kept only while someone holds or waits for it."""
+        entry = self._reserving.get(name)
+        if entry is None:
+            entry = self._reserving[name] = (asyncio.Lock(), [0])
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._reserving[name]
+
+    @staticmethod
+    def name_lock(kind: str, *scope: str) -> tuple[str, str]:
+        """The lock (for :meth:`reservation`) of a name unique in its scope: ``kind`` (``sandbox``, ``service``,
+        ``volume``, ``org``, ``node``, ``ssh-key``) and what makes it unique there (a user's sandbox names: user
+        and tenant; a service: tenant and name; a volume: its name)."""
+        return ("name", "\x1f".join((kind, *scope)))  # a byte no name holds
 
     async def fresh(self, lookup: Callable[[], T]) -> T:
         """``lookup()``; a ``NotFound`` from it on a store shared with other replicas first waits for the changes

@@ -11,6 +11,12 @@ followed. ``--no-notify`` refuses any ``notify`` (501): the gateway then never p
 Delivery: from an outbox in the state file, written in the same transaction as the state change it reports, so a
 gateway restart loses none; a job's notifications are delivered one after the other, in order. A 2xx answer delivers; a refused address, a 4xx other than 408 and 429, or
 :data:`GIVE_UP_SECS` of failures gives up (logged, counted); anything else is tried again after 1, 2, 4 ... 60 s.
+
+Each delivery is a claim of its row (``Store.claim_notifications``), ended in one transaction with the row
+deleted or its next try written (``Store.end_claim``). On PostgreSQL a claim is a lease of :data:`LEASE_SECS`
+(``FOR UPDATE SKIP LOCKED``; docs/ha.md): a POST ends before its lease, so across a leadership takeover a row is
+posted by one worker at a time; a worker dying after the receiver got its POST and before its end has the row
+posted again once its lease ends (at-least-once in that one case).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import contextlib
 import ipaddress
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -30,7 +37,7 @@ import msgspec
 
 from sbx.api.errors import InvalidRequest, Unsupported
 from sbx.api.jobs import JobNotification
-from sbx.gateway.store import Delete, Insert, Store, Update
+from sbx.gateway.store import Insert, Store
 from sbx.net.dial_guard import AddressRefused, DialGuard, is_loopback_address, refusal_behind
 from sbx.net.loopback import is_loopback
 from sbx.net.ranges import Address, HostAddresses
@@ -51,6 +58,11 @@ MAX_RETRY_SECS: Final = 60.0
 STORE_RETRY_SECS: Final = 5.0
 #: Notifications posted at once.
 CONCURRENT_POSTS: Final = 8
+#: How long a claim of an outbox row lasts (on PostgreSQL: a lease written on the row; docs/ha.md): another worker
+#: (the next leader) claims a row not ended by then. Longer than a POST plus the write ending the claim.
+LEASE_SECS = 60.0
+#: A POST ends this long before its lease at the latest, leaving the time to write its end.
+LEASE_MARGIN_SECS = 15.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,8 @@ class Notifier:
         self._task: asyncio.Task[None] | None = None
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
         self._slots = asyncio.Semaphore(CONCURRENT_POSTS)
+        #: Names this worker's claims (the outbox's lease owner).
+        self.owner = uuid.uuid4().hex
 
     def statement(self, job: str, url: str, note: JobNotification) -> Insert:
         """The outbox row of ``note`` (written by the caller in the transaction of the change it reports)."""
@@ -190,54 +204,55 @@ class Notifier:
     async def _round(self) -> None:
         """Deliver what is due, or wait until something is (or ``wake``)."""
         self._wake.clear()
-        rows = await asyncio.to_thread(
-            self.store.query,
-            "notifications",
-            ("id", "url", "body", "attempts", "first_try", "next_try", "job"),
-            "id",
-        )
-        # A job's notifications go in the order they were written: only its oldest is up for delivery.
-        heads: dict[str, tuple[Any, ...]] = {}
-        for row in rows:
-            heads.setdefault(row[6], row[:6])
-        rows = sorted(heads.values(), key=lambda r: r[5])
-        now = time.time()
-        due = [r for r in rows if r[5] <= now]
+        due = await asyncio.to_thread(self.store.claim_notifications, self.owner, LEASE_SECS)
         if due:
-            await asyncio.gather(*(self._deliver(*row) for row in due))
+            await asyncio.gather(*(self._deliver(*row[:6]) for row in due))
             return
-        wait = rows[0][5] - now if rows else None
+        when = await asyncio.to_thread(self.store.next_notification)
+        wait = max(when - time.time(), 0.05) if when is not None else None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait):
                 await self._wake.wait()
 
     async def _deliver(self, row_id: int, url: str, body: str, attempts: int, first_try: float,
                        next_try: float) -> None:  # fmt: skip
+        claimed = time.monotonic()
         async with self._slots:
-            outcome = await self._post(url, body.encode())
+            # The POST ends before the lease does (with a margin for the write ending the claim), so no other
+            # worker can claim the row while this one may still deliver it.
+            left = LEASE_SECS - LEASE_MARGIN_SECS - (time.monotonic() - claimed)
+            if left <= 0:
+                return  # waited too long for a slot: the row goes back once the lease ends
+            outcome = await self._post(url, body.encode(), min(POST_TIMEOUT_SECS, left))
         if outcome is None:
             self._count("delivered")
-            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
+            await self._end(row_id, None)
             return
         final, why = outcome
         if final or time.time() - first_try > GIVE_UP_SECS:
             log.warning("job notification given up", extra={"url_host": urlsplit(url).hostname, "error": why,
                                                              "attempts": attempts + 1})  # fmt: skip
             self._count("failed")
-            await self.gw.write(self.store.execute, [Delete("notifications", {"id": row_id})])
+            await self._end(row_id, None)
             return
         delay = min(FIRST_RETRY_SECS * 2**attempts, MAX_RETRY_SECS)
-        await self.gw.write(self.store.execute, [Update(
-            "notifications", {"attempts": attempts + 1, "next_try": time.time() + delay}, {"id": row_id}
-        )])  # fmt: skip
+        await self._end(row_id, (attempts + 1, time.time() + delay))
 
-    async def _post(self, url: str, body: bytes) -> tuple[bool, str] | None:
-        """None when delivered; else (whether to give up now, why)."""
+    async def _end(self, row_id: int, retry: tuple[int, float] | None) -> None:
+        """End this worker's claim of the row (delivered or given up: deleted; else its next try)."""
+        if not await self.gw.write(self.store.end_claim, row_id, self.owner, retry):
+            log.warning("job notification: its lease had ended and another worker took it; it may be sent "
+                        "twice", extra={"notification": row_id})  # fmt: skip
+
+    async def _post(
+        self, url: str, body: bytes, timeout_secs: float = POST_TIMEOUT_SECS
+    ) -> tuple[bool, str] | None:
+        """None when delivered; else (whether to give up now, why). ``timeout_secs``: the whole POST's bound."""
         session = self._session(url.startswith("http://"))
         try:
             async with session.post(
                 url, data=body, headers={"Content-Type": "application/json", "User-Agent": "sbx-gateway"},
-                allow_redirects=False,
+                allow_redirects=False, timeout=aiohttp.ClientTimeout(total=timeout_secs),
             ) as resp:  # fmt: skip
                 await resp.read()
                 if 200 <= resp.status < 300:

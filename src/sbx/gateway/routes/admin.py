@@ -108,13 +108,16 @@ class AdminRoutes:
         definition = node_def_from(req, self.gw.options.node_files_dir)
         if any(d.name == definition.name for d in self.gw.options.file_nodes):
             raise Conflict(f"node {definition.name!r} is defined in the node file: edit the file and restart")
-        if definition.name in self.registry.nodes:
-            raise Conflict(f"a node named {definition.name!r} exists: remove it first or pick another name")
-        try:
-            node = connect_node(definition)
-        except (OSError, ValueError) as exc:
-            raise InvalidRequest(f"node {definition.name!r}: {exc}") from None
-        await self.gw.write(self.store.add_node, definition)
+        async with self.gw.reservation(self.gw.name_lock("node", definition.name)):
+            if definition.name in self.registry.nodes or definition.name in self.store.nodes:
+                raise Conflict(
+                    f"a node named {definition.name!r} exists: remove it first or pick another name"
+                )
+            try:
+                node = connect_node(definition)
+            except (OSError, ValueError) as exc:
+                raise InvalidRequest(f"node {definition.name!r}: {exc}") from None
+            await self.gw.write(self.store.add_node, definition)
         self.registry.add(node)
         await self.registry.poll(node)
         request[auth.TARGET_KEY] = definition.name

@@ -63,7 +63,11 @@ class SandboxRoutes:
         if req.labels is not UNSET:  # the gateway's own labels beyond owner and tenant are kept as they are
             current = await self.gw.node_for(rec.node, f"sandbox {rec.id}").client.sandbox(rec.id)
             stamped = {k: v for k, v in current.labels.items() if k.startswith("gateway.")}
-        async with self.gw.user_locks[(principal.user, principal.tenant)]:
+        # With replicas, the owner's name lock shared by all of them too (a create there may take the name).
+        names = (
+            [self.gw.name_lock("sandbox", principal.user, principal.tenant)] if req.name is not UNSET else []
+        )
+        async with self.gw.user_locks[(principal.user, principal.tenant)], self.gw.reservation(*names):
             body = encode(patch_request(self.gw, principal, rec, req, stamped))
             response = await self._relay(request, principal, rec, body)
             if isinstance(response, web.Response) and response.status < 300 and response.body:

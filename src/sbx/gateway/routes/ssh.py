@@ -63,7 +63,8 @@ class SshRoutes:
         sandbox = None
         if req.sandbox is not UNSET:
             sandbox = self.gw.sandboxes.resolve(principal, req.sandbox).id
-        async with self._adding:
+        # One key's registrations one at a time, on every replica: its checks see every other's.
+        async with self._adding, self.gw.reservation(self.gw.name_lock("ssh-key", parsed.fingerprint)):
             record = self._new_key(principal, parsed, sandbox)
             await self.gw.write(self.store.add_ssh_key, record)
         request[auth.TARGET_KEY] = record.id

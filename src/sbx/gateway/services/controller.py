@@ -213,7 +213,12 @@ class ServiceController:
         )
 
     async def create(self, principal: Principal, spec: ServiceSpec) -> ServiceRecord:
-        """A new service of ``principal`` (``spec`` checked and completed); 409 for a name its tenant has."""
+        """A new service of ``principal`` (``spec`` checked and completed); 409 for a name its tenant has (checked
+        under the name's lock shared by the replicas, against every service any of them made)."""
+        async with self.gw.reservation(self.gw.name_lock("service", principal.tenant, spec.name)):
+            return await self._create(principal, spec)
+
+    async def _create(self, principal: Principal, spec: ServiceSpec) -> ServiceRecord:
         if self.db.by_name(principal.tenant, spec.name) is not None:
             raise Conflict(
                 f"this tenant already has a service named {spec.name!r}: pick another name or PUT it"

@@ -17,6 +17,7 @@ directly.
 from __future__ import annotations
 
 import json
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -133,18 +134,17 @@ class Store(ABC):
         one process: it leads at once, on the caller's thread."""
         on_change(True)
 
-    def lock_tenant(self, tenant: str) -> object:
-        """Take the tenant's quota lock, shared by every replica, waiting for it (a create's quota check, node
-        call and record run under it); a handle for :meth:`unlock_tenant`. One process (SQLite): its own
-        in-process lock is enough, nothing to take."""
+    def lock(self, names: Sequence[tuple[str, str]]) -> object:
+        """Take the locks shared by every replica named by ``names`` — (kind, name) pairs, kind ``tenant`` (a
+        create's quota check, node call and record run under it), ``node`` (a node's cordon, set by one replica
+        and restored by another's poll) or ``name`` (a name's check and its create) — waiting for them; a handle
+        for :meth:`unlock`. All of them are held together on one database connection from a small pool, so a
+        replica holds a bounded number however many creates wait (docs/ha.md). One process (SQLite): its own
+        in-process locks are enough, nothing to take."""
         return None
 
-    def lock_node(self, name: str) -> object:
-        """As :meth:`lock_tenant`, for a node's cordon (set by one replica, restored by another's poll)."""
-        return None
-
-    def unlock_tenant(self, handle: object) -> None:
-        """Let go of a lock :meth:`lock_tenant` took."""
+    def unlock(self, handle: object) -> None:
+        """Let go of the locks :meth:`lock` took."""
 
     @property
     def shared(self) -> bool:
@@ -196,6 +196,45 @@ class Store(ABC):
     def query(self, table: str, columns: Sequence[str], order_by: str | None = None) -> list[tuple[Any, ...]]:
         """Rows of ``table`` (at start-up, when a module loads its tables; the notification outbox)."""
         return self.select(table, columns, order_by)
+
+    # -- the notification outbox (jobs/notify.py) ----------------------------------------------------
+
+    #: The columns of a claimed notification, in order.
+    OUTBOX_COLUMNS = ("id", "url", "body", "attempts", "first_try", "next_try", "job")
+
+    def claim_notifications(self, owner: str, lease_secs: float) -> list[Row]:
+        """The outbox's rows up for delivery now — of each job its oldest (a job's notifications go in order), once
+        its ``next_try`` (epoch seconds) has come — as ``OUTBOX_COLUMNS``, soonest first, claimed by ``owner``.
+
+        With replicas (PostgreSQL) a claim is a lease of ``lease_secs`` written on the row, and a row another
+        worker holds a lease on is not claimed until that lease ends. One process (SQLite): its one notifier ends
+        every claim before it claims again, so nothing is written (a restart finds the row due, as before)."""
+        now = time.time()
+        heads: dict[str, Row] = {}
+        for row in self.select("notifications", self.OUTBOX_COLUMNS, "id"):
+            heads.setdefault(row[6], row)
+        return sorted((r for r in heads.values() if r[5] <= now), key=lambda r: r[5])
+
+    def next_notification(self) -> float | None:
+        """When a claim may next find a row (epoch seconds): the soonest ``next_try`` of a job's oldest row, or
+        the end of the lease on it when later; None for an empty outbox."""
+        heads: dict[str, Row] = {}
+        for row in self.select("notifications", ("job", "next_try", "lease_until"), "id"):
+            heads.setdefault(row[0], row)
+        return min((max(r[1], r[2] or 0.0) for r in heads.values()), default=None)
+
+    def end_claim(self, row_id: int, owner: str, retry: tuple[int, float] | None) -> bool:
+        """End ``owner``'s claim of row ``row_id`` in one transaction: the row deleted (``retry`` None: delivered
+        or given up), or its attempts and next try set to ``retry`` and the row freed. False when the claim was
+        no longer ``owner``'s (its lease ended and another worker claimed the row: that one delivers it)."""
+        where: dict[str, Any] = {"id": row_id}
+        if self.elects:
+            where["lease_owner"] = owner
+        if retry is None:
+            return self.apply([Delete("notifications", where)])[0] > 0
+        attempts, next_try = retry
+        values = {"attempts": attempts, "next_try": next_try, "lease_owner": None, "lease_until": None}
+        return self.apply([Update("notifications", values, where)])[0] > 0
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,13 +53,19 @@ LOCK_CLASS = 0x73627800
 OWNER_LOCK = 1
 MIGRATION_LOCK = 2
 LEADER_LOCK = 3
-#: First key of the tenants' quota locks (the second is ``hashtext(tenant)``: a collision only makes two tenants'
-#: creates wait for each other).
+#: First keys of the locks the replicas share (``Store.lock``; the second key is ``hashtext(name)``: a collision
+#: only makes two names' holders wait for each other): a tenant's quota, a node's cordon, a name being created.
 TENANT_LOCK_CLASS = 0x73627801
-#: First key of the nodes' cordon locks (the second is ``hashtext(node name)``).
 NODE_LOCK_CLASS = 0x73627802
-#: A create waits this long for its tenant's quota lock, held by another replica's create, before a 503.
-TENANT_LOCK_WAIT_SECS = 60
+NAME_LOCK_CLASS = 0x73627803
+LOCK_KINDS = {"tenant": TENANT_LOCK_CLASS, "node": NODE_LOCK_CLASS, "name": NAME_LOCK_CLASS}
+#: A lock held by another replica (its create stuck on a node) is waited for this long before a 503.
+LOCK_WAIT_SECS = 60
+#: Connections of the lock pool: the most locks' holders a replica has at once (one connection each, however
+#: many locks it holds); more wait for one of them.
+LOCK_POOL_SIZE = 8
+#: How long a holder-to-be waits for a free lock connection before a 503.
+LOCK_POOL_WAIT_SECS = 30
 #: A replica that does not lead tries to take the leader lock this often (bounds a takeover after the leader's
 #: process ends: its session, and the lock, end with it).
 LEADER_TRY_SECS = 2.0
@@ -145,6 +152,12 @@ class PostgresStore(Store):
         self._markers: dict[str, threading.Event] = {}
         self._markers_lock = threading.Lock()
         self._load()
+        #: The lock connections (``lock``), made when first needed.
+        self._locks = ConnectionPool(
+            url, kwargs=_connect_kwargs(), min_size=0, max_size=LOCK_POOL_SIZE, open=True,
+            name="sandbox-gateway-locks", check=ConnectionPool.check_connection, timeout=LOCK_POOL_WAIT_SECS,
+            configure=_lock_session,
+        )  # fmt: skip
 
     @classmethod
     def open(cls, url: str, lock: bool = True, shared: bool = False) -> PostgresStore:
@@ -202,6 +215,7 @@ class PostgresStore(Store):
         for thread in (self._listener, self._leader):
             if thread is not None:
                 thread.join()
+        self._locks.close()
         self._pool.close()
         if self._owner is not None:
             self._owner.close()
@@ -388,36 +402,84 @@ class PostgresStore(Store):
         self._leader = threading.Thread(target=run, name="store-leader", daemon=True)
         self._leader.start()
 
-    def lock_node(self, name: str) -> object:
-        return self.lock_tenant(name, NODE_LOCK_CLASS)
+    def lock(self, names: Sequence[tuple[str, str]]) -> object:
+        """As ``Store.lock``: session advisory locks (``pg_advisory_lock(class of the kind, hashtext(name))``),
+        taken in a fixed order on one connection of the lock pool (``LOCK_POOL_SIZE`` of them: a replica never
+        holds more, however many creates wait), let go of at :meth:`unlock` or when the session ends (the
+        replica died: at once).
 
-    def lock_tenant(self, tenant: str, lock_class: int = TENANT_LOCK_CLASS) -> object:
-        """As ``Store.lock_tenant``: a session advisory lock on a connection of its own (not the pool's, which
-        a create holding it for seconds would drain), let go of at :meth:`unlock_tenant` or when the
-        session ends (the replica died)."""
+        503 ``Unavailable`` when every lock connection stays busy for ``LOCK_POOL_WAIT_SECS`` (nothing was
+        taken), when a lock stays held elsewhere for ``LOCK_WAIT_SECS``, or while the database is out of reach."""
+        wanted = sorted({(LOCK_KINDS[kind], name) for kind, name in names})
         try:
-            conn = psycopg.connect(self.location, **_connect_kwargs())
+            conn = self._locks.getconn(timeout=LOCK_POOL_WAIT_SECS)
+        except PoolTimeout as exc:
+            if self._locks_reachable():
+                log.warning("every lock connection is busy", extra={"lock_connections": LOCK_POOL_SIZE})
+                raise Unavailable(
+                    f"this gateway replica has all its {LOCK_POOL_SIZE} database lock connections in use (creates "
+                    "under a quota or naming a sandbox, service, volume, organisation, node or SSH key, and "
+                    f"cordons) for {LOCK_POOL_WAIT_SECS} s; try again shortly"
+                ) from exc
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
         except psycopg.OperationalError as exc:
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
         try:
-            conn.execute(f"SET lock_timeout = '{TENANT_LOCK_WAIT_SECS}s'")
-            conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (lock_class, tenant))
-        except psycopg.errors.LockNotAvailable:
-            conn.close()
-            raise Unavailable(
-                f"another create of tenant {tenant or 'default'} has held its quota for {TENANT_LOCK_WAIT_SECS} s; "
-                "try again shortly"
-            ) from None
+            for lock_class, name in wanted:
+                try:
+                    conn.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (lock_class, name))
+                except psycopg.errors.LockNotAvailable:
+                    kind = next(k for k, c in LOCK_KINDS.items() if c == lock_class)
+                    raise Unavailable(_held_too_long(kind, name)) from None
+        except Unavailable:
+            self.unlock(conn)
+            raise
         except psycopg.Error as exc:
-            conn.close()
+            self.unlock(conn)
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
         return conn
 
-    def unlock_tenant(self, handle: object) -> None:
+    def unlock(self, handle: object) -> None:
+        """Let go of every lock of ``handle`` and give its connection back to the lock pool (closed first when
+        the unlock fails: the session's end lets go of them)."""
         assert isinstance(handle, psycopg.Connection)
-        handle.close()  # the session's end lets go of its lock
+        try:
+            handle.execute("SELECT pg_advisory_unlock_all()")
+        except psycopg.Error:
+            handle.close()
+        self._locks.putconn(handle)
+
+    def _locks_reachable(self) -> bool:
+        """After a wait for a lock connection timed out: whether the database answers (the pool's connections
+        were all busy) or not (none could be made)."""
+        return self._locks.get_stats().get("pool_size", 0) >= LOCK_POOL_SIZE
+
+    def claim_notifications(self, owner: str, lease_secs: float) -> list[Row]:
+        """As ``Store.claim_notifications``: in one transaction, the due rows no other worker holds a lease on are
+        locked (``FOR UPDATE SKIP LOCKED``: two workers claiming at once never get one row both) and leased to
+        ``owner`` until the database's clock says ``lease_secs`` more."""
+        columns = ", ".join(quote(c) for c in self.OUTBOX_COLUMNS)
+        sql = f"""
+            UPDATE notifications SET lease_owner = %(owner)s,
+                lease_until = EXTRACT(EPOCH FROM clock_timestamp()) + %(lease)s
+            WHERE id IN (
+                SELECT id FROM notifications
+                WHERE id IN (SELECT MIN(id) FROM notifications GROUP BY job) AND next_try <= %(now)s
+                    AND (lease_until IS NULL OR lease_until < EXTRACT(EPOCH FROM clock_timestamp()))
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING {columns}
+        """
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                rows = conn.execute(sql, {"owner": owner, "lease": lease_secs, "now": time.time()}).fetchall()
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+        return sorted(rows, key=lambda r: r[5])
 
     @property
     def shared(self) -> bool:
@@ -459,6 +521,21 @@ class PostgresStore(Store):
                 "SELECT setval(pg_get_serial_sequence('notifications', 'id'), "
                 "GREATEST((SELECT MAX(id) FROM notifications), 1))"
             )
+
+
+def _lock_session(conn: psycopg.Connection[Any]) -> None:
+    """A lock connection waits ``LOCK_WAIT_SECS`` at most for a lock."""
+    conn.execute(f"SET lock_timeout = '{LOCK_WAIT_SECS}s'")
+
+
+def _held_too_long(kind: str, name: str) -> str:
+    """The 503's message for a lock another replica held for ``LOCK_WAIT_SECS``."""
+    what = {
+        "tenant": f"another create of tenant {name or 'default'} has held its quota",
+        "node": f"another replica has held node {name}'s cordon",
+        "name": "another create of this name has held it",
+    }[kind]
+    return f"{what} for {LOCK_WAIT_SECS} s; try again shortly"
 
 
 def _version(conn: psycopg.Connection[Any]) -> int:

@@ -78,7 +78,10 @@ TABLES: dict[str, Table] = {
         ("job", "n"),
     ),
     "secrets": Table(("tenant", "name", "nonce", "ciphertext", "updated"), ("tenant", "name")),
-    "notifications": Table(("id", "job", "url", "body", "attempts", "first_try", "next_try"), ("id",)),
+    "notifications": Table(
+        ("id", "job", "url", "body", "attempts", "first_try", "next_try", "lease_owner", "lease_until"),
+        ("id",),
+    ),
     "ssh_keys": Table(
         ("id", "user", "home_tenant", "tenant", "fingerprint", "key", "sandbox", "created"), ("id",)
     ),
@@ -165,6 +168,12 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
         expires_at REAL NOT NULL, created TEXT NOT NULL
     );
     """,
+    # v5 (ha-store): the notification outbox's per-row lease (jobs/notify.py; docs/ha.md): which worker claimed
+    # a row and until when (the database's clock, epoch seconds). SQLite's one process never reads them.
+    """
+    ALTER TABLE notifications ADD COLUMN lease_owner TEXT;
+    ALTER TABLE notifications ADD COLUMN lease_until REAL;
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -242,6 +251,10 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
         token_sha256 TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL, created TEXT NOT NULL
     );
+    """,
+    # v5 (ha-store)
+    """
+    ALTER TABLE notifications ADD COLUMN lease_owner TEXT, ADD COLUMN lease_until DOUBLE PRECISION;
     """,
 )
 
