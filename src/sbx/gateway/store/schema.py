@@ -55,7 +55,20 @@ TABLES: dict[str, Table] = {
     ),
     "service_revisions": Table(("service", "revision", "spec"), ("service", "revision")),
     "service_replicas": Table(
-        ("sandbox", "service", "node", "revision", "pid", "restarts", "ever_healthy", "created"), ("sandbox",)
+        (
+            "sandbox",
+            "service",
+            "node",
+            "revision",
+            "pid",
+            "restarts",
+            "ever_healthy",
+            "created",
+            "state",
+            "last_error",
+            "checked",
+        ),
+        ("sandbox",),
     ),
     "jobs": Table(
         ("id", "user", "tenant", "agent", "spec", "prompt", "state", "error", "created", "updated"), ("id",)
@@ -165,6 +178,13 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
         expires_at REAL NOT NULL, created TEXT NOT NULL
     );
     """,
+    # v6 (ha-services): each replica's health as the leader's checks last found it (state, the last failure, when
+    # it changed), written on a change only, so every replica routes service traffic and shows it (docs/ha.md).
+    """
+    ALTER TABLE service_replicas ADD COLUMN state TEXT NOT NULL DEFAULT 'starting';
+    ALTER TABLE service_replicas ADD COLUMN last_error TEXT;
+    ALTER TABLE service_replicas ADD COLUMN checked TEXT;
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -242,6 +262,12 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
         token_sha256 TEXT PRIMARY KEY, "user" TEXT NOT NULL, tenant TEXT NOT NULL, sandbox TEXT NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL, created TEXT NOT NULL
     );
+    """,
+    # v6 (ha-services)
+    """
+    ALTER TABLE service_replicas ADD COLUMN state TEXT NOT NULL DEFAULT 'starting';
+    ALTER TABLE service_replicas ADD COLUMN last_error TEXT;
+    ALTER TABLE service_replicas ADD COLUMN checked TEXT;
     """,
 )
 
