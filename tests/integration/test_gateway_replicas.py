@@ -319,6 +319,61 @@ def service_sandboxes(pair: Pair) -> list[str]:
     )
 
 
+def test_a_service_is_served_and_shown_alike_by_both_replicas(pair: Pair) -> None:
+    leader, follower = leader_of(pair)
+    alice = pair.new_key(leader, "alice", *ALL, tenant="acme")["secret"]
+    made_on = {"two": leader, "one": follower}
+    for name, maker in made_on.items():
+        body = {"name": name, "command": SERVE_ID, "port": 8080, "replicas": 2 if name == "two" else 1,
+                "health": FAST_HEALTH}  # fmt: skip
+        assert maker.request("POST", "/v1/services", body, key=alice).status == 201
+    try:
+        # Both replicas show the same replicas and ready counts (the follower from the leader's records).
+        for name, count in (("two", 2), ("one", 1)):
+            wait_for(lambda n=name, c=count: shown(leader, alice, n)[0] == c, 120)
+            wait_for(lambda n=name: shown(follower, alice, n) == shown(leader, alice, n), 10)
+        # Each service is served by each replica, by path and by Host; the follower spreads over both replicas.
+        for gw in (leader, follower):
+            for name in made_on:
+                seen = set()
+                for i in range(8):
+                    status, body = traffic(gw, alice, f"{name}--acme", by_host=bool(i % 2))
+                    assert status == 200, (gw is leader, name, status, body)
+                    seen.add(body)
+                assert len(seen) == (2 if name == "two" else 1), seen
+        # A replica of "two" ended on its node: the follower stops routing to it within the bound, and its
+        # clients never see a failure (a request that cannot reach a replica goes to the other).
+        _, reps = shown(follower, alice, "two")
+        doomed = reps[0][0]
+        with Load(follower, alice, "two--acme") as load:
+            time.sleep(1)
+            assert pair.node.request("DELETE", f"/v1/sandboxes/{doomed}").status in (200, 202, 204)
+            ended = time.monotonic()
+
+            def not_routed() -> bool:
+                return all(r[0] != doomed or not r[3] for r in shown(follower, alice, "two")[1])
+
+            wait_for(not_routed, 30, 0.02)
+            took = time.monotonic() - ended
+            # And it is replaced: two healthy replicas again, shown alike by both.
+            wait_for(
+                lambda: (
+                    shown(follower, alice, "two")[0] == 2 and doomed not in str(shown(follower, alice, "two"))
+                ),
+                120,
+            )
+            time.sleep(1)
+        print(f"replica ended on its node: no longer routed by the follower after {took:.2f} s; "
+              f"{len(load.answers)} requests through the follower meanwhile, {len(load.failures())} failed")  # fmt: skip
+        assert took < REPLICA_DOWN_BOUND_SECS
+        assert load.answers and load.failures() == [], load.failures()[:5]
+        wait_for(lambda: shown(leader, alice, "two") == shown(follower, alice, "two"), 10)
+    finally:
+        for name in made_on:
+            follower.request("DELETE", f"/v1/services/{name}", key=alice)
+    wait_for(lambda: service_sandboxes(pair) == [], 60)
+
+
 def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigkill(pair: Pair) -> None:
     leader, follower = leader_of(pair)
     assert (leader_gauge(leader), leader_gauge(follower)) == (1.0, 0.0)
@@ -388,58 +443,3 @@ def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigki
     assert follower.request("DELETE", "/v1/services/web", key=alice).status == 204
     wait_for(lambda: service_sandboxes(pair) == [], 60)
     assert LEADS not in leader.log_text().split("sandbox-gateway serving")[-1]
-
-
-def test_a_service_is_served_and_shown_alike_by_both_replicas(pair: Pair) -> None:
-    leader, follower = leader_of(pair)
-    alice = pair.new_key(leader, "alice", *ALL, tenant="acme")["secret"]
-    made_on = {"two": leader, "one": follower}
-    for name, maker in made_on.items():
-        body = {"name": name, "command": SERVE_ID, "port": 8080, "replicas": 2 if name == "two" else 1,
-                "health": FAST_HEALTH}  # fmt: skip
-        assert maker.request("POST", "/v1/services", body, key=alice).status == 201
-    try:
-        # Both replicas show the same replicas and ready counts (the follower from the leader's records).
-        for name, count in (("two", 2), ("one", 1)):
-            wait_for(lambda n=name, c=count: shown(leader, alice, n)[0] == c, 120)
-            wait_for(lambda n=name: shown(follower, alice, n) == shown(leader, alice, n), 10)
-        # Each service is served by each replica, by path and by Host; the follower spreads over both replicas.
-        for gw in (leader, follower):
-            for name in made_on:
-                seen = set()
-                for i in range(8):
-                    status, body = traffic(gw, alice, f"{name}--acme", by_host=bool(i % 2))
-                    assert status == 200, (gw is leader, name, status, body)
-                    seen.add(body)
-                assert len(seen) == (2 if name == "two" else 1), seen
-        # A replica of "two" ended on its node: the follower stops routing to it within the bound, and its
-        # clients never see a failure (a request that cannot reach a replica goes to the other).
-        _, reps = shown(follower, alice, "two")
-        doomed = reps[0][0]
-        with Load(follower, alice, "two--acme") as load:
-            time.sleep(1)
-            assert pair.node.request("DELETE", f"/v1/sandboxes/{doomed}").status in (200, 202, 204)
-            ended = time.monotonic()
-
-            def not_routed() -> bool:
-                return all(r[0] != doomed or not r[3] for r in shown(follower, alice, "two")[1])
-
-            wait_for(not_routed, 30, 0.02)
-            took = time.monotonic() - ended
-            # And it is replaced: two healthy replicas again, shown alike by both.
-            wait_for(
-                lambda: (
-                    shown(follower, alice, "two")[0] == 2 and doomed not in str(shown(follower, alice, "two"))
-                ),
-                120,
-            )
-            time.sleep(1)
-        print(f"replica ended on its node: no longer routed by the follower after {took:.2f} s; "
-              f"{len(load.answers)} requests through the follower meanwhile, {len(load.failures())} failed")  # fmt: skip
-        assert took < REPLICA_DOWN_BOUND_SECS
-        assert load.answers and load.failures() == [], load.failures()[:5]
-        wait_for(lambda: shown(leader, alice, "two") == shown(follower, alice, "two"), 10)
-    finally:
-        for name in made_on:
-            follower.request("DELETE", f"/v1/services/{name}", key=alice)
-    wait_for(lambda: service_sandboxes(pair) == [], 60)
