@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from sbx.api.services import ReplicaState, ServiceSpec
+from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit
 from sbx.gateway.jobs.controller import JobOptions
 from sbx.gateway.nodes import Registry
@@ -103,3 +104,26 @@ async def test_a_new_leader_keeps_the_recorded_healthy_replicas_serving(ctl: Ser
     }
     assert {r.rec.sandbox for r in ctl.pick("svc_1")} == {"r1", "r4"}
     assert runtime["r3"].last_check == T1 and runtime["r3"].last_error == "it failed"
+
+
+@pytest.mark.parametrize("leading", [False, True])
+async def test_every_replica_ends_a_services_traffic_when_its_owner_loses_access(
+    ctl: ServiceController, leading: bool
+) -> None:
+    """The owner's last key revoked: each replica ends the requests it relays (a follower has no runtime of the
+    service, which is where this was looked up before), once; the leader alone audits it."""
+    key, _ = keys.new_key("alice", "", {"sandbox:read"})
+    ctl.gw.store.add_key(key)
+    if leading:
+        await ctl.start()
+    ended: list[str] = []
+    ctl.on_access_lost.append(ended.append)
+    audited: list[dict[str, object]] = []
+    ctl.gw.record_audit = lambda **fields: audited.append(fields)  # type: ignore[method-assign]
+    await ctl.access_changed()
+    assert ended == []
+    ctl.gw.store.revoke_key(key.id)
+    await ctl.access_changed()
+    await ctl.access_changed()  # told once
+    assert ended == ["svc_1"]
+    assert [a["type"] for a in audited] == (["service.revoked"] if leading else [])
