@@ -78,5 +78,9 @@ class Load:
 
     def longest_gap(self) -> float:
         """The longest time between two successful answers (seconds)."""
+        return self.gap_at()[0]
+
+    def gap_at(self) -> tuple[float, float]:
+        """The longest time between two successful answers, and when it began (monotonic seconds)."""
         times = [a[0] for a in self.answers if a[1] == 200]
-        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        return max(((b - a, a) for a, b in itertools.pairwise(times)), default=(0.0, 0.0))
