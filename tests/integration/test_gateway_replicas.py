@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
 from pg_cluster import PgCluster
+from replicas_harness import DOMAIN, FAST_HEALTH, SERVE_ID, Load, shown, traffic
 from sandboxd_harness import Sandboxd, free_port
 from ws_attach import WsAttach
 
@@ -29,6 +30,9 @@ from sbx.gateway.server import Gateway
 from sbx.gateway.store.postgres import LOCK_POOL_SIZE, LOCK_POOL_WAIT_SECS, NAME_LOCK_CLASS
 
 ALL = ("sandbox:read", "sandbox:create", "sandbox:delete")
+#: How soon a follower must stop routing to a replica whose sandbox was ended on its node (docs/ha.md: the
+#: leader's check interval, a second here, plus the propagation; generous for a loaded machine).
+REPLICA_DOWN_BOUND_SECS = 10.0
 #: The spec's bound for a revocation to end what the key holds open, on every replica.
 REVOCATION_BOUND_SECS = 2.0
 
@@ -61,7 +65,8 @@ def pair(pg_cluster: PgCluster) -> Iterator[Pair]:
     env = pg_cluster.env()
     metrics = {name: free_port() for name in ("a", "b")}
     a, b = (
-        GatewayProcess(workdir / name, [("n1", node)], [*FAST_ARGS, "--metrics-listen", f"127.0.0.1:{port}"],
+        GatewayProcess(workdir / name, [("n1", node)], [*FAST_ARGS, "--metrics-listen", f"127.0.0.1:{port}",
+                                                        "--services-domain", DOMAIN],
                        database=url, database_env=env)
         for name, port in metrics.items()
     )  # fmt: skip
@@ -316,6 +321,61 @@ def service_sandboxes(pair: Pair) -> list[str]:
     )
 
 
+def test_a_service_is_served_and_shown_alike_by_both_replicas(pair: Pair) -> None:
+    leader, follower = leader_of(pair)
+    alice = pair.new_key(leader, "alice", *ALL, tenant="acme")["secret"]
+    made_on = {"two": leader, "one": follower}
+    for name, maker in made_on.items():
+        body = {"name": name, "command": SERVE_ID, "port": 8080, "replicas": 2 if name == "two" else 1,
+                "health": FAST_HEALTH}  # fmt: skip
+        assert maker.request("POST", "/v1/services", body, key=alice).status == 201
+    try:
+        # Both replicas show the same replicas and ready counts (the follower from the leader's records).
+        for name, count in (("two", 2), ("one", 1)):
+            wait_for(lambda n=name, c=count: shown(leader, alice, n)[0] == c, 120)
+            wait_for(lambda n=name: shown(follower, alice, n) == shown(leader, alice, n), 10)
+        # Each service is served by each replica, by path and by Host; the follower spreads over both replicas.
+        for gw in (leader, follower):
+            for name in made_on:
+                seen = set()
+                for i in range(8):
+                    status, body = traffic(gw, alice, f"{name}--acme", by_host=bool(i % 2))
+                    assert status == 200, (gw is leader, name, status, body)
+                    seen.add(body)
+                assert len(seen) == (2 if name == "two" else 1), seen
+        # A replica of "two" ended on its node: the follower stops routing to it within the bound, and its
+        # clients never see a failure (a request that cannot reach a replica goes to the other).
+        _, reps = shown(follower, alice, "two")
+        doomed = reps[0][0]
+        with Load(follower, alice, "two--acme") as load:
+            time.sleep(1)
+            assert pair.node.request("DELETE", f"/v1/sandboxes/{doomed}").status in (200, 202, 204)
+            ended = time.monotonic()
+
+            def not_routed() -> bool:
+                return all(r[0] != doomed or not r[3] for r in shown(follower, alice, "two")[1])
+
+            wait_for(not_routed, 30, 0.02)
+            took = time.monotonic() - ended
+            # And it is replaced: two healthy replicas again, shown alike by both.
+            wait_for(
+                lambda: (
+                    shown(follower, alice, "two")[0] == 2 and doomed not in str(shown(follower, alice, "two"))
+                ),
+                120,
+            )
+            time.sleep(1)
+        print(f"replica ended on its node: no longer routed by the follower after {took:.2f} s; "
+              f"{len(load.answers)} requests through the follower meanwhile, {len(load.failures())} failed")  # fmt: skip
+        assert took < REPLICA_DOWN_BOUND_SECS
+        assert load.answers and load.failures() == [], load.failures()[:5]
+        wait_for(lambda: shown(leader, alice, "two") == shown(follower, alice, "two"), 10)
+    finally:
+        for name in made_on:
+            follower.request("DELETE", f"/v1/services/{name}", key=alice)
+    wait_for(lambda: service_sandboxes(pair) == [], 60)
+
+
 def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigkill(pair: Pair) -> None:
     leader, follower = leader_of(pair)
     assert (leader_gauge(leader), leader_gauge(follower)) == (1.0, 0.0)
@@ -354,22 +414,31 @@ def test_the_leader_runs_the_work_done_once_and_another_takes_over_after_a_sigki
     assert made.status == 201, made.body
     first = wait_for(lambda: service_sandboxes(pair) or None, 60)
     assert len(first) == 1
+    # The follower serves its traffic (the leader's record of the replica's health).
+    wait_for(lambda: shown(follower, alice, "web")[0] == 1, 60)
 
-    # SIGKILL the leader: the follower takes over within 15 s.
-    leader.kill()
-    killed = time.monotonic()
-    wait_for(lambda: LEADS in follower.log_text(), 20, 0.05)
-    took = time.monotonic() - killed
-    print(f"takeover after the leader's SIGKILL: {took:.2f} s")
+    # SIGKILL the leader under the service's traffic through the follower: the follower takes over within 15 s,
+    # and its clients never see a failure (its routing needs no leader alive).
+    with Load(follower, alice, "web--acme") as load:
+        time.sleep(1)
+        leader.kill()
+        killed = time.monotonic()
+        wait_for(lambda: LEADS in follower.log_text(), 20, 0.05)
+        took = time.monotonic() - killed
+        assert leader_gauge(follower) == 1.0
+        # The new leader keeps the service's replica (no second one) and runs a new job once.
+        job = follower.request("POST", "/v1/jobs", {"command": ["sh", "-c", "echo again"]}, key=alice)
+        assert job.status == 201, job.body
+        job_id = job.json()["id"]
+        done = wait_for(lambda: (j := job_state(follower))["state"] == "succeeded" and j, 60)
+        assert [r["n"] for r in done["runs"]] == [1]
+        time.sleep(3)  # a service step or two of the new leader
+    during = [a for a in load.answers if a[0] >= killed]
+    print(f"takeover after the leader's SIGKILL: {took:.2f} s; service traffic through the follower: "
+          f"{len(during)} requests after the kill, {len(load.failures())} failed, longest gap between answers "
+          f"{load.longest_gap():.2f} s")  # fmt: skip
     assert took < 15
-    assert leader_gauge(follower) == 1.0
-    # The new leader keeps the service's replica (no second one) and runs a new job once.
-    job = follower.request("POST", "/v1/jobs", {"command": ["sh", "-c", "echo again"]}, key=alice)
-    assert job.status == 201, job.body
-    job_id = job.json()["id"]
-    done = wait_for(lambda: (j := job_state(follower))["state"] == "succeeded" and j, 60)
-    assert [r["n"] for r in done["runs"]] == [1]
-    time.sleep(3)  # a service step or two of the new leader
+    assert during and load.failures() == [], load.failures()[:5]
     assert service_sandboxes(pair) == first
     # The killed replica comes back as a follower; the service goes, its replica with it.
     leader.start()

@@ -578,11 +578,21 @@ async def test_services_tables_round_trip(backend: Backend, store: Store) -> Non
     await db.put_replica(ReplicaRecord("sbx_r1", "svc_1", "n1", 2, 4242, 1, True, T0))
     await db.put_replica(ReplicaRecord("sbx_r2", "svc_1", "n1", 2, None, 0, False, T0))
     await db.forget_replica("sbx_r2")
+    # A replica's health (written by the leader on a change of state), kept by a later write of its record.
+    await db.put_replica(ReplicaRecord("sbx_r3", "svc_1", "n1", 2, None, 0, False, T0))
+    await db.put_health("sbx_r3", "unhealthy", "GET / answered HTTP 500", T0)
+    await db.put_replica(ReplicaRecord("sbx_r3", "svc_1", "n1", 2, 99, 0, True, T0))
+    unhealthy = ReplicaRecord(
+        "sbx_r3", "svc_1", "n1", 2, 99, 0, True, T0, "unhealthy", "GET / answered HTTP 500", T0
+    )
+    assert db.replicas["sbx_r3"] == unhealthy
     store = reopened(backend, store)
     again = ServiceStore(store, _write)
     assert again.services == {"svc_1": svc}
     assert again.revisions == {("svc_1", 2): spec}
-    assert again.replicas == {"sbx_r1": ReplicaRecord("sbx_r1", "svc_1", "n1", 2, 4242, 1, True, T0)}
+    assert again.replicas == {"sbx_r1": ReplicaRecord("sbx_r1", "svc_1", "n1", 2, 4242, 1, True, T0),
+                              "sbx_r3": unhealthy}  # fmt: skip
+    assert again.replicas["sbx_r1"].state == "starting"  # as a replica is until its first check
     await again.delete_service("svc_1")
     store = reopened(backend, store)
     empty = ServiceStore(store, _write)

@@ -81,6 +81,8 @@ BACKOFF_MAX_SECS = 30.0
 #: A labelled sandbox no record knows is ended only when older than this (a create may be recording it now).
 ORPHAN_AGE_SECS = 60.0
 SWEEP_SECS = 60.0
+#: Seconds a replica that a request could not reach is tried last by this gateway's traffic front.
+DOWN_SECS = 30.0
 
 
 @dataclass(eq=False)
@@ -120,10 +122,6 @@ class ServiceRuntime:
     backoff: float = BACKOFF_FIRST_SECS
     #: Restart counts the next replicas of a revision take over from the ones they replace.
     pending_restarts: dict[int, list[int]] = field(default_factory=dict)
-    #: Whether the owner held access at the last look (a change is audited once).
-    access: bool = True
-    #: Round-robin position of the traffic front.
-    turn: int = 0
 
     def healthy(self) -> list[ReplicaRuntime]:
         return [r for r in self.replicas.values() if r.state == "healthy"]
@@ -144,6 +142,13 @@ class ServiceController:
         #: One change of a service's record at a time (routes and the control loop write the same records).
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
+        #: Per service: whether its owner held access at the last look (a change is acted on once).
+        self._access: dict[str, bool] = {}
+        #: Per service: the traffic front's round-robin position.
+        self._turns: dict[str, int] = {}
+        #: Replicas this gateway failed to reach with a request, and until when (monotonic seconds) they are
+        #: tried last: a dead replica is left at once, before the leader's checks find it.
+        self._unreachable: dict[str, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -152,7 +157,17 @@ class ServiceController:
         for svc in list(self.db.services.values()):
             rt = self.runtimes[svc.id] = ServiceRuntime(svc.id)
             for rec in self.db.replicas_of(svc.id):
-                rt.replicas[rec.sandbox] = ReplicaRuntime(rec, started=time.monotonic())
+                # A replica recorded healthy (by this gateway before a restart, or by the leader before a
+                # takeover) stays healthy until its own checks say otherwise, so its traffic has no gap; any
+                # other is checked again from the start.
+                state: ReplicaState = "healthy" if rec.state == "healthy" else "starting"
+                rt.replicas[rec.sandbox] = ReplicaRuntime(
+                    rec,
+                    state=state,
+                    last_check=rec.checked,
+                    last_error=rec.last_error,
+                    started=time.monotonic(),
+                )
         for node in self.gw.registry.healthy():
             await self._sweep_node(node, adopt=True)
         for rt in self.runtimes.values():
@@ -288,14 +303,14 @@ class ServiceController:
     async def delete(self, svc: ServiceRecord) -> None:
         """End the service's task and every replica it can reach (one on a node not answering is ended when
         the node is seen again), then forget it."""
+        for fn in self.on_access_lost:  # its open requests here (on a follower too)
+            fn(svc.id)
         rt = self.runtimes.pop(svc.id, None)
         if rt is not None:
             if rt.task is not None:
                 rt.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await rt.task
-            for fn in self.on_access_lost:
-                fn(svc.id)
             await asyncio.gather(*(self._end(svc, rep) for rep in list(rt.replicas.values())))
         async with self._locks[svc.id]:
             await self.db.delete_service(svc.id)
@@ -329,13 +344,13 @@ class ServiceController:
 
     def wire(self, svc: ServiceRecord, url: str | None) -> Service:
         rt = self.runtimes.get(svc.id) or ServiceRuntime(svc.id)
-        replicas = sorted(rt.replicas.values(), key=lambda r: (r.rec.revision, r.rec.created))
+        replicas = sorted(self.view(svc.id), key=lambda r: (r.rec.revision, r.rec.created))
         rollout = svc.rollout
         return Service(
             spec=replace(svc.spec, env=UNSET, replicas=svc.desired,
                          answer_timeout_secs=answer_timeout_secs(svc.spec)), env_names=sorted(svc.spec.env or {}),
             owner=svc.user, tenant=svc.tenant or None, revision=svc.revision, serving=svc.serving,
-            desired=svc.desired, ready=len(rt.healthy()), restarts=svc.restarts,
+            desired=svc.desired, ready=sum(r.state == "healthy" for r in replicas), restarts=svc.restarts,
             rollout=Rollout(state=rollout.state, from_=rollout.from_, to=rollout.to,
                             reason=rollout.reason if rollout.reason else UNSET) if rollout else UNSET,
             error=rt.error if rt.error else UNSET, url=url if url is not None else UNSET,
@@ -344,16 +359,44 @@ class ServiceController:
 
     # -- what the traffic front asks --------------------------------------------------------------------
 
+    def view(self, service_id: str) -> list[ReplicaRuntime]:
+        """The service's replicas and their health: the controller's own on the leader (its checks), else the
+        records as the leader last wrote them (``ReplicaRecord.state``, kept in step across replicas)."""
+        if self._started:
+            rt = self.runtimes.get(service_id)
+            return list(rt.replicas.values()) if rt is not None else []
+        return [
+            ReplicaRuntime(
+                rec, state=rec.state, last_check=rec.checked, last_error=rec.last_error, started=0.0
+            )
+            for rec in self.db.replicas_of(service_id)
+        ]
+
     def pick(self, service_id: str) -> list[ReplicaRuntime]:
-        """The service's healthy replicas, rotated so that successive requests start at the next one."""
-        rt = self.runtimes.get(service_id)
-        if rt is None:
-            return []
-        ready = rt.healthy()
+        """The service's healthy replicas, rotated so that successive requests start at the next one; those this
+        gateway failed to reach lately (:meth:`mark_down`) come last, tried only when the others fail."""
+        ready = [r for r in self.view(service_id) if r.state == "healthy"]
         if not ready:
             return []
-        rt.turn = (rt.turn + 1) % len(ready)
-        return ready[rt.turn :] + ready[: rt.turn]
+        turn = self._turns[service_id] = (self._turns.get(service_id, 0) + 1) % len(ready)
+        ordered = ready[turn:] + ready[:turn]
+        if self._unreachable:
+            now = time.monotonic()
+            for sandbox, until in list(self._unreachable.items()):
+                if until <= now:
+                    del self._unreachable[sandbox]
+            ordered.sort(key=lambda r: r.rec.sandbox in self._unreachable)  # stable: the rotation is kept
+        return ordered
+
+    def mark_down(self, sandbox: str) -> None:
+        """A request could not reach replica ``sandbox``: try it last for :data:`DOWN_SECS` (or until a request
+        reaches it again), whatever the health checks (the leader's, maybe on another gateway) say yet."""
+        self._unreachable[sandbox] = time.monotonic() + DOWN_SECS
+
+    def mark_up(self, sandbox: str) -> None:
+        """A request reached replica ``sandbox``: it is no longer tried last."""
+        if self._unreachable:
+            self._unreachable.pop(sandbox, None)
 
     def owner_has_access(self, svc: ServiceRecord) -> bool:
         return auth.has_access(self.gw.store, svc.user, svc.tenant)
@@ -363,20 +406,24 @@ class ServiceController:
     async def access_changed(self) -> None:
         """Keys or memberships changed: a service whose owner holds no active key in its tenant any more stops
         taking traffic at once (its open requests are ended) and gets no new replica; its replicas stay."""
-        for svc in list(self.db.services.values()):
-            rt = self.runtimes.get(svc.id)
-            if rt is None:
-                continue
+        services = list(self.db.services.values())
+        for svc in services:
             allowed = self.owner_has_access(svc)
-            if rt.access and not allowed:
+            was = self._access.get(svc.id, True)
+            if was and not allowed:
+                # Every replica ends the open requests it relays; the one running the controller audits it.
                 log.warning("service owner lost access: traffic stopped", extra={"service": svc.id})
-                self.gw.record_audit(kind="revocation", type="service.revoked", user=svc.user,
-                                     tenant=svc.tenant or None, target=svc.name, result="stopped")  # fmt: skip
+                if self._started:
+                    self.gw.record_audit(kind="revocation", type="service.revoked", user=svc.user,
+                                         tenant=svc.tenant or None, target=svc.name, result="stopped")  # fmt: skip
                 for fn in self.on_access_lost:
                     fn(svc.id)
-            elif allowed and not rt.access:
+            elif allowed and not was:
                 self._wake(svc.id)
-            rt.access = allowed
+            self._access[svc.id] = allowed
+        known = {svc.id for svc in services}
+        for gone in [i for i in self._access if i not in known]:
+            del self._access[gone]
 
     # -- the control loop -------------------------------------------------------------------------------
 
@@ -416,7 +463,7 @@ class ServiceController:
             elif rep.state != "lost" and self._down(node):
                 log.warning("replica lost with its node", extra={"service": svc.id, "node": node.name})
                 self._stop_watch(rep)
-                rep.state = "lost"
+                await self._set_state(rt.id, rep, "lost", now_rfc3339())
                 svc = await self._restarted(svc, rt, rep)
         rollout = svc.rollout
         rolling = rollout is not None and rollout.state == "in_progress"
@@ -528,8 +575,8 @@ class ServiceController:
                 request = ProcessRequest(argv=spec.command, env=secret_env or UNSET)
                 pid = (await node.client.start_process(rep.rec.sandbox, request)).pid
         except SandboxError as exc:
-            rep.state = "unhealthy"
             rep.last_error = f"the command could not start: {exc.message}"
+            await self._set_state(svc.id, rep, "unhealthy", now_rfc3339())
             self._wake(svc.id)
             return
         rep.rec = dataclasses.replace(rep.rec, pid=pid)
@@ -620,6 +667,21 @@ class ServiceController:
 
     # -- health ----------------------------------------------------------------------------------------
 
+    async def _set_state(
+        self, service_id: str, rep: ReplicaRuntime, state: ReplicaState, checked: str | None
+    ) -> None:
+        """``rep`` is now ``state`` (from the check run at ``checked``): memory at once, then the record, which
+        every other replica routes by. A record that cannot be written now (the database away) leaves the others
+        on the last state written; the replica's next change writes again."""
+        rep.state = state
+        try:
+            await self.db.put_health(
+                rep.rec.sandbox, state, rep.last_error if state != "healthy" else None, checked
+            )
+        except SandboxError as exc:
+            log.warning("replica health not recorded", extra={"service": service_id, "sandbox": rep.rec.sandbox,
+                                                              "state": state, "error": exc.message})  # fmt: skip
+
     def _watch(self, rt: ServiceRuntime, rep: ReplicaRuntime) -> None:
         if rep.checker is None and rep.state in ("starting", "healthy"):
             rep.checker = asyncio.create_task(self._checks(rt, rep), name=f"health-{rep.rec.sandbox}")
@@ -659,10 +721,10 @@ class ServiceController:
                 rep.failures = 0
                 rep.last_error = None
                 if rep.state != "healthy":
-                    rep.state = "healthy"
                     if not rep.rec.ever_healthy:
                         rep.rec = dataclasses.replace(rep.rec, ever_healthy=True)
                         await self.db.put_replica(rep.rec)
+                    await self._set_state(rt.id, rep, "healthy", rep.last_check)
                     self._wake(rt.id)
                 continue
             rep.failures += 1
@@ -675,8 +737,8 @@ class ServiceController:
             ):
                 log.info("replica unhealthy", extra={"service": rt.id, "sandbox": rep.rec.sandbox,
                                                      "error": outcome.problem})  # fmt: skip
-                rep.state = "unhealthy"
                 rep.checker = None
+                await self._set_state(rt.id, rep, "unhealthy", rep.last_check)
                 self._wake(rt.id)
                 return
 

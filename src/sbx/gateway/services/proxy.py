@@ -17,6 +17,10 @@ anywhere) with ``sandbox:read``, sent as ``Authorization: Bearer sgk_...``, whic
 it is spelled (``auth.carries_gateway_key``, over the parse authentication uses). Traffic flows only while the service's owner holds an active key in the tenant: revoking
 the last one stops it at once, open requests included (503), as a revoked caller's key ends its own (401 or cut).
 
+Which replicas are healthy: on the leader, its own checks; on every other replica, the health the leader recorded
+(``ServiceController.view``; docs/ha.md). A replica a request could not reach (no tunnel, nothing answered) is
+tried last by this gateway for a while, whatever the checks say yet.
+
 How: each request goes to the next healthy replica in turn, through its node's tunnel to the replica's ``port``
 (``sbx-tunnel/1``), as HTTP/1.1 (``h11``), over connections kept alive per replica (at most
 :data:`IDLE_PER_REPLICA` idle, closed after :data:`IDLE_SECS`). A replica that cannot be reached is skipped for
@@ -281,14 +285,21 @@ class ServiceFront:
                 up = await self._connect(node.client, rep.rec.sandbox, port)
             except SandboxError as exc:
                 problem = exc
+                self.ctl.mark_down(rep.rec.sandbox)
                 continue
             op.closers.append(up.close)
             try:
-                return await self._exchange(request, up, target, head, rep, op, answer_timeout_secs(svc.spec))
+                response = await self._exchange(
+                    request, up, target, head, rep, op, answer_timeout_secs(svc.spec)
+                )
             except _NothingSent as exc:
                 problem = BadGateway(f"a replica of {svc.name!r} did not take the request: {exc}")
+                self.ctl.mark_down(rep.rec.sandbox)
                 if has_body:
                     break
+                continue
+            self.ctl.mark_up(rep.rec.sandbox)
+            return response
         raise problem or Unavailable(f"service {svc.name!r} has no reachable replica now; try again shortly")
 
     def _port(self, svc: ServiceRecord, rep: ReplicaRuntime) -> int | None:

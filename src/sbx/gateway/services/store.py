@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from sbx.api.services import RolloutState, ServiceSpec
-from sbx.gateway.store import TABLES, Delete, Store, Upsert
+from sbx.api.services import ReplicaState, RolloutState, ServiceSpec
+from sbx.gateway.store import TABLES, Delete, Store, Update, Upsert
 
 Writer = Callable[..., Awaitable[Any]]
 
@@ -56,7 +56,11 @@ class ServiceRecord:
 @dataclass(frozen=True)
 class ReplicaRecord:
     """One replica: its sandbox, node and revision; ``pid`` of its command once started; ``restarts`` of its
-    slot; ``ever_healthy`` once a health check passed (a rollout counts replicas replaced before that)."""
+    slot; ``ever_healthy`` once a health check passed (a rollout counts replicas replaced before that).
+
+    ``state``, ``last_error`` and ``checked`` are its health as the leader's checks last found it: written by
+    :meth:`ServiceStore.put_health` when the state changes (not at every check), read by every replica to route
+    the service's traffic and show its replicas (a follower runs no checks; docs/ha.md)."""
 
     sandbox: str
     service: str
@@ -66,6 +70,10 @@ class ReplicaRecord:
     restarts: int
     ever_healthy: bool
     created: str
+    state: ReplicaState = "starting"
+    last_error: str | None = None
+    #: When the check that set ``state`` ran (RFC 3339).
+    checked: str | None = None
 
 
 _ROLLOUT = msgspec.json.Decoder(dict[str, Any])
@@ -112,7 +120,7 @@ class ServiceStore:
     def _put_replica(self, row: tuple[Any, ...]) -> None:
         self.replicas[row[0]] = ReplicaRecord(
             sandbox=row[0], service=row[1], node=row[2], revision=row[3], pid=row[4], restarts=row[5],
-            ever_healthy=bool(row[6]), created=row[7],
+            ever_healthy=bool(row[6]), created=row[7], state=row[8], last_error=row[9], checked=row[10],
         )  # fmt: skip
 
     def by_name(self, tenant: str, name: str) -> ServiceRecord | None:
@@ -167,11 +175,33 @@ class ServiceStore:
             self.replicas.pop(sandbox, None)
 
     async def put_replica(self, rep: ReplicaRecord) -> None:
+        """Write the replica's record; its health (``state``, ``last_error``, ``checked``) is left as it is
+        (``put_health`` writes it), a new one starting as ``starting``."""
         await self._write(self.store.execute, [Upsert("service_replicas", {
             "sandbox": rep.sandbox, "service": rep.service, "node": rep.node, "revision": rep.revision,
             "pid": rep.pid, "restarts": rep.restarts, "ever_healthy": int(rep.ever_healthy), "created": rep.created,
         })], False)  # fmt: skip
+        old = self.replicas.get(rep.sandbox)
+        if old is not None:
+            rep = dataclasses.replace(rep, state=old.state, last_error=old.last_error, checked=old.checked)
+        else:
+            rep = dataclasses.replace(rep, state="starting", last_error=None, checked=None)
         self.replicas[rep.sandbox] = rep
+
+    async def put_health(
+        self, sandbox: str, state: ReplicaState, last_error: str | None, checked: str | None
+    ) -> None:
+        """Record the replica's health as the leader's checks found it (a change of state only: a few writes in
+        a replica's life, whatever its check interval). Not durable at once (``full=False``): a health state lost
+        to a database crash is found again by the next leader's checks."""
+        await self._write(self.store.execute, [Update(
+            "service_replicas", {"state": state, "last_error": last_error, "checked": checked}, {"sandbox": sandbox}
+        )], False)  # fmt: skip
+        old = self.replicas.get(sandbox)
+        if old is not None:
+            self.replicas[sandbox] = dataclasses.replace(
+                old, state=state, last_error=last_error, checked=checked
+            )
 
     async def forget_replica(self, sandbox: str) -> None:
         await self._write(self.store.execute, [Delete("service_replicas", {"sandbox": sandbox})], False)

@@ -55,7 +55,20 @@ TABLES: dict[str, Table] = {
     ),
     "service_revisions": Table(("service", "revision", "spec"), ("service", "revision")),
     "service_replicas": Table(
-        ("sandbox", "service", "node", "revision", "pid", "restarts", "ever_healthy", "created"), ("sandbox",)
+        (
+            "sandbox",
+            "service",
+            "node",
+            "revision",
+            "pid",
+            "restarts",
+            "ever_healthy",
+            "created",
+            "state",
+            "last_error",
+            "checked",
+        ),
+        ("sandbox",),
     ),
     "jobs": Table(
         ("id", "user", "tenant", "agent", "spec", "prompt", "state", "error", "created", "updated"), ("id",)
@@ -168,11 +181,18 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
         expires_at REAL NOT NULL, created TEXT NOT NULL
     );
     """,
-    # v5 (ha-store): the notification outbox's per-row lease (jobs/notify.py; docs/ha.md): which worker claimed
+    # v4 (ha-store): the notification outbox's per-row lease (jobs/notify.py; docs/ha.md): which worker claimed
     # a row and until when (the database's clock, epoch seconds). SQLite's one process never reads them.
     """
     ALTER TABLE notifications ADD COLUMN lease_owner TEXT;
     ALTER TABLE notifications ADD COLUMN lease_until REAL;
+    """,
+    # v5 (ha-services): each replica's health as the leader's checks last found it (state, the last failure, when
+    # it changed), written on a change only, so every replica routes service traffic and shows it (docs/ha.md).
+    """
+    ALTER TABLE service_replicas ADD COLUMN state TEXT NOT NULL DEFAULT 'starting';
+    ALTER TABLE service_replicas ADD COLUMN last_error TEXT;
+    ALTER TABLE service_replicas ADD COLUMN checked TEXT;
     """,
 )
 
@@ -252,9 +272,15 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
         expires_at DOUBLE PRECISION NOT NULL, created TEXT NOT NULL
     );
     """,
-    # v5 (ha-store)
+    # v4 (ha-store)
     """
     ALTER TABLE notifications ADD COLUMN lease_owner TEXT, ADD COLUMN lease_until DOUBLE PRECISION;
+    """,
+    # v5 (ha-services)
+    """
+    ALTER TABLE service_replicas ADD COLUMN state TEXT NOT NULL DEFAULT 'starting';
+    ALTER TABLE service_replicas ADD COLUMN last_error TEXT;
+    ALTER TABLE service_replicas ADD COLUMN checked TEXT;
     """,
 )
 
