@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 from gateway_harness import FAST_ARGS, GatewayProcess, wait_for
@@ -45,7 +45,9 @@ pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy
 def doc_config() -> str:
     """The HAProxy configuration block of docs/ha.md."""
     text = HA_DOC.read_text()
-    found = re.search(r"<!-- haproxy\.cfg: begin -->\n```\n(.*?)```\n<!-- haproxy\.cfg: end -->", text, re.S)
+    found = re.search(
+        r"<!-- haproxy\.cfg: begin -->\n```\n(.*?)```\n<!-- haproxy\.cfg: end -->", text, re.DOTALL
+    )
     assert found, "docs/ha.md lost its HAProxy block (between the haproxy.cfg markers)"
     return found.group(1)
 
@@ -93,7 +95,9 @@ class HaProxy:
         self.config = workdir / "haproxy.cfg"
         self.config.write_text(lb_config(replicas, self.port, self.ssh_port, self.stats))
         self.log = workdir / "haproxy.log"
-        check = subprocess.run(["haproxy", "-c", "-f", str(self.config)], capture_output=True, text=True)
+        check = subprocess.run(
+            ["haproxy", "-c", "-f", str(self.config)], capture_output=True, text=True, check=False
+        )
         assert check.returncode == 0, check.stdout + check.stderr
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config)], stdout=log, stderr=log,
@@ -180,7 +184,9 @@ def test_the_doc_config_is_valid_as_written() -> None:
                         "/CN=ca", "-keyout", str(Path(tmp) / "k"), "-out", str(ca)], check=True,
                        capture_output=True)  # fmt: skip
         config.write_text(doc_config().replace("/etc/haproxy/sandbox-gateway-ca.pem", str(ca)))
-        check = subprocess.run(["haproxy", "-c", "-f", str(config)], capture_output=True, text=True)
+        check = subprocess.run(
+            ["haproxy", "-c", "-f", str(config)], capture_output=True, text=True, check=False
+        )
         assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -238,7 +244,7 @@ class Load:
                 else:
                     self.failed.append(what)
 
-    def __enter__(self) -> Load:
+    def __enter__(self) -> Self:
         for t in self._threads:
             t.start()
         return self
