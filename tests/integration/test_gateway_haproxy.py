@@ -71,16 +71,15 @@ def lb_config(replicas: dict[str, tuple[int, int]], api_port: int, ssh_port: int
                 port = ssh_port if "ssh" in head else api_port
                 body.append(f"    bind 127.0.0.1:{port}")
             elif word == "default-server":
-                line = re.sub(r" check-ssl| verify \S+| ca-file \S+| sni \S+", "", line)
-                if "check port" in line:  # the SSH backend checks the replica's API port
-                    line = re.sub(r" port \d+", "", line)
-                body.append(line)
+                body.append(re.sub(r" check-ssl| verify \S+| ca-file \S+| sni \S+", "", line))
             elif word == "server":
+                # The doc's servers gw1, gw2, ... become the replicas, their options (a check, a track) kept.
                 if not servers_done:
+                    options = " ".join(line.split()[3:])
                     for name, (api, ssh) in replicas.items():
-                        checked = f" port {api}" if "ssh" in head else ""
                         port = ssh if "ssh" in head else api
-                        body.append(f"    server {name} 127.0.0.1:{port} check{checked}")
+                        named = re.sub(r"/gw1\b", f"/{name}", options)
+                        body.append(f"    server {name} 127.0.0.1:{port} {named}".rstrip())
                     servers_done = True
             else:
                 body.append(line)
