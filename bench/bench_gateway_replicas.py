@@ -84,7 +84,7 @@ def start(name: str, workdir: Path, node: Sandboxd, cluster: PgCluster | None, r
     port = gws[0].port
     if replicas > 1:
         (workdir / name).mkdir()
-        lb = HaProxy(workdir / name, {f"gw{i}": (gw.port, free_port()) for i, gw in enumerate(gws)})
+        lb = HaProxy(workdir / name, {f"gw{i + 1}": (gw.port, free_port()) for i, gw in enumerate(gws)})
         wait_for(lambda: set(lb.states().values()) == {"UP"} and len(lb.states()) == replicas, 30)
         port = lb.port
     return SetUp(name, gws, port, key, lb)
@@ -134,18 +134,20 @@ async def idle_cpu(s: SetUp, secs: float) -> str:
     return f"idle: {(s.cpu() - cpu0) / secs * 1000:.1f} ms CPU per second (all its replicas)"
 
 
-async def get_load(s: SetUp, sid: str, clients: int, secs: float) -> str:
+async def get_load(s: SetUp, sid: str, clients: int, secs: float, direct: bool = False) -> str:
+    """``direct``: client i talks to replica i mod n, not through HAProxy (what the balancer itself costs)."""
     done = errors = 0
     latencies: list[float] = []
     deadline = time.monotonic() + secs
     headers = {"Authorization": f"Bearer {s.key}"}
 
-    async def client() -> None:
+    async def client(i: int) -> None:
         nonlocal done, errors
+        port = s.gws[i % len(s.gws)].port if direct else s.port
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
             while time.monotonic() < deadline:
                 t0 = time.perf_counter()
-                async with session.get(f"http://127.0.0.1:{s.port}/v1/sandboxes/{sid}", headers=headers) as r:
+                async with session.get(f"http://127.0.0.1:{port}/v1/sandboxes/{sid}", headers=headers) as r:
                     await r.read()
                     if r.status == 200:
                         done += 1
@@ -154,9 +156,9 @@ async def get_load(s: SetUp, sid: str, clients: int, secs: float) -> str:
                         errors += 1
 
     cpu0, t0 = s.cpu(), time.monotonic()
-    await asyncio.gather(*(client() for _ in range(clients)))
+    await asyncio.gather(*(client(i) for i in range(clients)))
     cpu, elapsed = s.cpu() - cpu0, time.monotonic() - t0
-    return (f"GET x{clients} clients: {done / elapsed:.0f} req/s, p50 {pct(latencies, 50):.1f} ms "
+    return (f"GET x{clients} clients{' straight to the replicas' if direct else ''}: {done / elapsed:.0f} req/s, p50 {pct(latencies, 50):.1f} ms "
             f"p95 {pct(latencies, 95):.1f}, {errors} errors, CPU {cpu / max(done, 1) * 1000:.3f} ms/request")  # fmt: skip
 
 
@@ -231,6 +233,8 @@ async def main() -> None:
             _, body = s.request("POST", "/v1/sandboxes", {})
             sid = json.loads(body)["id"]
             s.rows["get"] = await get_load(s, sid, args.clients, args.secs)
+            if s.lb is not None:
+                s.rows["get direct"] = await get_load(s, sid, args.clients, args.secs, direct=True)
             s.request("DELETE", f"/v1/sandboxes/{sid}")
             s.rows["cycle"] = await cycle_load(s, args.cycles, args.cycle_clients)
         for s in setups:

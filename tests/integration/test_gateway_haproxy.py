@@ -312,3 +312,23 @@ def test_a_draining_replica_is_taken_out_while_it_serves_and_no_request_fails(fr
     assert "draining: not ready, serving on" in leaving.log_text()
     leaving.start()
     wait_for(lambda: lb.states()["gw2"] == "UP", 30)
+
+
+def test_a_drain_serves_on_and_a_second_sigterm_or_a_sigint_stops_at_once(tmp_path: Path) -> None:
+    """SQLite, no balancer: at SIGTERM with a long drain the gateway answers /v1/ready 503 and /v1/health 200 (it
+    still serves); a second SIGTERM stops it without waiting out the drain, as a SIGINT does at once."""
+    for second in (signal.SIGTERM, signal.SIGINT):
+        workdir = tmp_path / second.name
+        workdir.mkdir()
+        gw = GatewayProcess(workdir, [], ["--drain", "10m"]).start()
+        try:
+            assert gw.request("GET", "/v1/ready").json() == {"status": "ready"}
+            assert gw.proc is not None
+            if second == signal.SIGTERM:
+                gw.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda g=gw: g.request("GET", "/v1/ready").status == 503, 20)
+                assert gw.request("GET", "/v1/health").json() == {"status": "ok"}
+            gw.proc.send_signal(second)
+            assert gw.proc.wait(60) == 0
+        finally:
+            gw.stop()
