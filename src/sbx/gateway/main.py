@@ -357,8 +357,9 @@ def serve(
         # it now, so this one stops (exit 1: systemd's Restart=on-failure starts it again, reading the database).
         lost.append(reason)
         log.critical("lost the database's owner lock; stopping", extra={"error": reason})
-        # SIGINT: at once, without the drain a SIGTERM gets (its memory may no longer match the database).
-        os.kill(os.getpid(), signal.SIGINT)
+        if len(lost) == 1:  # once: the owner and the leader connections are often lost together
+            # SIGINT: at once, without the drain a SIGTERM gets (its memory may no longer match the database).
+            os.kill(os.getpid(), signal.SIGINT)
 
     store.watch_owner(owner_lost)
     gateway.stop_process = owner_lost
