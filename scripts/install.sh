@@ -60,6 +60,7 @@ TEST_APT_PACKAGES=(
     openssh-client          # ssh, scp and sftp: the tests log in through the gateway's SSH server
     chromium fonts-dejavu-core  # the web console's tests drive Debian's Chromium (Playwright)
     postgresql              # PostgreSQL 15's initdb/pg_ctl: the tests start a private cluster (docs/ha.md)
+    haproxy                 # the replicas' test runs them behind a real HAProxy on loopback (docs/ha.md)
 )
 # Node.js and npm build the web console; Debian's, unless some node and npm are already installed (a packaged
 # node that bundles npm would conflict with Debian's npm package).
@@ -186,10 +187,10 @@ else
     note "runsc $(installed_version runsc)"
 fi
 if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
-    # Debian's packages enable a registry, a Prometheus server and a PostgreSQL cluster; tests only need the
-    # registry binary (they start their own on loopback), promtool and PostgreSQL's binaries (a private cluster
-    # in a temporary directory, tests/support/pg_cluster.py).
-    for service in docker-registry prometheus postgresql; do
+    # Debian's packages enable a registry, a Prometheus server, a PostgreSQL cluster and HAProxy; tests only need
+    # the registry binary (they start their own on loopback), promtool, PostgreSQL's binaries (a private cluster
+    # in a temporary directory, tests/support/pg_cluster.py) and haproxy (started by its test on loopback).
+    for service in docker-registry prometheus postgresql haproxy; do
         if systemctl is-enabled --quiet "$service" 2>/dev/null; then
             systemctl disable --now "$service" >/dev/null 2>&1 || true
             note "disabled the $service service the package enabled (tests need only its tools)"

@@ -101,9 +101,48 @@ class PgCluster:
         """Stop the server as a crash would (immediate: every connection cut), keeping the data for ``resume``."""
         self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "-t", "60", "stop")
 
-    def _run(self, *command: str) -> None:
+    def standby(self, name: str = "standby", synchronous: bool = True) -> PgCluster:
+        """A streaming standby of this cluster, started: ``pg_basebackup -R`` into a directory of its own, on a
+        unix socket of its own, the same password. ``synchronous``: this cluster then waits at each commit until
+        the standby has it on disk (``synchronous_standby_names``), as docs/ha.md configures a synchronous
+        standby. Stop it with its own ``stop``; ``promote`` makes it a primary."""
+        root = Path(tempfile.mkdtemp(prefix="sbx-pg-standby-"))
+        other = PgCluster(root, self.password, self._user, self.durable)
+        try:
+            other.socket_dir.mkdir()
+            if self._user is not None:
+                entry = pwd.getpwnam(self._user)
+                for path in (root, other.socket_dir):
+                    os.chown(path, entry.pw_uid, entry.pw_gid)
+            other._run(
+                str(PG_BIN / "pg_basebackup"), "-d",
+                f"host={self.socket_dir} user={SUPERUSER} application_name={name}",
+                "-D", str(other.data), "-X", "stream", "-R", env={"PGPASSWORD": self.password},
+            )  # fmt: skip
+            other.resume()
+            if synchronous:
+                with self.connect() as conn:
+                    conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 ({name})'")
+                    conn.execute("SELECT pg_reload_conf()")
+        except BaseException:
+            other.stop()
+            raise
+        return other
+
+    def promote(self) -> None:
+        """Make this standby a primary (``pg_ctl promote``), waiting until it takes writes."""
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-w", "-t", "120", "promote")
+
+    def _run(self, *command: str, env: dict[str, str] | None = None) -> None:
         result = subprocess.run(
-            command, user=self._user, cwd=self.root, capture_output=True, text=True, timeout=180, check=False
+            command,
+            user=self._user,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+            env={**os.environ, **(env or {})},
         )
         if result.returncode != 0:
             log = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""

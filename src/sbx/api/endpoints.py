@@ -28,6 +28,7 @@ from sbx.api.gateway import (
     NodeList,
     QuotaList,
     QuotaRequest,
+    Readiness,
     TenantQuota,
     Whoami,
 )
@@ -125,6 +126,10 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     Endpoint("POST", "/v1/node/cordon", "Cordon or uncordon this node", BOTH, (), body="json",
              request=CordonRequest, answer=NodeStatus, errors=_BODY, gateway_errors=_errs(e.NotFound)),
     Endpoint("GET", "/v1/health", "Gateway health", GATEWAY, None, answer=Health),
+    Endpoint("GET", "/v1/ready", "Whether this gateway replica can serve now (for load balancers)", GATEWAY, None,
+             answer=Readiness, errors=_errs(e.Unavailable),
+             notes="503 while its database is unreachable, its owner lock lost, its change notifications not "
+                   "listened to, or it is stopping (--drain); checked at most once a second."),
     Endpoint("GET", "/openapi.json", "This description (OpenAPI 3.1), outside /v1: no API addition", BOTH, None,
              notes="A gateway serves it without a key; a node behind its request guard, as any request."),
     Endpoint("GET", "/v1/whoami", "The calling key", GATEWAY, (), answer=Whoami),

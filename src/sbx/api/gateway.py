@@ -21,6 +21,14 @@ class Health(msgspec.Struct):
     status: str
 
 
+class Readiness(msgspec.Struct):
+    """``GET /v1/ready``: ``{status: "ready"}`` when this gateway can serve (its store reachable, the owner lock
+    held, other replicas' changes listened to, not stopping); else 503 ``unavailable`` saying why. No credential
+    needed: for load balancers (docs/ha.md)."""
+
+    status: str
+
+
 class Whoami(msgspec.Struct):
     """``GET /v1/whoami``: the key's user, tenant (null: the default one), id and scopes, and the
     organisation this request acts in (null: the key's own tenant)."""

@@ -196,6 +196,9 @@ def offline_store(location: StoreLocation) -> Iterator[Store]:
               help="Organisations a user may make or own.")  # fmt: skip
 @click.option("--idle-timeout", default=str(IDLE_TIMEOUT_SECS), show_default=True,
               help="Close a connection with no whole request head this long after opening or its last answer.")  # fmt: skip
+@click.option("--drain", default="0s", show_default=True, envvar="SANDBOX_GATEWAY_DRAIN",
+              help="At SIGTERM, answer GET /v1/ready 503 and go on serving this long before stopping, so a load "
+                   "balancer moves away first (docs/ha.md); SIGINT stops at once.")  # fmt: skip
 @click.option("--max-unauthenticated", default=MAX_UNAUTHENTICATED, show_default=True, type=click.IntRange(min=1),
               help="TCP connections not yet authenticated kept at most (a new one closes the oldest).")  # fmt: skip
 @click.option("--max-public-connections", default=DEFAULT_MAX_PUBLIC, show_default=True, type=click.IntRange(min=1),
@@ -241,7 +244,7 @@ def serve(
     node_file: Path | None, node_files_dir: Path | None, node_lost_after: str, audit_log: str | None, cors_origin: tuple[str, ...],
     metrics_listen: str | None, ssh_listen: str | None, ssh_advertise: str | None, ssh_max_auth_tries: int,
     ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
-    idle_timeout: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
+    idle_timeout: str, drain: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
     rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
     serve_console: bool, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str,
@@ -317,6 +320,7 @@ def serve(
         file_nodes=file_nodes,
     )
     lost_after = parse_duration(node_lost_after, "--node-lost-after")
+    drain_secs = parse_duration(drain, "--drain")
     poll = parse_duration(poll_interval, "--poll-interval")
     setup_logging(log_level)
     try:
@@ -353,14 +357,18 @@ def serve(
         # it now, so this one stops (exit 1: systemd's Restart=on-failure starts it again, reading the database).
         lost.append(reason)
         log.critical("lost the database's owner lock; stopping", extra={"error": reason})
-        os.kill(os.getpid(), signal.SIGTERM)
+        if len(lost) == 1:  # once: the owner and the leader connections are often lost together
+            # SIGINT: at once, without the drain a SIGTERM gets (its memory may no longer match the database).
+            os.kill(os.getpid(), signal.SIGINT)
 
     store.watch_owner(owner_lost)
     gateway.stop_process = owner_lost
     try:
         limits = ConnectionLimits(parse_duration(idle_timeout, "--idle-timeout"), max_unauthenticated)
         console = Console() if serve_console else None
-        asyncio.run(_serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh, console))
+        asyncio.run(
+            _serve(gateway, socket_path, listen_addr, tls, metrics_addr, limits, ssh, console, drain_secs)
+        )
     finally:
         store.close()
     if lost:
@@ -388,9 +396,12 @@ class ConnectionLimits:
 async def _serve(
     gateway: Gateway, socket_path: Path | None, listen: tuple[str, int] | None, tls: ssl.SSLContext | None,
     metrics_addr: tuple[str, int] | None, limits: ConnectionLimits, ssh: tuple[SshOptions, HostKeys] | None = None,
-    console: Console | None = None,
+    console: Console | None = None, drain_secs: float = 0.0,
 ) -> None:  # fmt: skip
     app = build_app(gateway, metrics_addr, ssh, console)
+
+    def draining() -> None:
+        gateway.draining = True
 
     def ready() -> None:
         ssh_port = {"ssh_port": gateway.ssh.port} if gateway.ssh is not None else {}
@@ -402,6 +413,7 @@ async def _serve(
     await run(
         app, Listen(socket_path, listen, tls), ready=ready, cancel_on_disconnect=True,
         idle_timeout_secs=limits.idle_timeout_secs, max_unauthenticated=limits.max_unauthenticated,
+        drain_secs=drain_secs, draining=draining,
     )  # fmt: skip
 
 

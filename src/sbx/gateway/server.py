@@ -112,6 +112,8 @@ class Gateway:
         #: Whether this replica runs the work done once (sweeps, services' and jobs' controllers, notifications):
         #: always with SQLite; with PostgreSQL the one holding the leader lock (``lead``).
         self.leading = not store.elects
+        #: Set at SIGTERM with ``--drain``: ``GET /v1/ready`` answers 503 while requests are still served.
+        self.draining = False
         #: Called when this process must stop (it lost the leader lock: another replica may lead by then).
         self.stop_process: Callable[[str], None] | None = None
         #: Follow-ups of other replicas' changes still running (kept referenced until they end).

@@ -10,12 +10,13 @@ requests still open ``shutdown_timeout_secs`` to finish, and only then stops the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -176,9 +177,13 @@ async def run(
     cancel_on_disconnect: bool = False,
     idle_timeout_secs: float = IDLE_TIMEOUT_SECS,
     max_unauthenticated: int = MAX_UNAUTHENTICATED,
+    drain_secs: float = 0.0,
+    draining: Callable[[], None] = lambda: None,
 ) -> None:
     """Start ``app`` (its ``cleanup_ctx`` in order), listen, call ``ready``, serve until SIGTERM or SIGINT,
-    then stop as the module says. ``cancel_on_disconnect``: a client going away cancels its handler (and what
+    then stop as the module says. ``drain_secs`` (over 0): at SIGTERM first call ``draining`` (a readiness
+    check turns 503, so a load balancer sends new connections elsewhere) and go on serving that long; SIGINT,
+    or a second SIGTERM, stops at once. ``cancel_on_disconnect``: a client going away cancels its handler (and what
     it waits on), as a relay wants; otherwise a handler finishes its work (a node's run, a snapshot). What a
     connection may do before it authenticates (``idle_timeout_secs``, ``max_unauthenticated``) and the answer
     to a malformed request: ``sbx.web.connections``."""
@@ -200,12 +205,28 @@ async def run(
             await web.TCPSite(runner, host, port, ssl_context=listen.tls, backlog=listen.backlog).start()
         ready()
         stop = asyncio.Event()
+        term = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if term.is_set() else term.set())
+        await _first(stop.wait(), term.wait())
+        if drain_secs > 0 and not stop.is_set():
+            draining()
+            log.info("draining: not ready, serving on", extra={"drain_secs": drain_secs})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), drain_secs)
         log.info("stopping")
     finally:
         await runner.cleanup()
         if listen.socket_path is not None:
             listen.socket_path.unlink(missing_ok=True)
+
+
+async def _first(*waits: Coroutine[object, object, object]) -> None:
+    """Wait until the first of ``waits`` ends; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -503,6 +503,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/ready": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Whether this gateway replica can serve now (for load balancers)
+         * @description 503 while its database is unreachable, its owner lock lost, its change notifications not listened to, or it is stopping (--drain); checked at most once a second.
+         */
+        get: operations["getReady"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes": {
         parameters: {
             query?: never;
@@ -1840,6 +1860,15 @@ export interface components {
             memory_mb: number | null;
             /** @default null */
             sandboxes: number | null;
+        };
+        /**
+         * Readiness
+         * @description ``GET /v1/ready``: ``{status: "ready"}`` when this gateway can serve (its store reachable, the owner lock
+         *         held, other replicas' changes listened to, not stopping); else 503 ``unavailable`` saying why. No credential
+         *         needed: for load balancers (docs/ha.md).
+         */
+        Readiness: {
+            status: string;
         };
         /**
          * RunOutput
@@ -5098,6 +5127,80 @@ export interface operations {
             };
             /** @description error: internal */
             500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getReady: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Whether this gateway replica can serve now (for load balancers) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Readiness"];
+                };
+            };
+            /** @description error: invalid_request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: forbidden_origin, refused */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: invalid_request */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unavailable */
+            503: {
                 headers: {
                     [name: string]: unknown;
                 };

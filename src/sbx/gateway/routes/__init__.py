@@ -67,6 +67,7 @@ def table(gw: Gateway) -> list[Route]:
     rows: list[tuple[str, str, Handler | RelayPolicy]] = [
         ("GET", "/openapi.json", meta.openapi),
         ("GET", "/v1/health", meta.health),
+        ("GET", "/v1/ready", meta.ready),
         ("GET", "/v1/whoami", meta.whoami),
         ("GET", "/v1/capabilities", meta.capabilities),
         ("GET", "/v1/node", meta.not_node),

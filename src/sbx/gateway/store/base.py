@@ -121,6 +121,13 @@ class Store(ABC):
         """Call ``on_lost(reason)`` (once, from another thread) if the owner lock is ever lost while open. A
         SQLite lock file cannot be: nothing to watch."""
 
+    def not_ready(self) -> str | None:
+        """Why this store cannot serve a request now (its database unreachable, its owner lock lost, its change
+        notifications not listened to), or None when it can: the readiness check (``GET /v1/ready``). Blocks for
+        at most a few seconds (one round trip to the database); the caller caches it. A SQLite file is this
+        process's own: always None."""
+        return None
+
     def listen(self, on_changes: Callable[[list[Change]], None]) -> None:
         """Call ``on_changes`` (from another thread, in commit order) with the rows of the mirrored tables that
         any writer of the database committed, this one's included (marked ``local``), until :meth:`close`; a

@@ -82,6 +82,8 @@ POOL_SIZE = 8
 CONNECT_TIMEOUT_SECS = 10
 #: How often the owner lock's connection is checked (``watch_owner``).
 OWNER_CHECK_SECS = 2.0
+#: The readiness check's round trip (a pooled connection and ``SELECT 1``) gives up after this long.
+READY_CHECK_SECS = 2.0
 #: The channel of the changes' notifications, and the most a payload holds (PostgreSQL's limit is 8000 bytes).
 CHANNEL = "sbx_gateway"
 PAYLOAD_MAX = 7000
@@ -149,6 +151,10 @@ class PostgresStore(Store):
         self._leader: threading.Thread | None = None
         #: Names this store's own notifications (``Change.local``) and its catch-up markers.
         self.origin = uuid.uuid4().hex
+        #: Why the owner lock is gone (``watch_owner`` found its connection failing), None while held.
+        self._owner_lost: str | None = None
+        #: Whether the listener holds a connection that LISTENs (``listen``); None before ``listen`` is called.
+        self._listening: bool | None = None
         self._markers: dict[str, threading.Event] = {}
         self._markers_lock = threading.Lock()
         self._load()
@@ -221,6 +227,22 @@ class PostgresStore(Store):
             self._owner.close()
             self._owner = None
 
+    def not_ready(self) -> str | None:
+        """As ``Store.not_ready``: the owner lock lost, the listener without its connection (memory may miss
+        other replicas' writes until it reloads), or no pooled connection answering ``SELECT 1`` within
+        ``READY_CHECK_SECS`` (libpq's reason in the log, not in the answer)."""
+        if self._owner_lost is not None:
+            return "it lost the database's owner lock and is stopping"
+        if self._listening is False:
+            return "it lost the database's change notifications and is connecting again"
+        try:
+            with self._pool.connection(timeout=READY_CHECK_SECS) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as exc:  # PoolTimeout is one too
+            log.warning("readiness: the database does not answer", extra={"error": str(exc).strip()})
+            return "it cannot reach its database"
+        return None
+
     def watch_owner(self, on_lost: Callable[[str], None]) -> None:
         """Check the owner lock's connection every ``OWNER_CHECK_SECS``; once it fails (PostgreSQL restarted or
         failed over, the network cut it), call ``on_lost(reason)`` once, from the watching thread.
@@ -237,7 +259,8 @@ class PostgresStore(Store):
                     owner.execute("SELECT 1")
                 except psycopg.Error as exc:
                     if not self._closed.is_set():
-                        on_lost(str(exc).strip() or type(exc).__name__)
+                        self._owner_lost = str(exc).strip() or type(exc).__name__
+                        on_lost(self._owner_lost)
                     return
 
         self._watcher = threading.Thread(target=watch, name="store-owner-watch", daemon=True)
@@ -285,6 +308,7 @@ class PostgresStore(Store):
             raise StateError(f"cannot listen to the database {self.location}: {str(exc).strip()}") from exc
 
         conn: psycopg.Connection[Any] | None = first
+        self._listening = True
 
         def run() -> None:
             nonlocal conn
@@ -296,8 +320,11 @@ class PostgresStore(Store):
                         log.info("listening to the database's changes again; reloading every table")
                     with conn:
                         on_changes([Change(t, None, self._rows(t)) for t in list(self.mirrors)])
+                        # Ready again only once memory has caught up with what was missed meanwhile.
+                        self._listening = True
                         self._listen_on(conn, on_changes)
                 except (psycopg.Error, Unavailable) as exc:
+                    self._listening = False
                     if self._closed.is_set():
                         return
                     log.warning("lost the database's change notifications; connecting again",
