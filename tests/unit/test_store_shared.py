@@ -14,14 +14,21 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncssh
+import msgspec
 import pytest
 from pg_cluster import PgCluster
 
+from sbx.api.jobs import JobSpec
 from sbx.api.processes import OutputChunk
 from sbx.gateway.audit import STORE_TRIM_EVERY_BYTES, StoreAudit
+from sbx.gateway.jobs.controller import JobOptions
 from sbx.gateway.jobs.outputs import CHUNK_BYTES, STREAM_CAP_BYTES, Outputs, StoreOutputs
+from sbx.gateway.jobs.store import JobRecord, RunRecord
+from sbx.gateway.nodes import Registry
 from sbx.gateway.secrets import KEY_CHECK, SecretBox, SecretsKeyError, check_key
+from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.ssh.hostkeys import HostKeyError, load_shared
+from sbx.gateway.state import now_rfc3339
 from sbx.gateway.store import Store, StoreLocation, Upsert, open_store
 
 
@@ -285,3 +292,29 @@ def test_a_host_key_file_wins_and_is_put_into_a_store_that_has_none(store: Store
     assert loaded.public_lines[0] == line
     (tmp_path / "elsewhere").mkdir()
     assert load_shared(store, tmp_path / "elsewhere" / "gateway", None).public_lines == loaded.public_lines
+
+
+async def test_a_job_past_its_retention_takes_its_kept_output_with_it(store: Store, tmp_path: Path) -> None:
+    """The leader's sweep forgets a finished job older than ``--job-retention`` and what it kept in the store; a
+    newer one keeps its output (the file version's rule, on the store)."""
+    options = GatewayOptions(jobs=JobOptions(tmp_path / "jobs", retention_secs=3600, shared_outputs=True))
+    gateway = Gateway(store, Registry(), None, options)
+    jobs = gateway.jobs
+    assert isinstance(jobs.outputs, StoreOutputs)
+    spec = msgspec.convert({"command": ["true"]}, JobSpec)
+    old, new = "2020-01-01T00:00:00Z", now_rfc3339()
+    for job_id, updated in (("job_old", old), ("job_new", new)):
+        await jobs.db.put(job=JobRecord(job_id, "alice", "", None, spec, None, "succeeded", None, old, updated),
+                          run=RunRecord(job_id, 1, "succeeded"))  # fmt: skip
+        spool = jobs.outputs.spool(job_id, 1)
+        spool.add(OutputChunk("stdout", b"out"))
+        spool.close()
+        jobs.outputs.keep_file(job_id, 1, 0, b"kept")
+    await jobs._forget_old()
+    assert set(jobs.db.jobs) == {"job_new"}
+    assert (
+        jobs.outputs.read_stream("job_old", 1, "stdout") == b""
+        and jobs.outputs.read_file("job_old", 1, 0) is None
+    )
+    assert jobs.outputs.read_stream("job_new", 1, "stdout") == b"out"
+    assert jobs.outputs.read_file("job_new", 1, 0) == b"kept"
