@@ -196,6 +196,8 @@ STORE_QUEUE_MAX = 10_000
 STORE_BATCH_MAX = 2_000
 #: The writer trims the table to its budget after writing this many bytes since its last trim.
 STORE_TRIM_EVERY_BYTES = 1024 * 1024
+#: The writer, woken by an entry, waits this long for more before it writes (fewer, larger transactions).
+STORE_LINGER_SECS = 0.02
 #: After a failed write the writer tries again this often (the entries stay queued meanwhile).
 STORE_RETRY_SECS = 1.0
 #: A read or a close waits at most this long for the entries queued before it to be written.
@@ -211,7 +213,8 @@ class StoreAudit:
     ``STORE_TRIM_EVERY_BYTES`` since its last trim (so it may exceed the budget by that much per replica).
 
     Off the answer's path: ``record`` puts the entry on a bounded queue (``STORE_QUEUE_MAX``) and a writer thread
-    writes everything queued in one transaction (``synchronous_commit`` off), so a request waits for no round trip.
+    encodes and writes everything queued in one transaction (``synchronous_commit`` off; it waits
+    ``STORE_LINGER_SECS`` after the first entry for more), so a request waits for no round trip.
     What a crash can lose: a SIGKILL of the replica loses the entries still queued (those of the last
     milliseconds: the file writer loses those of the loop's last turn); a PostgreSQL crash may lose the last
     fraction of a second of committed ones. While the database cannot be reached the entries wait in the queue
@@ -221,7 +224,7 @@ class StoreAudit:
         self.store = store
         self.budget_bytes = max_bytes * (keep + 1)
         self._cond = threading.Condition()
-        self._queued: deque[tuple[int, str]] = deque()
+        self._queued: deque[tuple[float, dict[str, Any]]] = deque()
         self._writing = 0
         self._dropped = 0
         self._closed = False
@@ -232,13 +235,12 @@ class StoreAudit:
 
     def record(self, **fields: Any) -> None:
         """Queue ``{time, **fields}`` (only ``ALLOWED_FIELDS``, None values left out); never raises or waits."""
-        when = time.time()
-        line = _line(when, _entry(fields))[:-1].decode()
+        entry = (time.time(), _entry(fields))  # encoded by the writer, off the request's loop
         with self._cond:
             if len(self._queued) >= STORE_QUEUE_MAX:
                 self._dropped += 1
                 return
-            self._queued.append((int(when * 1000), line))
+            self._queued.append(entry)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -248,6 +250,9 @@ class StoreAudit:
                     self._cond.wait()
                 if not self._queued:
                     return
+            if not self._closed:
+                time.sleep(STORE_LINGER_SECS)  # the entries of a busy moment go in one transaction
+            with self._cond:
                 batch = [self._queued.popleft() for _ in range(min(len(self._queued), STORE_BATCH_MAX))]
                 self._writing = len(batch)
                 dropped, self._dropped = self._dropped, 0
@@ -255,8 +260,9 @@ class StoreAudit:
                 log.error("gateway audit entries dropped: the database could not take them in time",
                           extra={"count": dropped})  # fmt: skip
             try:
-                self.store.audit_append(batch)
-                written = sum(len(line) for _, line in batch)
+                rows = _encoded(batch)
+                self.store.audit_append(rows)
+                written = sum(len(line) for _, line in rows)
                 self._since_trim += written
                 if self._since_trim >= STORE_TRIM_EVERY_BYTES:
                     self._since_trim = 0
@@ -309,6 +315,17 @@ class StoreAudit:
         lines = self.store.audit_read(since_ms, limit + 1)
         entries = [json.loads(line) for line in lines]
         return (entries[:limit], True) if len(entries) > limit else (entries, False)
+
+
+def _encoded(batch: list[tuple[float, dict[str, Any]]]) -> list[tuple[int, str]]:
+    """``(epoch milliseconds, JSON line)`` of each entry; one that cannot be encoded is dropped (logged)."""
+    rows = []
+    for when, entry in batch:
+        try:
+            rows.append((int(when * 1000), _line(when, entry)[:-1].decode()))
+        except (TypeError, ValueError):
+            log.error("gateway audit entry dropped: a field is not JSON", extra={"fields": sorted(entry)})
+    return rows
 
 
 #: What a serving gateway records into: a file, or the store's table.

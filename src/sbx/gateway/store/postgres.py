@@ -267,6 +267,21 @@ class PostgresStore(Store):
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
 
+    def audit_append(self, entries: Sequence[tuple[int, str]]) -> None:
+        """As ``Store.audit_append``, through ``COPY`` (a batch of audit lines costs a fraction of the CPU of an
+        ``INSERT`` of many rows: measured in docs/benchmarks.md)."""
+        if not entries:
+            return
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                conn.execute("SET LOCAL synchronous_commit TO OFF")
+                with conn.cursor().copy("COPY audit (time_ms, bytes, line) FROM STDIN") as copy:
+                    for when, line in entries:
+                        copy.write_row((when, len(line.encode()), line))
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+            raise Unavailable(UNREACHABLE) from exc
+
     def select(
         self, table: str, columns: Sequence[str], order_by: str | None = None
     ) -> list[tuple[Any, ...]]:
