@@ -215,10 +215,11 @@ class StoreAudit:
     Off the answer's path: ``record`` puts the entry on a bounded queue (``STORE_QUEUE_MAX``) and a writer thread
     encodes and writes everything queued in one transaction (``synchronous_commit`` off; it waits
     ``STORE_LINGER_SECS`` after the first entry for more), so a request waits for no round trip.
-    What a crash can lose: a SIGKILL of the replica loses the entries still queued (those of the last
-    milliseconds: the file writer loses those of the loop's last turn); a PostgreSQL crash may lose the last
-    fraction of a second of committed ones. While the database cannot be reached the entries wait in the queue
-    (the writer tries again every second); beyond ``STORE_QUEUE_MAX`` new ones are dropped, counted in the log."""
+    What a crash can lose: a SIGKILL of the replica loses the entries still queued or being written (those of
+    about the last ``STORE_LINGER_SECS``: the file writer loses those of the loop's last turn); a PostgreSQL crash
+    may lose the last fraction of a second of committed ones. While the database cannot be reached the entries
+    wait in the queue (the writer tries again every second); beyond ``STORE_QUEUE_MAX`` new ones are dropped,
+    counted in the log."""
 
     def __init__(self, store: Store, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP) -> None:
         self.store = store
