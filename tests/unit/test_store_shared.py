@@ -318,3 +318,23 @@ async def test_a_job_past_its_retention_takes_its_kept_output_with_it(store: Sto
     )
     assert jobs.outputs.read_stream("job_new", 1, "stdout") == b"out"
     assert jobs.outputs.read_file("job_new", 1, 0) == b"kept"
+
+
+def test_serve_on_a_database_takes_no_audit_log_file(tmp_path: Path) -> None:
+    """The replicas' audit log is the database's: a file given with --database is refused before anything starts
+    (nothing connects: the host does not exist), and ``none`` is taken."""
+    from click.testing import CliRunner
+
+    from sbx.gateway.main import main
+
+    args = ["serve", "--database", "postgresql://gw@db.invalid/gw", "--data-dir", str(tmp_path)]
+    result = CliRunner().invoke(main, [*args, "--audit-log", str(tmp_path / "audit.jsonl")])
+    assert result.exit_code == 2 and (
+        "with --database the audit log is kept in the database, shared by the replicas: --audit-log takes only "
+        "'none' there"
+    ) in " ".join(result.output.split())
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(main, [*args, "--audit-log", "none"])
+    assert (
+        result.exit_code == 1 and "cannot use the database" in result.output
+    )  # past the check, to connecting
