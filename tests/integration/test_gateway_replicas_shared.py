@@ -196,8 +196,14 @@ def test_a_job_run_by_the_leader_is_read_through_the_follower_also_after_the_lea
     assert not list((follower.workdir / "jobs").glob("*/*")) and not list(
         (leader.workdir / "jobs").glob("*/*")
     )
-    # The leader that ran it is SIGKILLed: the follower still answers the same.
+    # The leader that ran it is SIGKILLed: the follower still answers the same. What the leader's audit writer
+    # had committed stays: an audit read on the leader writes its queue first, so its reads of the run are kept.
+    assert _audit(leader, pair.admin)
     leader.kill()
+    leader_reads = [
+        e for e in _audit(follower, pair.admin) if e.get("route") == "/v1/jobs/{id}/runs/{n}/output"
+    ]
+    assert len(leader_reads) == 2, leader_reads  # through the follower, then through the leader
     try:
         assert read(follower) == through_follower
         wait_for(lambda: LEADS in _this_run(follower), 20, 0.1)
