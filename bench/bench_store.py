@@ -7,11 +7,18 @@ and ``add_key`` (a key: ``full=True``, durable), p50/p95 in ms, with the calling
 a state file on /var/tmp. PostgreSQL: a private, durable (fsync on) cluster of Debian's PostgreSQL 15 on a unix
 socket on the same machine (tests/support/pg_cluster.py), so the numbers hold the protocol and the server's own
 work, without a network. Results go in docs/benchmarks.md.
+
+``--audit N``: the audit log's cost, the file (``GatewayAudit``, a SQLite gateway's) against the PostgreSQL table
+(``StoreAudit``, the replicas'): N entries recorded inside an event loop in bursts of 50 (a turn of a busy loop),
+each burst's turn timed as the loop sees it (the records, and for the file its write in the next turn), then the
+time until all are durable-in-store (written / committed), with the process's CPU per entry (the writer thread's
+included).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import resource
 import shutil
@@ -27,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 from pg_cluster import PgCluster
 
 from sbx.gateway import keys
+from sbx.gateway.audit import GatewayAudit, StoreAudit
 from sbx.gateway.state import SandboxRecord
 from sbx.gateway.store import Store, StoreLocation, open_store
 
@@ -44,6 +52,8 @@ def cpu() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--writes", type=int, default=500)
+    parser.add_argument("--audit", type=int, default=20000, help="audit entries per log (0: skip)")
+    parser.add_argument("--audit-rate", type=int, default=5000, help="audit entries recorded per second")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-store-", dir="/var/tmp"))
     cluster = PgCluster.start(durable=True)
@@ -78,11 +88,46 @@ def main() -> None:
             for label in stores:
                 print(f"{name:<12} {label:<9} p50 {pct(times[label], 50):6.2f} ms  p95 {pct(times[label], 95):6.2f} ms"
                       f"  client CPU {cpu_used[label] / args.writes * 1000:5.2f} ms/write")  # fmt: skip
+        if args.audit:
+            bench_audit(args.audit, args.audit_rate, workdir, stores["postgres"])
     finally:
         for store in stores.values():
             store.close()
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def bench_audit(entries: int, rate: int, workdir: Path, pg: Store) -> None:
+    burst = 50
+    logs: dict[str, GatewayAudit | StoreAudit] = {
+        "file": GatewayAudit(workdir / "audit" / "gateway.jsonl"),
+        "postgres": StoreAudit(pg),
+    }
+    for label, log in logs.items():
+
+        async def run(log: GatewayAudit | StoreAudit = log) -> list[float]:
+            turns = []
+            for b in range(entries // burst):
+                start = time.perf_counter()
+                for i in range(burst):
+                    log.record(kind="api", type="api.request", key_id="key_0123456789abcdef", user="bench",
+                               method="GET", route="/v1/sandboxes/{ref}", status=200, target=f"sbx_{b}_{i}")  # fmt: skip
+                await asyncio.sleep(0)  # the file's write runs in this turn
+                turns.append(time.perf_counter() - start)
+                await asyncio.sleep(max(0.0, burst / rate - (time.perf_counter() - start)))
+            return turns
+
+        before_cpu, start = cpu(), time.perf_counter()
+        turns = asyncio.run(run())
+        recorded = time.perf_counter() - start
+        log.flush()
+        lag = time.perf_counter() - start - recorded
+        used = cpu() - before_cpu
+        stored = len(log.read(None, 10 * entries)[0])
+        print(f"audit        {label:<9} {rate}/s, loop per burst of {burst}: p50 {pct(turns, 50):6.3f} ms  "
+              f"p95 {pct(turns, 95):6.3f} ms  stored {stored}/{entries}, the last {lag * 1000:6.1f} ms after "
+              f"recorded  CPU {used / entries * 1e6:5.1f} us/entry")  # fmt: skip
+        log.close()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,13 @@ def fill(store: Store) -> None:
                                                 "attempts": 1, "first_try": 1.5, "next_try": 2.5})])  # fmt: skip
     first = store.query("notifications", ("id",), "id")[0][0]
     store.execute([Delete("notifications", {"id": first})])
+    # The tables shared by replicas (a SQLite gateway writes only gateway_files; the others as a PostgreSQL one).
+    store.audit_append(
+        [(1767225600000 + i, f'{{"time":"2026-01-01T00:00:00.00{i}Z","kind":"api"}}') for i in range(3)]
+    )
+    store.output_put("job_1", 1, "stdout", 0, b"out")
+    store.output_replace("job_1", 1, "file/0", [b"ke", b"pt"])
+    store.file_put_new("ssh_host_ed25519_key", os.urandom(12), os.urandom(40))
 
 
 def dump(store: Store) -> dict[str, list[tuple[Any, ...]]]:
@@ -123,6 +130,10 @@ def test_every_table_is_copied_row_for_row(world: tuple[Path, str]) -> None:
     target.execute([Insert("notifications", {"job": "job_1", "url": "https://hooks.example/x", "body": "{}",
                                              "attempts": 0, "first_try": 1.0, "next_try": 1.0})])  # fmt: skip
     assert max(row[0] for row in target.query("notifications", ("id",))) == highest + 1
+    # And the next audit line goes after the copied ones.
+    target.audit_append([(1767225700000, '{"kind":"api","after":true}')])
+    assert target.audit_read(None, 10)[-1] == '{"kind":"api","after":true}'
+    assert max(row[0] for row in target.select("audit", ("id",))) == max(r[0] for r in before["audit"]) + 1
     source.close()
     target.close()
 

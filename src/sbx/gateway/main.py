@@ -32,7 +32,7 @@ from sbx.api.codec import convert_request, to_builtins
 from sbx.api.errors import SandboxError
 from sbx.api.gateway import NodeAddRequest
 from sbx.gateway import keys as keymod
-from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.audit import AuditLog, GatewayAudit, StoreAudit
 from sbx.gateway.jobs.agents import AgentsFileError, load_agents
 from sbx.gateway.jobs.controller import JobOptions
 from sbx.gateway.jobs.notify import NotifyPolicy
@@ -46,11 +46,11 @@ from sbx.gateway.nodes import (
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
 from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
-from sbx.gateway.secrets import SecretsKeyError, load_key, new_key_file
+from sbx.gateway.secrets import SecretBox, SecretsKeyError, check_key, load_key, new_key_file
 from sbx.gateway.server import Gateway, GatewayOptions
 from sbx.gateway.services.public import DEFAULT_MAX_PER_SERVICE as DEFAULT_MAX_PUBLIC_PER_SERVICE
 from sbx.gateway.services.public import DEFAULT_MAX_TOTAL as DEFAULT_MAX_PUBLIC
-from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create
+from sbx.gateway.ssh.hostkeys import HostKeyError, HostKeys, load_or_create, load_shared
 from sbx.gateway.ssh.server import SshOptions, SshServer
 from sbx.gateway.ssh.throttle import DEFAULT_MAX_AUTH_TRIES, DEFAULT_SOURCE_FAILURES, LoginLimits
 from sbx.gateway.state import NodeDef, Quota, StateError, StateLocked
@@ -293,6 +293,14 @@ def serve(
     audit_path = (
         None if audit_log == "none" else Path(audit_log) if audit_log else local / "audit" / "gateway.jsonl"
     )
+    # Replicas on one database share what a client may read through any of them (docs/ha.md): the audit log,
+    # the jobs' kept output and files, and the SSH host keys live in the database.
+    shared = location.database is not None
+    if shared and audit_log not in (None, "none"):
+        raise click.UsageError(
+            "with --database the audit log is kept in the database, shared by the replicas: --audit-log takes "
+            "only 'none' there"
+        )
     if no_notify and notify_allow_private:
         raise click.UsageError("--no-notify and --notify-allow-private contradict each other: give one")
     try:
@@ -304,6 +312,7 @@ def serve(
         outputs_dir=jobs_dir if jobs_dir is not None else local / "jobs",
         retention_secs=parse_duration(job_retention, "--job-retention"),
         notify=NotifyPolicy(enabled=not no_notify, allow_private=notify_allow_private), agents=agents,
+        shared_outputs=shared,
     )  # fmt: skip
     options = GatewayOptions(
         secrets_key=secrets_key,
@@ -328,10 +337,22 @@ def serve(
     except (StateLocked, StateError) as exc:
         click.echo(f"sandbox-gateway: {exc}", err=True)
         sys.exit(1)
+    box = SecretBox(secrets_key) if secrets_key is not None else None
+    if box is not None:
+        assert secrets_key_file is not None
+        try:
+            check_key(store, box, secrets_key_file)
+        except SecretsKeyError as exc:
+            store.close()
+            click.echo(f"sandbox-gateway: {exc}", err=True)
+            sys.exit(1)
     ssh = None
     if ssh_options is not None:
         try:
-            ssh = (ssh_options, load_or_create(host_key_base))
+            ssh = (
+                ssh_options,
+                load_shared(store, host_key_base, box) if shared else load_or_create(host_key_base),
+            )
         except HostKeyError as exc:
             store.close()
             click.echo(f"sandbox-gateway: {exc}", err=True)
@@ -344,7 +365,9 @@ def serve(
     registry = Registry(
         poll_interval_secs=poll, failures_unhealthy=failures_unhealthy, lost_after_secs=lost_after
     )
-    audit = GatewayAudit(audit_path) if audit_path is not None else None
+    audit: AuditLog | None = None
+    if audit_path is not None:
+        audit = StoreAudit(store) if shared else GatewayAudit(audit_path)
     gateway = Gateway(store, registry, audit, options)
     tls = server_tls(tls_cert, tls_key)
     # Connections hold descriptors, a proxied request two (the client's and the tunnel's): the caps above are
@@ -720,8 +743,9 @@ def migrate(source: Path, target: str) -> None:
     for name, n in counts.items():
         click.echo(f"  {name}: {n}")
     click.echo(
-        "local files stay files: serve with --database and --data-dir DIR, with the audit log, jobs/ and the SSH "
-        f"host keys ({source.name}.ssh_host_*_key, renamed gateway.ssh_host_*_key) copied into DIR (docs/ha.md)"
+        "local files: serve the first replica with --database and --data-dir DIR, with the SSH host keys "
+        f"({source.name}.ssh_host_*_key, renamed gateway.ssh_host_*_key) and jobs/ copied into DIR; it puts the "
+        "keys into the database for every replica (docs/ha.md)"
     )
 
 

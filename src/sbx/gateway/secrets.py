@@ -125,6 +125,53 @@ class SecretBox:
         """The value; raises ``InvalidTag`` when the key or the row is not the one it was sealed with."""
         return self._aead.decrypt(nonce, ciphertext, self._bound_to(tenant, name))
 
+    def seal_file(self, name: str, data: bytes) -> tuple[bytes, bytes]:
+        """``(nonce, ciphertext)`` of one of the gateway's own files (an SSH host key), bound to its name (never
+        confused with a tenant's secret: other associated data)."""
+        nonce = random_source.token_bytes(NONCE_BYTES)
+        return nonce, self._aead.encrypt(nonce, data, b"sbx-gateway-file\x00" + name.encode())
+
+    def open_file(self, name: str, nonce: bytes, ciphertext: bytes) -> bytes:
+        """What :meth:`seal_file` sealed; ``InvalidTag`` with another key."""
+        return self._aead.decrypt(nonce, ciphertext, b"sbx-gateway-file\x00" + name.encode())
+
+
+#: The store's file that tells whether a secrets key is the one the store's secrets were sealed with.
+KEY_CHECK = "secrets_key_check"
+
+
+def check_key(store: Store, box: SecretBox, key_file: Path) -> None:
+    """Refuse (``SecretsKeyError``) a secrets key that does not open what the store holds sealed: at start, so a
+    replica given another key than the others (or a gateway whose key file was changed) stops with the reason
+    instead of failing each job and service that needs a secret. The first gateway with a key seals a check value
+    in the store (``gateway_files``); a store from before the check is checked against one of its secrets."""
+    kept = store.file_get(KEY_CHECK)
+    if kept is None:
+        rows = store.query("secrets", ("tenant", "name", "nonce", "ciphertext"))
+        for tenant, name, nonce, ciphertext in rows[:1]:
+            try:
+                box.open(str(tenant), str(name), bytes(nonce), bytes(ciphertext))
+            except InvalidTag:
+                raise SecretsKeyError(_wrong_key(key_file, store)) from None
+        store.file_put_new(KEY_CHECK, *box.seal_file(KEY_CHECK, b"sbx secrets key check"))
+        kept = store.file_get(KEY_CHECK)  # another replica starting together may have sealed it first
+        assert kept is not None
+    nonce, data = kept
+    try:
+        if nonce is None:
+            raise InvalidTag
+        box.open_file(KEY_CHECK, nonce, data)
+    except InvalidTag:
+        raise SecretsKeyError(_wrong_key(key_file, store)) from None
+
+
+def _wrong_key(key_file: Path, store: Store) -> str:
+    return (
+        f"the secrets key file {key_file} does not open the secrets sealed in {store.location} (another "
+        "replica, or this gateway before, sealed them with another key): give every replica the same "
+        "--secrets-key-file, the one the secrets were sealed with"
+    )
+
 
 @dataclass(frozen=True)
 class _Sealed:

@@ -25,7 +25,7 @@ from sbx.api.errors import NotFound, SandboxError, Unavailable
 from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
-from sbx.gateway.audit import GatewayAudit
+from sbx.gateway.audit import AuditLog
 from sbx.gateway.jobs.controller import CANCEL_SIGNAL, JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
@@ -89,7 +89,7 @@ class Gateway:
     """Everything a serving gateway holds."""
 
     def __init__(
-        self, store: Store, registry: Registry, audit: GatewayAudit | None, options: GatewayOptions
+        self, store: Store, registry: Registry, audit: AuditLog | None, options: GatewayOptions
     ) -> None:
         self.store = store
         self.registry = registry

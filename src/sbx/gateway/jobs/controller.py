@@ -39,7 +39,7 @@ from sbx.gateway.auth import Principal
 from sbx.gateway.jobs.agents import AgentDef
 from sbx.gateway.jobs.metrics import JobMetrics
 from sbx.gateway.jobs.notify import Notifier, NotifyPolicy
-from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, Outputs
+from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, AnyOutputs, Outputs, StoreOutputs
 from sbx.gateway.jobs.runner import JOB_LABEL, REVOKED, RUN_LABEL, JobCancelled, Runner
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodes import Node
@@ -74,6 +74,9 @@ class JobOptions:
     retention_secs: float = DEFAULT_RETENTION_SECS
     notify: NotifyPolicy = dataclasses.field(default_factory=NotifyPolicy)
     agents: dict[str, AgentDef] = dataclasses.field(default_factory=dict)
+    #: Keep the runs' output and files in the store (PostgreSQL: read alike by every replica), ``outputs_dir``
+    #: then only read for runs kept there before (docs/jobs.md).
+    shared_outputs: bool = False
 
 
 #: The signal a follower sends the leader to cancel a job (``Store.signal``; arguments: job id, reason).
@@ -85,7 +88,11 @@ class JobController:
         self.gw = gw
         self.options = options
         self.db = JobStore(gw.store, gw.write)
-        self.outputs = Outputs(options.outputs_dir)
+        self.outputs: AnyOutputs = (
+            StoreOutputs(gw.store, options.outputs_dir)
+            if options.shared_outputs
+            else Outputs(options.outputs_dir)
+        )
         self.metrics = JobMetrics(gw.metrics.registry, self._counts)
         self.notifier = Notifier(gw, gw.store, options.notify, self.metrics.count_notification)
         self.runner = Runner(gw, self.db, self.outputs, self.notifier, self.metrics.count_run)
@@ -203,12 +210,18 @@ class JobController:
         return RunOutput(stdout=stdout, stderr=stderr, truncated=run.truncated or max(len(stdout), len(stderr))
                          > STREAM_CAP_BYTES)  # fmt: skip
 
-    def kept_file(self, job: JobRecord, n: str, path: str) -> Path:
+    async def kept_file(self, job: JobRecord, n: str, path: str) -> Path | bytes:
+        """The kept file: its path on this gateway's disk, or its bytes from the store (at most 64 MiB)."""
         run = self.run_of(job, n)
         for i, kept in enumerate(run.files or ()):
             if kept.path == path and kept.bytes is not UNSET:
-                found = self.outputs.file_path(job.id, run.n, i)
-                if found.exists():
+                if isinstance(self.outputs, Outputs):
+                    on_disk = self.outputs.file_path(job.id, run.n, i)
+                    if on_disk.exists():
+                        return on_disk
+                    break
+                found = await asyncio.to_thread(self.outputs.read_file, job.id, run.n, i)
+                if found is not None:
                     return found
         raise NotFound(f"run {run.n} of job {job.id} kept no file {path!r}")
 

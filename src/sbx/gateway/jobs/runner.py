@@ -37,7 +37,7 @@ from sbx.api.validation import validate_guest_path
 from sbx.gateway import auth
 from sbx.gateway.auth import Principal
 from sbx.gateway.jobs.agents import PROMPT_PATH
-from sbx.gateway.jobs.outputs import Outputs
+from sbx.gateway.jobs.outputs import AnyOutputs, Spool, StoreSpool
 from sbx.gateway.jobs.spec import MAX_KEPT_FILE_BYTES
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodeclient import NodeClient
@@ -75,7 +75,7 @@ class JobCancelled(Exception):
 class Runner:
     """Runs attempts; the controller decides how many."""
 
-    def __init__(self, gw: Gateway, db: JobStore, outputs: Outputs, notifier: Notifier,
+    def __init__(self, gw: Gateway, db: JobStore, outputs: AnyOutputs, notifier: Notifier,
                  count_run: Callable[[str], None]) -> None:  # fmt: skip
         self.gw = gw
         self._count_run = count_run
@@ -221,10 +221,10 @@ class Runner:
         sandbox, pid, node_name = run.sandbox, run.pid, run.node
         deadline = self._deadline(job, run)
         timed_out = False
-        spool = self.outputs.spool(job.id, run.n)
+        spool: Spool | StoreSpool = await asyncio.to_thread(self.outputs.spool, job.id, run.n)
         try:
             while True:
-                spool.restart()
+                await asyncio.to_thread(spool.restart)
                 remaining = None if deadline is None or timed_out else deadline - time.time()
                 try:
                     if remaining is not None and remaining <= 0:
@@ -254,7 +254,7 @@ class Runner:
                     log.info("following a run's output again", extra={"job": job.id, "error": exc.message})
                     await asyncio.sleep(REFOLLOW_SECS)
         finally:
-            spool.close()
+            await asyncio.to_thread(spool.close)
 
     # -- 3. the end --------------------------------------------------------------------------------------
 

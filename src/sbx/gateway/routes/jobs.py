@@ -87,5 +87,7 @@ class JobRoutes:
             raise InvalidRequest(
                 "path: give one path of the job's keep.files, e.g. ?path=/sandbox/home/out.txt"
             )
-        found = self.gw.jobs.kept_file(job, request.match_info["n"], paths[0])
+        found = await self.gw.jobs.kept_file(job, request.match_info["n"], paths[0])
+        if isinstance(found, bytes):
+            return web.Response(body=found, headers={"Content-Type": "application/octet-stream"})
         return web.FileResponse(found, headers={"Content-Type": "application/octet-stream"})

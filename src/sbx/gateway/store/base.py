@@ -44,6 +44,14 @@ Row = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
+class Result:
+    """What one statement of :meth:`Store.run` did: the rows it changed and the rows it returned."""
+
+    count: int
+    rows: list[Row]
+
+
+@dataclass(frozen=True)
 class Mirror:
     """How memory holds a table: ``put`` a row (every column of ``schema.TABLES``, in order), ``drop`` the row
     with a primary key (a tuple, in the key's column order; absent is fine), ``clear`` them all."""
@@ -108,6 +116,15 @@ class Store(ABC):
         self, table: str, columns: Sequence[str], order_by: str | None = None
     ) -> list[tuple[Any, ...]]:
         """Every row of ``table`` (``columns`` in that order), sorted by ``order_by`` when given."""
+
+    @abstractmethod
+    def run(self, statements: Sequence[tuple[str, tuple[Any, ...]]], full: bool = True) -> list[Result]:
+        """Run SQL ``statements`` (written with :attr:`mark` as the placeholder) in one transaction, announcing
+        nothing to the other replicas: for the tables no replica holds in memory (the audit log, the jobs' kept
+        output, the gateway's files), written and read by the methods below only. ``full`` as in :meth:`apply`."""
+
+    #: The placeholder of :meth:`run`'s SQL (``?`` for SQLite, ``%s`` for PostgreSQL).
+    mark: str = "?"
 
     @abstractmethod
     def schema_version(self) -> int:
@@ -437,6 +454,108 @@ class Store(ABC):
         self.apply([Delete("ssh_tokens", {"token_sha256": h}) for h in hashes])
         for h in hashes:
             self.ssh_tokens.pop(h, None)
+
+    # -- schema v6: shared by the replicas, never held in memory (docs/ha.md, "Shared by the replicas") ------
+
+    def audit_append(self, entries: Sequence[tuple[int, str]]) -> None:
+        """Append audit lines ``(time in epoch milliseconds, JSON text)``, in order, in one transaction that is
+        durable as a ``full=False`` write (a database crash may lose its last fraction of a second)."""
+        m = self.mark
+        statements = []
+        for start in range(0, len(entries), AUDIT_ROWS_PER_INSERT):
+            part = entries[start : start + AUDIT_ROWS_PER_INSERT]
+            values = ", ".join(f"({m}, {m}, {m})" for _ in part)
+            params = tuple(v for when, line in part for v in (when, len(line.encode()), line))
+            statements.append((f"INSERT INTO audit (time_ms, bytes, line) VALUES {values}", params))
+        if statements:
+            self.run(statements, full=False)
+
+    def audit_read(self, since_ms: int | None, limit: int) -> list[str]:
+        """The first ``limit`` lines at or after ``since_ms`` (None: all), oldest first: in the order they reached
+        the database."""
+        m = self.mark
+        sql = f"SELECT line FROM audit ORDER BY id LIMIT {m}"
+        params: tuple[int, ...] = (limit,)
+        if since_ms is not None:
+            sql = f"SELECT line FROM audit WHERE time_ms >= {m} ORDER BY id LIMIT {m}"
+            params = (since_ms, limit)
+        return [str(r[0]) for r in self.run([(sql, params)])[0].rows]
+
+    def audit_trim(self, budget_bytes: int) -> int:
+        """Delete the oldest lines beyond the newest ``budget_bytes`` of them; how many went."""
+        m = self.mark
+        sql = (
+            "DELETE FROM audit WHERE id <= (SELECT id FROM (SELECT id, SUM(bytes) OVER (ORDER BY id DESC) AS newer"
+            f" FROM audit) AS t WHERE newer > {m} ORDER BY id DESC LIMIT 1)"
+        )
+        return self.run([(sql, (budget_bytes,))], full=False)[0].count
+
+    def output_put(self, job: str, n: int, stream: str, seq: int, data: bytes) -> None:
+        """Chunk ``seq`` of a run's ``stream`` (``stdout``, ``stderr``, ``file/I``), replacing one kept before."""
+        m = self.mark
+        sql = (
+            f"INSERT INTO job_output (job, n, stream, seq, data) VALUES ({m}, {m}, {m}, {m}, {m}) "
+            "ON CONFLICT (job, n, stream, seq) DO UPDATE SET data = excluded.data"
+        )
+        self.run([(sql, (job, n, stream, seq, data))], full=False)
+
+    def output_replace(self, job: str, n: int, stream: str, chunks: Sequence[bytes]) -> None:
+        """A run's ``stream`` (a kept file) as ``chunks``, replacing whatever was kept of it, in one transaction."""
+        m = self.mark
+        self.run([
+            (f"DELETE FROM job_output WHERE job = {m} AND n = {m} AND stream = {m}", (job, n, stream)),
+            *((f"INSERT INTO job_output (job, n, stream, seq, data) VALUES ({m}, {m}, {m}, {m}, {m})",
+               (job, n, stream, seq, data)) for seq, data in enumerate(chunks)),
+        ], full=False)  # fmt: skip
+
+    def output_clear(self, job: str, n: int, streams: Sequence[str]) -> None:
+        """Forget what a run kept of ``streams`` (its output followed again from the start)."""
+        m = self.mark
+        self.run(
+            [
+                (f"DELETE FROM job_output WHERE job = {m} AND n = {m} AND stream = {m}", (job, n, s))
+                for s in streams
+            ],
+            full=False,
+        )
+
+    def output_read(self, job: str, n: int, stream: str) -> bytes | None:
+        """A run's ``stream`` as kept, its chunks joined; None when nothing was kept of it."""
+        m = self.mark
+        rows = self.run([(
+            f"SELECT data FROM job_output WHERE job = {m} AND n = {m} AND stream = {m} ORDER BY seq",
+            (job, n, stream),
+        )])[0].rows  # fmt: skip
+        return b"".join(bytes(r[0]) for r in rows) if rows else None
+
+    def output_remove(self, job: str) -> None:
+        """Forget everything the runs of ``job`` kept (the job's retention is over)."""
+        self.run([(f"DELETE FROM job_output WHERE job = {self.mark}", (job,))], full=False)
+
+    def file_get(self, name: str) -> tuple[bytes | None, bytes] | None:
+        """The gateway's file ``name``: ``(nonce or None when not sealed, data)``; None when there is none."""
+        rows = self.run([(f"SELECT nonce, data FROM gateway_files WHERE name = {self.mark}", (name,))])[
+            0
+        ].rows
+        if not rows:
+            return None
+        nonce, data = rows[0]
+        return (bytes(nonce) if nonce is not None else None), bytes(data)
+
+    def file_put_new(self, name: str, nonce: bytes | None, data: bytes) -> bool:
+        """Keep the gateway's file ``name`` unless one is kept already (then False: of several replicas starting
+        together, the first one's is kept and every other reads it)."""
+        m = self.mark
+        sql = (
+            f"INSERT INTO gateway_files (name, nonce, data, created) VALUES ({m}, {m}, {m}, {m}) "
+            "ON CONFLICT (name) DO NOTHING"
+        )
+        return self.run([(sql, (name, nonce, data, now_rfc3339()))])[0].count == 1
+
+
+#: Audit lines per INSERT statement, 3 parameters each (under SQLite's oldest limit of 999 per statement; a batch
+#: of more makes several statements of one transaction).
+AUDIT_ROWS_PER_INSERT = 300
 
 
 def _dict_mirror(

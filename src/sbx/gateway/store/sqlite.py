@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sbx.gateway.state import StateError, StateLocked
-from sbx.gateway.store.base import Store
+from sbx.gateway.store.base import Result, Store
 from sbx.gateway.store.ops import Op, render, select_sql
 from sbx.gateway.store.schema import SQLITE_MIGRATIONS
 from sbx.statefile import try_lock
@@ -97,6 +97,24 @@ class SqliteStore(Store):
                 raise
             self._conn.execute("COMMIT")
             return counts
+
+    def run(self, statements: Sequence[tuple[str, tuple[Any, ...]]], full: bool = True) -> list[Result]:
+        with self._lock:
+            if full != self._full:
+                self._conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+                self._full = full
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                results = []
+                for sql, params in statements:
+                    cursor = self._conn.execute(sql, params)
+                    rows = cursor.fetchall()
+                    results.append(Result(cursor.rowcount, rows))
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+            return results
 
     def select(
         self, table: str, columns: Sequence[str], order_by: str | None = None
