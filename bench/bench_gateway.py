@@ -52,7 +52,9 @@ def start_gateway(
     a key for it."""
     workdir.mkdir()
     database = cluster.create_database() if cluster is not None else None
-    gw = GatewayProcess(workdir, [("n1", node)], ["--audit-log", str(workdir / "audit.jsonl")], database=database,
+    # SQLite audits to a file; on PostgreSQL the audit log is the database's shared table (a file is refused).
+    audit = ["--audit-log", str(workdir / "audit.jsonl")] if database is None else []
+    gw = GatewayProcess(workdir, [("n1", node)], audit, database=database,
                         database_env=cluster.env() if cluster is not None else None)  # fmt: skip
     key = gw.create_key("bench", "sandbox:read", "sandbox:create", "sandbox:delete")
     gw.start(env={"PYTHONPATH": str(src.resolve() / "src")} if src is not None else None)

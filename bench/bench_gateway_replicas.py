@@ -75,7 +75,9 @@ def start(name: str, workdir: Path, node: Sandboxd, cluster: PgCluster | None, r
     for i in range(replicas):
         d = workdir / f"{name}-{i}"
         d.mkdir()
-        gws.append(GatewayProcess(d, [("n1", node)], ["--audit-log", str(d / "audit.jsonl")], database=database,
+        # SQLite audits to a file; replicas on PostgreSQL to the database's shared table (they refuse a file).
+        audit = ["--audit-log", str(d / "audit.jsonl")] if database is None else []
+        gws.append(GatewayProcess(d, [("n1", node)], audit, database=database,
                                   database_env=cluster.env() if cluster is not None else None))  # fmt: skip
     key = gws[0].create_key("bench", *SCOPES)
     for gw in gws:
