@@ -22,7 +22,7 @@ from sbx.api.jobs import JobSpec
 from sbx.api.processes import OutputChunk
 from sbx.gateway.audit import STORE_TRIM_EVERY_BYTES, StoreAudit
 from sbx.gateway.jobs.controller import JobOptions
-from sbx.gateway.jobs.outputs import CHUNK_BYTES, STREAM_CAP_BYTES, Outputs, StoreOutputs
+from sbx.gateway.jobs.outputs import CHUNK_BYTES, STREAM_CAP_BYTES, Outputs, StoredFile, StoreOutputs
 from sbx.gateway.jobs.store import JobRecord, RunRecord
 from sbx.gateway.nodes import Registry
 from sbx.gateway.secrets import KEY_CHECK, SecretBox, SecretsKeyError, check_key
@@ -206,6 +206,29 @@ def test_kept_files_round_trip_and_go_with_their_job(store: Store, tmp_path: Pat
     assert outputs.read_file("job_1", 1, 2) is None
     outputs.remove("job_1")
     assert outputs.read_file("job_1", 1, 0) is None and outputs.read_file("job_2", 1, 0) == b"other"
+
+
+def test_a_kept_file_is_answered_a_chunk_at_a_time(store: Store, tmp_path: Path) -> None:
+    """What the route streams: the chunks in order, their total as the length, one chunk per read; a chunk gone
+    meanwhile (the job removed) is an error, never a short file taken for whole."""
+    outputs = StoreOutputs(store, tmp_path / "jobs")
+    data = bytes(range(256)) * (CHUNK_BYTES // 256 * 3 + 7)  # three whole chunks and a part
+    outputs.keep_file("job_1", 1, 0, data)
+    outputs.keep_file("job_1", 1, 1, b"")
+    found = outputs.stored_file("job_1", 1, 0)
+    assert isinstance(found, StoredFile) and found.size == len(data) and len(found.seqs) == 4
+    chunks = [found.chunk(i) for i in range(len(found.seqs))]
+    assert [len(c) for c in chunks] == [CHUNK_BYTES] * 3 + [len(data) - 3 * CHUNK_BYTES]
+    assert b"".join(chunks) == data
+    empty = outputs.stored_file("job_1", 1, 1)
+    assert isinstance(empty, StoredFile) and empty.size == 0 and b"".join(map(empty.chunk, range(1))) == b""
+    assert outputs.stored_file("job_1", 1, 2) is None
+    outputs.remove("job_1")
+    with pytest.raises(LookupError):
+        found.chunk(0)
+    files = Outputs(tmp_path / "jobs")
+    files.keep_file("job_old", 1, 0, b"kept before")  # a run kept as a file before a migrate: its bytes
+    assert outputs.stored_file("job_old", 1, 0) == b"kept before"
 
 
 def test_runs_kept_as_files_before_are_read_when_the_store_has_nothing(store: Store, tmp_path: Path) -> None:

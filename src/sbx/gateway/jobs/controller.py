@@ -39,7 +39,7 @@ from sbx.gateway.auth import Principal
 from sbx.gateway.jobs.agents import AgentDef
 from sbx.gateway.jobs.metrics import JobMetrics
 from sbx.gateway.jobs.notify import Notifier, NotifyPolicy
-from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, AnyOutputs, Outputs, StoreOutputs
+from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, AnyOutputs, Outputs, StoredFile, StoreOutputs
 from sbx.gateway.jobs.runner import JOB_LABEL, REVOKED, RUN_LABEL, JobCancelled, Runner
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodes import Node
@@ -210,8 +210,9 @@ class JobController:
         return RunOutput(stdout=stdout, stderr=stderr, truncated=run.truncated or max(len(stdout), len(stderr))
                          > STREAM_CAP_BYTES)  # fmt: skip
 
-    async def kept_file(self, job: JobRecord, n: str, path: str) -> Path | bytes:
-        """The kept file: its path on this gateway's disk, or its bytes from the store (at most 64 MiB)."""
+    async def kept_file(self, job: JobRecord, n: str, path: str) -> Path | StoredFile | bytes:
+        """The kept file: its path on this gateway's disk, its chunks in the store, or (kept as a file by this
+        gateway before a ``migrate``) its bytes."""
         run = self.run_of(job, n)
         for i, kept in enumerate(run.files or ()):
             if kept.path == path and kept.bytes is not UNSET:
@@ -220,7 +221,7 @@ class JobController:
                     if on_disk.exists():
                         return on_disk
                     break
-                found = await asyncio.to_thread(self.outputs.read_file, job.id, run.n, i)
+                found = await asyncio.to_thread(self.outputs.stored_file, job.id, run.n, i)
                 if found is not None:
                     return found
         raise NotFound(f"run {run.n} of job {job.id} kept no file {path!r}")

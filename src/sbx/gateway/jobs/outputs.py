@@ -182,6 +182,15 @@ class StoreOutputs:
             return self.legacy.read_file(job, n, index)
         return data
 
+    def stored_file(self, job: str, n: int, index: int) -> StoredFile | bytes | None:
+        """A kept file to answer without holding it whole: its chunks in the store, read one at a time; the bytes
+        of one kept as a file before (``legacy``); None when it is not there."""
+        stream = f"file/{index}"
+        sizes = self.store.output_chunk_sizes(job, n, stream)
+        if sizes:
+            return StoredFile(self.store, job, n, stream, sizes)
+        return self.legacy.read_file(job, n, index) if self.legacy is not None else None
+
     def keep_file(self, job: str, n: int, index: int, data: bytes) -> None:
         chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
         self.store.output_replace(job, n, f"file/{index}", chunks)
@@ -190,6 +199,26 @@ class StoreOutputs:
         self.store.output_remove(job)
         if self.legacy is not None:
             self.legacy.remove(job)
+
+
+class StoredFile:
+    """A kept file in the store, read a chunk (``CHUNK_BYTES``) at a time, so answering it holds one chunk in memory
+    and not the whole file (up to its 64 MiB cap)."""
+
+    def __init__(self, store: Store, job: str, n: int, stream: str, sizes: list[tuple[int, int]]) -> None:
+        self.store = store
+        self.key = (job, n, stream)
+        self.seqs = [seq for seq, _ in sizes]
+        #: The file's length in bytes (its chunks' total when it was listed).
+        self.size = sum(size for _, size in sizes)
+
+    def chunk(self, i: int) -> bytes:
+        """The ``i``-th chunk (blocking: call it through a thread). ``LookupError`` when it is gone (the job was
+        removed while it was being answered)."""
+        data = self.store.output_chunk(*self.key, self.seqs[i])
+        if data is None:
+            raise LookupError(f"chunk {self.seqs[i]} of {self.key} is gone")
+        return data
 
 
 #: What the jobs' controller keeps outputs with: files on the gateway's disk, or the store.

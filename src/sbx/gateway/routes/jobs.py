@@ -3,6 +3,7 @@ the work is the controller's (``sbx.gateway.jobs``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from sbx.api.errors import InvalidRequest
 from sbx.api.jobs import Agent, AgentList, AgentRunRequest, JobList, JobSpec
 from sbx.gateway import auth
 from sbx.gateway.http import principal_of
+from sbx.gateway.jobs.outputs import StoredFile
 from sbx.gateway.jobs.spec import agent_job, check_job
 from sbx.gateway.jobs.store import JobRecord
 from sbx.web.http import json_response, read_json_body
@@ -90,4 +92,23 @@ class JobRoutes:
         found = await self.gw.jobs.kept_file(job, request.match_info["n"], paths[0])
         if isinstance(found, bytes):
             return web.Response(body=found, headers={"Content-Type": "application/octet-stream"})
+        if isinstance(found, StoredFile):
+            return await _stream(request, found)
         return web.FileResponse(found, headers={"Content-Type": "application/octet-stream"})
+
+
+async def _stream(request: web.Request, found: StoredFile) -> web.StreamResponse:
+    """A kept file from the store, a chunk at a time: one chunk in memory however large the file (64 MiB at most)
+    and however many are being answered. A chunk gone meanwhile (the job removed) cuts the answer short, which
+    the client sees as a body shorter than its ``Content-Length``."""
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = found.size
+    await response.prepare(request)
+    for i in range(len(found.seqs)):
+        try:
+            data = await asyncio.to_thread(found.chunk, i)
+        except LookupError:
+            raise ConnectionResetError("the kept file was removed while it was sent") from None
+        await response.write(data)
+    await response.write_eof()
+    return response

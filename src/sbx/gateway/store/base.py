@@ -528,6 +528,24 @@ class Store(ABC):
         )])[0].rows  # fmt: skip
         return b"".join(bytes(r[0]) for r in rows) if rows else None
 
+    def output_chunk_sizes(self, job: str, n: int, stream: str) -> list[tuple[int, int]]:
+        """``(seq, bytes)`` of each chunk kept of a run's ``stream``, in order (empty when nothing was kept)."""
+        m = self.mark
+        rows = self.run([(
+            f"SELECT seq, length(data) FROM job_output WHERE job = {m} AND n = {m} AND stream = {m} ORDER BY seq",
+            (job, n, stream),
+        )])[0].rows  # fmt: skip
+        return [(int(r[0]), int(r[1])) for r in rows]
+
+    def output_chunk(self, job: str, n: int, stream: str, seq: int) -> bytes | None:
+        """Chunk ``seq`` of a run's ``stream``; None when it is not there (the job was removed meanwhile)."""
+        m = self.mark
+        rows = self.run([(
+            f"SELECT data FROM job_output WHERE job = {m} AND n = {m} AND stream = {m} AND seq = {m}",
+            (job, n, stream, seq),
+        )])[0].rows  # fmt: skip
+        return bytes(rows[0][0]) if rows else None
+
     def output_remove(self, job: str) -> None:
         """Forget everything the runs of ``job`` kept (the job's retention is over)."""
         self.run([(f"DELETE FROM job_output WHERE job = {self.mark}", (job,))], full=False)
