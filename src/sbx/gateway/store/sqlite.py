@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,9 @@ from sbx.gateway.store.base import Result, Store
 from sbx.gateway.store.ops import Op, render, select_sql
 from sbx.gateway.store.schema import SQLITE_MIGRATIONS
 from sbx.statefile import try_lock
+
+# Seconds a connection waits for another's lock before "database is locked".
+_BUSY_S = 5.0
 
 
 def lock_path_for(state_path: Path) -> Path:
@@ -62,8 +67,8 @@ class SqliteStore(Store):
         if not path.exists():
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
         try:
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
-            conn.execute("PRAGMA journal_mode=WAL")
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_S)
+            _enable_wal(conn)
             # FULL: every commit is fsynced (WAL's NORMAL may lose the last commits on power loss).
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -85,36 +90,32 @@ class SqliteStore(Store):
 
     def apply(self, ops: Sequence[Op], full: bool = True) -> list[int]:
         statements = [render(op, "?") for op in ops]
-        with self._lock:
-            if full != self._full:
-                self._conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
-                self._full = full
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                counts = [self._conn.execute(sql, params).rowcount for sql, params in statements]
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-            return counts
+        with self._transaction(full):
+            return [self._conn.execute(sql, params).rowcount for sql, params in statements]
 
     def run(self, statements: Sequence[tuple[str, tuple[Any, ...]]], full: bool = True) -> list[Result]:
+        with self._transaction(full):
+            results = []
+            for sql, params in statements:
+                cursor = self._conn.execute(sql, params)
+                results.append(Result(cursor.rowcount, cursor.fetchall()))
+            return results
+
+    @contextmanager
+    def _transaction(self, full: bool) -> Iterator[None]:
+        """One write transaction under the connection lock: committed when the body returns, rolled back when
+        it raises. ``full`` picks the fsync level (see the module docstring)."""
         with self._lock:
             if full != self._full:
                 self._conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
                 self._full = full
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                results = []
-                for sql, params in statements:
-                    cursor = self._conn.execute(sql, params)
-                    rows = cursor.fetchall()
-                    results.append(Result(cursor.rowcount, rows))
+                yield
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-            return results
 
     def select(
         self, table: str, columns: Sequence[str], order_by: str | None = None
@@ -124,6 +125,23 @@ class SqliteStore(Store):
             return list(self._conn.execute(sql))
 
 
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    """Switch the file to WAL (persistent, so a no-op after the first open), retrying for ``_BUSY_S`` seconds.
+
+    Why a loop: SQLite answers this pragma "database is locked" at once, without its busy handler, while
+    another connection is converting the same new file, so openers racing on a new file would fail.
+    """
+    deadline = time.monotonic() + _BUSY_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 def _version(conn: sqlite3.Connection) -> int:
     conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
     row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
@@ -131,25 +149,25 @@ def _version(conn: sqlite3.Connection) -> int:
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
-    current = _version(conn)
-    if current > len(SQLITE_MIGRATIONS):
-        raise StateError(
-            f"schema version {current} is newer than this sandbox-gateway knows ({len(SQLITE_MIGRATIONS)}): "
-            "run a newer sandbox-gateway"
-        )
-    for version in range(current + 1, len(SQLITE_MIGRATIONS) + 1):
-        # IMMEDIATE: the write lock first, so a second process opening the same file waits, then sees the
-        # version this one wrote.
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            if _version(conn) >= version:
-                conn.execute("ROLLBACK")
-                continue
+    """Apply the missing migrations in one transaction (all or none).
+
+    IMMEDIATE takes the write lock before reading the version, so a second process opening the same file
+    waits (busy handler), then sees the version this one wrote and applies nothing.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        current = _version(conn)
+        if current > len(SQLITE_MIGRATIONS):
+            raise StateError(
+                f"schema version {current} is newer than this sandbox-gateway knows ({len(SQLITE_MIGRATIONS)}): "
+                "run a newer sandbox-gateway"
+            )
+        for version in range(current + 1, len(SQLITE_MIGRATIONS) + 1):
             for statement in SQLITE_MIGRATIONS[version - 1].split(";"):
                 if statement.strip():
                     conn.execute(statement)
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
