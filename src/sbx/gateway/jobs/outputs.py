@@ -23,35 +23,50 @@ STREAM_CAP_BYTES: Final = 8 * 1024 * 1024
 STREAMS: Final = ("stdout", "stderr")
 
 
-class Spool:
+class _Capped:
+    """Each stream cut at :data:`STREAM_CAP_BYTES`: the arithmetic both spools share."""
+
+    def __init__(self) -> None:
+        self.truncated = False
+        self._sizes: dict[str, int] = {}
+
+    def _reset_caps(self) -> None:
+        self._sizes = dict.fromkeys(STREAMS, 0)
+        self.truncated = False
+
+    def _keep(self, chunk: OutputChunk) -> bytes:
+        """The part of ``chunk`` within its stream's cap (counted as kept); sets ``truncated`` when cut."""
+        room = STREAM_CAP_BYTES - self._sizes[chunk.stream]
+        data = chunk.data[: max(0, room)]
+        if len(data) < len(chunk.data):
+            self.truncated = True
+        self._sizes[chunk.stream] += len(data)
+        return data
+
+
+class Spool(_Capped):
     """The output of one attempt as it comes: each stream cut at :data:`STREAM_CAP_BYTES`."""
 
     def __init__(self, directory: Path) -> None:
+        super().__init__()
         self.directory = directory
-        self.truncated = False
         self._files: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
         self.restart()
 
     def restart(self) -> None:
         """Start again from nothing (the output is followed again from its beginning)."""
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for stream in ("stdout", "stderr"):
+        for stream in STREAMS:
             self._files[stream] = os.open(
                 self.directory / stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
             )
-            self._sizes[stream] = 0
-        self.truncated = False
+        self._reset_caps()
 
     def add(self, chunk: OutputChunk) -> None:
-        room = STREAM_CAP_BYTES - self._sizes[chunk.stream]
-        data = chunk.data[: max(0, room)]
-        if len(data) < len(chunk.data):
-            self.truncated = True
+        data = self._keep(chunk)
         if data:
             os.write(self._files[chunk.stream], data)
-            self._sizes[chunk.stream] += len(data)
 
     def close(self) -> None:
         for fd in self._files.values():
@@ -104,16 +119,15 @@ CHUNK_BYTES: Final = 256 * 1024
 SPOOL_FLUSH_SECS: Final = 1.0
 
 
-class StoreSpool:
+class StoreSpool(_Capped):
     """:class:`Spool` into the store (PostgreSQL): each stream cut at :data:`STREAM_CAP_BYTES`, written in chunks
     of :data:`CHUNK_BYTES` as they fill (or a second after the last write), the rest at :meth:`close`."""
 
     def __init__(self, store: Store, job: str, n: int) -> None:
+        super().__init__()
         self.store = store
         self.job = job
         self.n = n
-        self.truncated = False
-        self._sizes: dict[str, int] = {}
         self._held: dict[str, bytearray] = {}
         self._seq: dict[str, int] = {}
         self._written_at = time.monotonic()
@@ -123,19 +137,12 @@ class StoreSpool:
         """Start again from nothing (the output is followed again from its beginning)."""
         self.store.output_clear(self.job, self.n, STREAMS)
         for stream in STREAMS:
-            self._sizes[stream] = 0
             self._held[stream] = bytearray()
             self._seq[stream] = 0
-        self.truncated = False
+        self._reset_caps()
 
     def add(self, chunk: OutputChunk) -> None:
-        room = STREAM_CAP_BYTES - self._sizes[chunk.stream]
-        data = chunk.data[: max(0, room)]
-        if len(data) < len(chunk.data):
-            self.truncated = True
-        if data:
-            self._held[chunk.stream] += data
-            self._sizes[chunk.stream] += len(data)
+        self._held[chunk.stream] += self._keep(chunk)
         if time.monotonic() - self._written_at >= SPOOL_FLUSH_SECS:
             self._write(everything=True)
         elif len(self._held[chunk.stream]) >= CHUNK_BYTES:
