@@ -6,30 +6,23 @@ once its lease has ended (the one delivery that stays at-least-once: the receive
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 from aiohttp import web
+from hook_receiver import Writer, receiver
 from pg_cluster import PgCluster
 
 from sbx.api.jobs import JobNotification
 from sbx.gateway.jobs import notify
 from sbx.gateway.jobs.notify import Notifier, NotifyPolicy
 from sbx.gateway.store import Store, StoreLocation, open_store
-
-
-class Writer:
-    """What the notifier needs of the gateway: its writer (a store call off the event loop)."""
-
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
 
 
 @pytest.fixture
@@ -45,24 +38,6 @@ def stores(url: str) -> Iterator[list[Store]]:
     yield opened
     for s in opened:
         s.close()
-
-
-Hook = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@contextlib.asynccontextmanager
-async def receiver(hook: Hook) -> AsyncIterator[str]:
-    """A loopback HTTP receiver calling ``hook``; yields its URL."""
-    app = web.Application()
-    app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
-    finally:
-        await runner.cleanup()
 
 
 def _note(job: str, event: str) -> JobNotification:

@@ -7,24 +7,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from aiohttp import web
+from hook_receiver import Writer, receiver
 from pg_cluster import PgCluster
 
 from sbx.api.jobs import JobNotification
 from sbx.gateway.jobs import notify
 from sbx.gateway.jobs.notify import Notifier, NotifyPolicy
 from sbx.gateway.store import StoreLocation, open_store
-
-
-class Writer:
-    """What the notifier needs of the gateway: its writer (a store call off the event loop)."""
-
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
 
 
 async def test_the_outbox_outlives_its_database_going_away(
@@ -38,53 +30,44 @@ async def test_the_outbox_outlives_its_database_going_away(
         received.append(await request.read())
         return web.Response(status=204)
 
-    app = web.Application()
-    app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    cluster = await asyncio.to_thread(PgCluster.start)  # its own: this one is stopped under the notifier
-    notifier: Notifier | None = None
-    try:
-        for name, value in cluster.env().items():
-            monkeypatch.setenv(name, value)
-        url = await asyncio.to_thread(cluster.create_database)
-        store = await asyncio.to_thread(open_store, StoreLocation(database=url))
-        notifier = Notifier(Writer(), store, NotifyPolicy(enabled=True, allow_private=True))  # type: ignore[arg-type]
-        await asyncio.to_thread(cluster.pause)
-        await notifier.start()
-        # Down until the outbox's first read has failed (the pool waits up to 10 s for a connection first).
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-            "the outbox cannot be used now" in caplog.text
-            or (notifier._task is not None and notifier._task.done())
-        ):
-            await asyncio.sleep(0.1)
-        assert "the outbox cannot be used now" in caplog.text
-        await asyncio.to_thread(cluster.resume)
-        note = JobNotification(event="job.finished", job="job_1", job_state="succeeded")
-        await asyncio.to_thread(
-            store.execute, [notifier.statement("job_1", f"http://127.0.0.1:{port}/hook", note)]
-        )
-        notifier.wake()
-        deadline = time.monotonic() + 60
-        while not received and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert len(received) == 1 and b'"job":"job_1"' in received[0]
-        deadline = time.monotonic() + 30
-        while store.query("notifications", ("id",)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert store.query("notifications", ("id",)) == []  # delivered once, then taken out of the outbox
-        await notifier.close()
-        notifier = None
-        store.close()
-    finally:
+    async with receiver(hook) as hook_url:
+        cluster = await asyncio.to_thread(PgCluster.start)  # its own: this one is stopped under the notifier
+        notifier: Notifier | None = None
         try:
-            if notifier is not None:
-                with contextlib.suppress(Exception):  # a notifier that died already said why above
-                    await notifier.close()
+            for name, value in cluster.env().items():
+                monkeypatch.setenv(name, value)
+            url = await asyncio.to_thread(cluster.create_database)
+            store = await asyncio.to_thread(open_store, StoreLocation(database=url))
+            notifier = Notifier(Writer(), store, NotifyPolicy(enabled=True, allow_private=True))  # type: ignore[arg-type]
+            await asyncio.to_thread(cluster.pause)
+            await notifier.start()
+            # Down until the outbox's first read has failed (the pool waits up to 10 s for a connection first).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (
+                "the outbox cannot be used now" in caplog.text
+                or (notifier._task is not None and notifier._task.done())
+            ):
+                await asyncio.sleep(0.1)
+            assert "the outbox cannot be used now" in caplog.text
+            await asyncio.to_thread(cluster.resume)
+            note = JobNotification(event="job.finished", job="job_1", job_state="succeeded")
+            await asyncio.to_thread(store.execute, [notifier.statement("job_1", hook_url, note)])
+            notifier.wake()
+            deadline = time.monotonic() + 60
+            while not received and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert len(received) == 1 and b'"job":"job_1"' in received[0]
+            deadline = time.monotonic() + 30
+            while store.query("notifications", ("id",)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert store.query("notifications", ("id",)) == []  # delivered once, then taken out of the outbox
+            await notifier.close()
+            notifier = None
+            store.close()
         finally:
-            await asyncio.to_thread(cluster.stop)
-            await runner.cleanup()
+            try:
+                if notifier is not None:
+                    with contextlib.suppress(Exception):  # a notifier that died already said why above
+                        await notifier.close()
+            finally:
+                await asyncio.to_thread(cluster.stop)
