@@ -257,6 +257,11 @@ class Load:
         with self._lock:
             return self.ok
 
+    def wait_answers(self, more: int, timeout: float = 60) -> None:
+        """Wait until ``more`` requests more than now were answered."""
+        before = self.count()
+        wait_for(lambda: self.count() >= before + more, timeout)
+
 
 def _sandbox(front: Front, user: str) -> tuple[str, str]:
     made_key = front.lb.request(
@@ -273,14 +278,13 @@ def test_a_killed_replica_is_taken_out_and_clients_keep_working(front: Front) ->
     lb, victim = front.lb, front.gws["gw3"]
     key, sid = _sandbox(front, "bob")
     with Load(lb, key, sid) as load:
-        wait_for(lambda: load.count() > 50, 60)
+        load.wait_answers(50)
         assert victim.proc is not None
         victim.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: lb.states()["gw3"].startswith("DOWN"), 30)
         down_after = time.monotonic() - killed
-        before = load.count()
-        wait_for(lambda: load.count() > before + 100, 60)
+        load.wait_answers(100)
     print(f"HAProxy marked the SIGKILLed replica down after {down_after:.2f} s; requests: {load.ok} answered, "
           f"{len(load.failed)} failed: {load.failed}")  # fmt: skip
     # Only what was in flight on the killed replica may fail: one request per client thread at most.
@@ -294,7 +298,7 @@ def test_a_draining_replica_is_taken_out_while_it_serves_and_no_request_fails(fr
     lb, leaving = front.lb, front.gws["gw2"]
     key, sid = _sandbox(front, "cem")
     with Load(lb, key, sid) as load:
-        wait_for(lambda: load.count() > 50, 60)
+        load.wait_answers(50)
         assert leaving.proc is not None
         leaving.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: leaving.request("GET", "/v1/ready").status == 503, 10)
@@ -305,8 +309,7 @@ def test_a_draining_replica_is_taken_out_while_it_serves_and_no_request_fails(fr
         assert leaving.proc.poll() is None, "the replica stopped before HAProxy took it out: raise --drain"
         assert leaving.request("GET", f"/v1/sandboxes/{sid}", key=key).status == 200  # still serving
         leaving.proc.wait(60)
-        before = load.count()
-        wait_for(lambda: load.count() > before + 100, 60)
+        load.wait_answers(100)
     print(f"drain: {load.ok} answered, {len(load.failed)} failed: {load.failed}")
     assert load.failed == []
     assert "draining: not ready, serving on" in leaving.log_text()
