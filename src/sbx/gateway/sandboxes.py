@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from msgspec import UNSET
@@ -185,14 +185,12 @@ class Sandboxes:
         pinned, snapshot = await self._pinned(principal, req)
         requested = _requested(req, snapshot)
         name = req.name or None
-        user_lock = gw.user_locks[(principal.user, principal.tenant)] if name else None
         quota = gw.store.quotas.get(principal.tenant) is not None
-        tenant_lock = gw.tenant_locks[principal.tenant] if quota else None
-        # With replicas, the same two locks shared by all of them (on one connection), then caught up: the name
-        # and the quota are checked against every record any replica made.
-        shared = [gw.name_lock("sandbox", principal.user, principal.tenant)] if name else []
-        shared += [("tenant", principal.tenant)] if quota else []
-        async with _holding(user_lock), _holding(tenant_lock), gw.reservation(*shared):
+        # The owner's name check and a tenant's quota check run one at a time with the node call they allow
+        # (with replicas, across all of them, then caught up: checked against every record any replica made).
+        names = [gw.name_lock("sandbox", principal.user, principal.tenant)] if name else []
+        names += [("tenant", principal.tenant)] if quota else []
+        async with gw.reservation(*names):
             if name is not None and self.name_taken(principal, name):
                 raise Conflict(
                     f"you already have a live sandbox named {name!r}: pick another name or delete it"
@@ -311,13 +309,3 @@ def _explicit(req: CreateRequest, requested: Requested, given: Resources, node: 
         memory_mb=given.memory_mb if requested.memory_mb is not None or known else UNSET,
         disk_mb=given.disk_mb if requested.disk_mb is not None or known else UNSET,
     )
-
-
-@contextlib.asynccontextmanager
-async def _holding(lock: asyncio.Lock | None) -> AsyncIterator[None]:
-    """``async with`` an optional lock."""
-    if lock is None:
-        yield
-        return
-    async with lock:
-        yield

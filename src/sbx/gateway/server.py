@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,12 +96,6 @@ class Gateway:
         self.options = options
         self.open = OpenRequests()
         self.metrics = GatewayMetrics(self.snapshot)
-        #: Per (user, tenant): a create's or rename's name check and its node call run one at a time.
-        self.user_locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
-        #: Per tenant with a quota: a create's quota check, node call and recheck run one at a time.
-        self.tenant_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        #: Volume creates one at a time: their names are one name space across every node.
-        self.volume_lock = asyncio.Lock()
         #: Threads waiting for the store's shared locks (seconds, while another replica holds one), apart from
         #: asyncio's default executor, which the store's writes need meanwhile (6 threads on 2 cores).
         self._lock_threads = ThreadPoolExecutor(max_workers=LOCK_THREADS, thread_name_prefix="store-lock")
@@ -294,10 +287,12 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def reservation(self, *names: tuple[str, str]) -> AsyncIterator[None]:
         """Held around a check and the create it allows — a tenant's quota (``("tenant", tenant)``), a name
-        unique in its scope (``("name", "KIND...")``): with replicas, those locks shared by all of them,
-        then every record committed before them caught up with, so the check sees what any replica made
-        (docs/ha.md). In-process locks of the same names come first, so one process's own creates wait here
-        and not for a lock connection."""
+        unique in its scope (``("name", "KIND...")``) — so two creates never pass one check together.
+
+        This process's locks of those names first (all there is with one gateway on SQLite); with replicas,
+        then the same locks shared by all of them and every record committed before them caught up with, so
+        the check sees what any replica made (docs/ha.md). Local first: one process's own creates wait here,
+        not for a lock connection."""
         async with contextlib.AsyncExitStack() as held:
             for name in sorted(set(names)):  # one order everywhere: two reservations never wait on each other
                 await held.enter_async_context(self._local_lock(name))

@@ -58,16 +58,16 @@ class SandboxRoutes:
         principal = principal_of(request)
         rec = await self._target(request)
         req = decode_request(await read_json_body(request), PatchRequest)
-        # Renames of one user run one at a time with their creates, so two cannot take one name together.
         stamped: dict[str, str] = {}
         if req.labels is not UNSET:  # the gateway's own labels beyond owner and tenant are kept as they are
             current = await self.gw.node_for(rec.node, f"sandbox {rec.id}").client.sandbox(rec.id)
             stamped = {k: v for k, v in current.labels.items() if k.startswith("gateway.")}
-        # With replicas, the owner's name lock shared by all of them too (a create there may take the name).
+        # A rename runs one at a time with its owner's creates and other renames (with replicas, across all of
+        # them), so two cannot take one name together.
         names = (
             [self.gw.name_lock("sandbox", principal.user, principal.tenant)] if req.name is not UNSET else []
         )
-        async with self.gw.user_locks[(principal.user, principal.tenant)], self.gw.reservation(*names):
+        async with self.gw.reservation(*names):
             body = encode(patch_request(self.gw, principal, rec, req, stamped))
             response = await self._relay(request, principal, rec, body)
             if isinstance(response, web.Response) and response.status < 300 and response.body:

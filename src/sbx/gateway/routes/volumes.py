@@ -50,7 +50,7 @@ class VolumeRoutes:
         req = decode_request(await read_json_body(request), VolumeCreateRequest)
         validate_volume_name(req.name)
         gw = self.gw
-        async with gw.volume_lock, gw.reservation(gw.name_lock("volume", req.name)):
+        async with gw.reservation(gw.name_lock("volume", req.name)):
             if req.name in gw.store.volumes:
                 raise Conflict(
                     f"a volume named {req.name!r} exists: volume names are shared across the gateway"
