@@ -386,6 +386,132 @@ def test_a_replica_sees_the_rows_another_commits(backend: Backend) -> None:
         writer.close()
 
 
+def _pg_stores(cluster: PgCluster, monkeypatch: pytest.MonkeyPatch) -> tuple[Store, Store, StoreLocation]:
+    for name, value in cluster.env().items():
+        monkeypatch.setenv(name, value)
+    location = StoreLocation(database=cluster.create_database())
+    return open_store(location, serving=True), open_store(location, serving=True), location
+
+
+MEMORY = ("keys", "keys_by_hash", "nodes", "node_flags", "sandboxes", "volumes", "snapshots", "orgs", "members",
+          "quotas", "ssh_keys", "ssh_tokens")  # fmt: skip
+
+
+def test_rows_carried_in_notifications_leave_memory_as_a_fresh_load(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every kind of write of the store's own tables, through one replica: the other replica's memory, kept in
+    step only by notifications (rows written whole carried in them, the others read), ends equal to a store
+    loaded afresh; and rows written whole or deleted by key cost the listener no read."""
+    writer, reader, location = _pg_stores(pg_cluster, monkeypatch)
+    reads: list[tuple[str, Any]] = []
+    rows_of = reader._rows  # type: ignore[attr-defined]
+
+    def counted(table: str, key: Any = None) -> Any:
+        reads.append((table, key))
+        return rows_of(table, key)
+
+    reader._rows = counted  # type: ignore[attr-defined]
+    lock = threading.Lock()
+
+    def on_changes(changes: list[Change]) -> None:
+        with lock:
+            reader.refresh(changes)
+
+    try:
+        reader.listen(on_changes)
+        writer.listen(lambda changes: None)
+        assert reader.caught_up(5)
+        reads.clear()
+        # Rows written whole (inserts, upserts) and deleted by key: carried, no read.
+        writer.put_sandbox(SandboxRecord("sb1", "alice", "acme", "n1", "web", 2, 2**40, T0))
+        writer.put_sandbox(SandboxRecord("sb2", "bob", "", "n1", None, None, None, T0))
+        writer.put_sandbox(SandboxRecord("sb1", "alice", "acme", "n2", "web2", 1, 512, T0))  # replaced
+        writer.forget_sandboxes(["sb2", "sb_unknown"])
+        writer.add_node(NodeDef("n1", "https://10.0.0.1:7070", "/t", None, None, None, T0))
+        writer.set_node_flags("n1", NodeFlags(cordoned=True, drained=False))
+        writer.put_volume(VolumeRecord("data", "alice", "acme", "n1", T0))
+        writer.put_snapshot(SnapshotRecord("snap_1", "bob", "", "n1", None, T0))
+        writer.add_org(OrgRecord("acme", T0, "alice", ""), MemberRecord("acme", "alice", "", "owner", T0))
+        writer.put_member(MemberRecord("acme", "bob", "bobs", "member", T0))
+        writer.remove_member("acme", "bob")
+        writer.set_quota("acme", Quota(max_cpus=4, max_memory_mb=2**40))
+        writer.add_ssh_key(
+            SshKeyRecord("sshk_1", "alice", "", "acme", "SHA256:x", "ssh-ed25519 AAAA", None, T0)
+        )
+        writer.add_ssh_token(SshTokenRecord("f" * 64, "alice", "acme", "sb1", 1767225600.25, T0))
+        key = keys.new_key("alice", "acme", {"admin"})[0]
+        writer.add_key(key)
+        assert reader.caught_up(5)
+        with lock:
+            assert reads == []
+        # Writes that leave the row unknown to the writer (an update; a delete not by key alone): read.
+        writer.revoke_key(key.id)
+        writer.set_quota("acme", Quota())  # the row goes
+        writer.execute([Delete("sandboxes", {"node": "n2"})])  # not by key: the whole table
+        assert reader.caught_up(5)
+        with lock:
+            assert reads and {t for t, _ in reads} <= {"keys", "quotas", "sandboxes"}
+        fresh = open_store(location, serving=True)
+        try:
+            with lock:
+                for name in MEMORY:
+                    assert getattr(reader, name) == getattr(fresh, name), name
+            assert reader.keys[key.id].revoked is not None and reader.sandboxes == {}
+        finally:
+            fresh.close()
+    finally:
+        reader.close()
+        writer.close()
+
+
+def _payload_rows(ops: list[Any]) -> list[list[Any]]:
+    from sbx.gateway.store.postgres import _payloads
+
+    return [row for p in _payloads("me", ops) for row in msgspec.json.decode(p)["rows"]]
+
+
+SB = {"id": "sb1", "user": "u", "tenant": "", "node": "n1", "name": None, "cpus": 1, "memory_mb": 512,
+      "created": T0}  # fmt: skip
+SB_ROW = ["sb1", "u", "", "n1", None, 1, 512, T0]
+
+
+@pytest.mark.parametrize(
+    ("ops", "rows"),
+    [
+        ([Upsert("sandboxes", SB)], [["sandboxes", ["sb1"], SB_ROW]]),
+        ([Insert("sandboxes", SB)], [["sandboxes", ["sb1"], SB_ROW]]),
+        # Not every column: listeners read the row.
+        ([Upsert("sandboxes", {k: v for k, v in SB.items() if k != "name"})], [["sandboxes", ["sb1"]]]),
+        ([Delete("sandboxes", {"id": "sb1"})], [["sandboxes", ["sb1"], None]]),
+        # A delete with more than the key may leave the row: read.
+        ([Delete("notifications", {"id": 3, "lease_owner": "x"})], [["notifications", [3]]]),
+        ([Delete("service_revisions", {"service": "s"}, below={"revision": 3})], [["service_revisions", None]]),
+        ([Update("sandboxes", {"node": "n2"}, {"id": "sb1"})], [["sandboxes", ["sb1"]]]),
+        # The transaction's last write of a row decides.
+        ([Upsert("sandboxes", SB), Update("sandboxes", {"node": "n2"}, {"id": "sb1"})], [["sandboxes", ["sb1"]]]),
+        ([Update("sandboxes", {"node": "n2"}, {"id": "sb1"}), Upsert("sandboxes", SB)],
+         [["sandboxes", ["sb1"], SB_ROW]]),
+        ([Upsert("sandboxes", SB), Delete("sandboxes", {"id": "sb1"})], [["sandboxes", ["sb1"], None]]),
+        # Bytes, or a row too large, are not carried.
+        ([Upsert("secrets", {"tenant": "t", "name": "A", "nonce": b"n", "ciphertext": b"c", "updated": T0})],
+         [["secrets", ["t", "A"]]]),
+        ([Upsert("sandboxes", {**SB, "name": "x" * 2000})], [["sandboxes", ["sb1"]]]),
+    ],
+)  # fmt: skip
+def test_what_a_notification_carries(ops: list[Any], rows: list[list[Any]]) -> None:
+    assert _payload_rows(ops) == rows
+
+
+def test_notifications_of_a_large_transaction_are_split_within_the_limit() -> None:
+    from sbx.gateway.store.postgres import PAYLOAD_MAX, _payloads
+
+    ops = [Upsert("sandboxes", {**SB, "id": f"sb{i}", "name": "n" * 1000}) for i in range(40)]
+    payloads = _payloads("origin-" + "x" * 36, ops)
+    assert len(payloads) > 1 and all(len(p.encode()) <= PAYLOAD_MAX for p in payloads)
+    assert [r[1] for p in payloads for r in msgspec.json.decode(p)["rows"]] == [[f"sb{i}"] for i in range(40)]
+
+
 # -- every operation, and its round trip through a reopen -------------------------------------------------
 
 

@@ -16,9 +16,11 @@ Two advisory locks (``pg_advisory_lock``, two int4 keys under ``LOCK_CLASS``):
 
 Replicas keep their memory in step: every write transaction also sends ``NOTIFY sbx_gateway`` naming the rows it
 changed (table and primary key; a whole table for a write not bounded by a key), delivered to every listener at
-its commit, in commit order. ``listen`` holds one more connection, LISTENing, and a thread that reloads the named
-rows through the pool and hands them on; after its connection is lost it connects again and reloads every table
-(notifications sent meanwhile are lost).
+its commit, in commit order. A row the transaction wrote whole (an insert or upsert of every column, small and of
+JSON's types) travels in the notification, and a row deleted by its key travels as gone: what the row is at that
+commit, so no listener reads it. ``listen`` holds one more connection, LISTENing, and a thread that reloads the
+other named rows through the pool and hands them on; after its connection is lost it connects again and reloads
+every table (notifications sent meanwhile are lost).
 
 Durability: a ``full`` write waits for PostgreSQL's ``synchronous_commit`` (its WAL flushed, and a synchronous
 standby's when one is configured); the others set ``synchronous_commit = off`` for their transaction (a
@@ -377,6 +379,9 @@ class PostgresStore(Store):
                 continue
             batch += list(conn.notifies(timeout=0.001))
             named: dict[tuple[str, Row | None], bool] = {}
+            # A row as its last notification in the batch carried it (None: that one did not; read it). Carried
+            # rows apply in commit order, so the last is the row as of the batch's last commit naming it.
+            carried: dict[tuple[str, Row | None], list[Row] | None] = {}
             markers: list[str] = []
             for note in batch:
                 body = json.loads(note.payload)
@@ -387,9 +392,10 @@ class PostgresStore(Store):
                 if "signal" in body:
                     named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
                     continue
-                for table, key in body["rows"]:
+                for table, key, *row in body["rows"]:
                     entry = (table, tuple(key) if key is not None else None)
                     named[entry] = named.get(entry, True) and local
+                    carried[entry] = ([tuple(row[0])] if row[0] is not None else []) if row else None
             if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
                 whole = {
                     t: all(v for (t2, _), v in named.items() if t2 == t) for t, key in named if key is None
@@ -397,10 +403,12 @@ class PostgresStore(Store):
                 named = {(t, k): v for (t, k), v in named.items() if t not in whole}
                 named.update({(t, None): local for t, local in whole.items()})  # local only if all of it was
             # A table memory does not hold (the notification outbox) is named without its rows.
-            changes = [
-                Change(table, key, self._rows(table, key) if table in self.mirrors else [], local)
-                for (table, key), local in named.items()
-            ]
+            changes = []
+            for (table, key), local in named.items():
+                rows = carried.get((table, key))
+                if rows is None:
+                    rows = self._rows(table, key) if table in self.mirrors else []
+                changes.append(Change(table, key, rows, local))
             if changes:
                 on_changes(changes)
             with self._markers_lock:
@@ -634,20 +642,49 @@ def _key_of(op: Op) -> Row | None:
     return tuple(where[c] for c in key) if all(c in where for c in key) else None
 
 
+#: A row larger than this (JSON) is named in its notification, not carried: listeners read it.
+CARRY_MAX = 1500
+
+
+def _carried(op: Op) -> tuple[bool, list[Any] | None]:
+    """Whether ``op`` leaves its one row fully known without reading it back, and that row (every column of
+    ``schema.TABLES``, in order; None: gone). An insert or upsert of every column (JSON's types only: no
+    bytes), or a delete by exactly the primary key (a delete with more conditions may leave the row)."""
+    table = TABLES[op.table]
+    if isinstance(op, Insert | Upsert) and set(op.row) == set(table.columns):
+        row = [op.row[c] for c in table.columns]
+        if all(v is None or isinstance(v, str | int | float) for v in row):
+            return True, row
+    if isinstance(op, Delete) and not op.below and set(op.where) == set(table.key):
+        return True, None
+    return False, None
+
+
 def _payloads(origin: str, ops: Sequence[Op]) -> list[str]:
-    """The notifications of a transaction running ``ops``: each names the rows changed, within PAYLOAD_MAX."""
-    rows: list[list[Any]] = []
+    """The notifications of a transaction running ``ops``, each within PAYLOAD_MAX: every row changed, as
+    ``[table, key]`` (listeners read it; key None: the whole table) or ``[table, key, row]`` (the row as this
+    transaction leaves it, null when gone; see ``_carried``)."""
+    entries: dict[tuple[str, Row | None], list[Any]] = {}
     for op in ops:
-        entry = [op.table, _key_of(op)]
-        if entry not in rows:
-            rows.append(entry)
+        key = _key_of(op)
+        entry: list[Any] = [op.table, key]
+        if key is not None:
+            known, row = _carried(op)
+            # The transaction's last write of the row decides: a later one not carried makes listeners read it.
+            if known and len(json.dumps(row)) <= CARRY_MAX:
+                entry.append(row)
+        entries.pop((op.table, key), None)  # kept in the order of each row's last write
+        entries[(op.table, key)] = entry
     payloads: list[str] = []
     chunk: list[list[Any]] = []
-    for entry in rows:
-        if chunk and len(json.dumps({"origin": origin, "rows": [*chunk, entry]})) > PAYLOAD_MAX:
+    size = 0
+    for entry in entries.values():
+        length = len(json.dumps(entry)) + 1
+        if chunk and size + length > PAYLOAD_MAX - len(origin) - 32:
             payloads.append(json.dumps({"origin": origin, "rows": chunk}))
-            chunk = []
+            chunk, size = [], 0
         chunk.append(entry)
+        size += length
     if chunk:
         payloads.append(json.dumps({"origin": origin, "rows": chunk}))
     return payloads
