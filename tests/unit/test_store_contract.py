@@ -465,6 +465,32 @@ def test_rows_carried_in_notifications_leave_memory_as_a_fresh_load(
         writer.close()
 
 
+def test_a_write_not_full_commits_without_waiting_for_the_wal_flush(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``full=False`` runs its statements with ``synchronous_commit`` off, for its transaction only; ``full`` with
+    the database's own level (on)."""
+    store, other, _ = _pg_stores(pg_cluster, monkeypatch)
+    other.close()
+    seen: list[str] = []
+    original = psycopg.Connection.execute
+
+    def execute(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, query, *args, **kwargs)
+        if isinstance(query, str) and query.startswith("INSERT"):
+            seen.append(original(self, "SHOW synchronous_commit").fetchone()[0])
+        return result
+
+    monkeypatch.setattr(psycopg.Connection, "execute", execute)
+    try:
+        store.put_sandbox(SandboxRecord("sb1", "u", "", "n1", None, 1, 512, T0))  # full=False
+        store.set_quota("acme", Quota(max_cpus=1))  # full
+        store.put_sandbox(SandboxRecord("sb2", "u", "", "n1", None, 1, 512, T0))
+        assert seen == ["off", "on", "off"]
+    finally:
+        store.close()
+
+
 def _payload_rows(ops: list[Any]) -> list[list[Any]]:
     from sbx.gateway.store.postgres import _payloads
 

@@ -276,14 +276,18 @@ class PostgresStore(Store):
         """As ``Store.apply``; ``Unavailable`` (503) while the database cannot be reached (memory is then left as
         it was: a commit whose answer was lost is found again at the next start)."""
         statements = [render(op, "%s") for op in ops]
+        payloads = _payloads(self.origin, ops)
+        # One round trip for the notifications and the commit level (PostgreSQL sends the notifications at the
+        # commit, whatever their place in the transaction; a rollback drops them).
+        prelude = ["pg_notify(%s, %s)" for _ in payloads]
+        prelude_args = [arg for payload in payloads for arg in (CHANNEL, payload)]
+        if not full:
+            prelude.append("set_config('synchronous_commit', 'off', true)")
         try:
             with self._pool.connection() as conn, conn.transaction():
-                if not full:
-                    conn.execute("SET LOCAL synchronous_commit TO OFF")
-                counts = [conn.execute(sql, params).rowcount for sql, params in statements]
-                for payload in _payloads(self.origin, ops):
-                    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
-                return counts
+                if prelude:
+                    conn.execute("SELECT " + ", ".join(prelude), prelude_args)
+                return [conn.execute(sql, params).rowcount for sql, params in statements]
         except (psycopg.OperationalError, PoolTimeout) as exc:
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
