@@ -196,8 +196,10 @@ STORE_QUEUE_MAX = 10_000
 STORE_BATCH_MAX = 2_000
 #: The writer trims the table to its budget after writing this many bytes since its last trim.
 STORE_TRIM_EVERY_BYTES = 1024 * 1024
-#: The writer, woken by an entry, waits this long for more before it writes (fewer, larger transactions).
-STORE_LINGER_SECS = 0.02
+#: The writer, woken by an entry, waits this long for more before it writes (fewer, larger transactions: a
+#: transaction costs the replica about 0.3 ms CPU whatever it holds, so at 0.02 s a create cycle's entries went in
+#: two or three of them; measured in docs/benchmarks.md). Also the longest a SIGKILL can lose.
+STORE_LINGER_SECS = 0.1
 #: After a failed write the writer tries again this often (the entries stay queued meanwhile).
 STORE_RETRY_SECS = 1.0
 #: A read or a close waits at most this long for the entries queued before it to be written.
