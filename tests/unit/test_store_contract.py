@@ -4,6 +4,7 @@ cluster, tests/support/pg_cluster.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sqlite3
@@ -489,6 +490,58 @@ def test_a_write_not_full_commits_without_waiting_for_the_wal_flush(
         assert seen == ["off", "on", "off"]
     finally:
         store.close()
+
+
+def test_a_notification_it_cannot_read_or_a_failing_apply_makes_the_listener_reload(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A notification not of this version's form (a replica of another version mid-upgrade) makes the listener
+    read every table again; a defect while applying changes makes it connect again and reload, never die: in
+    both cases later writes keep arriving."""
+    from sbx.gateway.store.postgres import CHANNEL
+
+    writer, reader, _ = _pg_stores(pg_cluster, monkeypatch)
+    arrived: list[Change] = []
+    lock = threading.Lock()
+    fail_once = threading.Event()
+
+    def on_changes(changes: list[Change]) -> None:
+        with lock:
+            if fail_once.is_set() and any(c.table == "quotas" for c in changes):
+                fail_once.clear()
+                raise RuntimeError("a defect applying changes")
+            arrived.extend(changes)
+            reader.refresh(changes)
+
+    caplog.set_level(logging.WARNING, logger="sbx.gateway.store.postgres")
+    try:
+        reader.listen(on_changes)
+        writer.listen(lambda changes: None)
+        assert reader.caught_up(5)
+        with lock:
+            arrived.clear()
+        writer.run([("SELECT pg_notify(%s, %s)", (CHANNEL, '{"origin": "x", "rows": [["keys"]]}'))])
+        key = keys.new_key("alice", "acme", {"admin"})[0]
+        writer.add_key(key)
+        assert reader.caught_up(5)
+        with lock:
+            assert ("keys", None) in [(c.table, c.key) for c in arrived]  # every table read again
+            assert reader.keys[key.id] == key
+        assert "a change notification this replica cannot read; reloading every table" in caplog.text
+        fail_once.set()
+        writer.set_quota("acme", Quota(max_cpus=2))
+        deadline = time.monotonic() + 30
+        while "could not apply the database's change notifications" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        writer.put_sandbox(SandboxRecord("sb1", "alice", "acme", "n1", None, 1, 512, T0))
+        deadline = time.monotonic() + 30
+        while not (reader.caught_up(1) and "sb1" in reader.sandboxes):
+            assert time.monotonic() < deadline
+        assert reader.quotas["acme"] == Quota(max_cpus=2)  # the change lost to the defect, read again
+    finally:
+        reader.close()
+        writer.close()
 
 
 def _payload_rows(ops: list[Any]) -> list[list[Any]]:

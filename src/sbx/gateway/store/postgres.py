@@ -391,12 +391,16 @@ class PostgresStore(Store):
                         # Ready again only once memory has caught up with what was missed meanwhile.
                         self._listening = True
                         self._listen_on(conn, on_changes)
-                except (psycopg.Error, Unavailable) as exc:
+                except Exception as exc:  # whatever it was, memory is read again whole
                     self._listening = False
                     if self._closed.is_set():
                         return
-                    log.warning("lost the database's change notifications; connecting again",
-                                extra={"error": str(exc).strip() or type(exc).__name__})  # fmt: skip
+                    if isinstance(exc, psycopg.Error | Unavailable):
+                        log.warning("lost the database's change notifications; connecting again",
+                                    extra={"error": str(exc).strip() or type(exc).__name__})  # fmt: skip
+                    else:  # a defect: the thread must not die, leaving memory behind the database for good
+                        log.exception("could not apply the database's change notifications; connecting again",
+                                      extra={"error": repr(exc)[:500]})  # fmt: skip
                     self._closed.wait(LISTEN_RETRY_SECS)
                 conn = None
 
@@ -417,18 +421,14 @@ class PostgresStore(Store):
             carried: dict[tuple[str, Row | None], list[Row] | None] = {}
             markers: list[str] = []
             for note in batch:
-                body = json.loads(note.payload)
-                if "marker" in body:
-                    markers.append(body["marker"])
-                    continue
-                local = body["origin"] == self.origin
-                if "signal" in body:
-                    named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
-                    continue
-                for table, key, *row in body["rows"]:
-                    entry = (table, tuple(key) if key is not None else None)
-                    named[entry] = named.get(entry, True) and local
-                    carried[entry] = ([tuple(row[0])] if row[0] is not None else []) if row else None
+                try:
+                    self._note(note.payload, named, carried, markers)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    # Not this version's form (a replica of another version, mid-upgrade): what it changed is
+                    # unknown, so every table is read again.
+                    log.warning("a change notification this replica cannot read; reloading every table",
+                                extra={"error": repr(exc)[:200]})  # fmt: skip
+                    named.update({(t, None): False for t in self.mirrors})
             if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
                 whole = {
                     t: all(v for (t2, _), v in named.items() if t2 == t) for t, key in named if key is None
@@ -449,6 +449,25 @@ class PostgresStore(Store):
                     event = self._markers.get(marker)
                     if event is not None:
                         event.set()
+
+    def _note(
+        self, payload: str, named: dict[tuple[str, Row | None], bool],
+        carried: dict[tuple[str, Row | None], list[Row] | None], markers: list[str],
+    ) -> None:  # fmt: skip
+        """Add one notification to its batch: the rows it names (``local`` unless another writer named them too),
+        the rows it carries (see ``_payloads``), a marker. Raises on a payload not of this form."""
+        body = json.loads(payload)
+        if "marker" in body:
+            markers.append(str(body["marker"]))
+            return
+        local = body["origin"] == self.origin
+        if "signal" in body:
+            named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
+            return
+        for table, key, *row in body["rows"]:
+            entry = (str(table), tuple(key) if key is not None else None)
+            named[entry] = named.get(entry, True) and local
+            carried[entry] = ([tuple(row[0])] if row[0] is not None else []) if row else None
 
     def _rows(self, table: str, key: Row | None = None) -> list[Row]:
         """Every row of ``table``, or the one with primary key ``key`` (none when it is gone)."""
