@@ -906,55 +906,6 @@ def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch
         cluster.stop()
 
 
-@pytest.mark.parametrize("check_idle_secs", [0.0, 3600.0])
-def test_a_pooled_connection_is_checked_only_after_it_idled(
-    monkeypatch: pytest.MonkeyPatch, check_idle_secs: float
-) -> None:
-    """A connection returned to the pool moments ago is handed out without a check (a round trip); one idle
-    ``CHECK_IDLE_SECS`` or more is checked first. So after PostgreSQL restarts under a connection used moments
-    before, the first write on it answers 503 and the pool discards it: the next write goes through; a checked
-    connection is replaced before the write."""
-    from psycopg_pool import ConnectionPool
-
-    from sbx.api.errors import Unavailable
-    from sbx.gateway.store import postgres
-
-    monkeypatch.setattr(postgres, "CHECK_IDLE_SECS", check_idle_secs)
-    checks: list[object] = []
-    original = ConnectionPool.check_connection
-    monkeypatch.setattr(
-        ConnectionPool, "check_connection", staticmethod(lambda c: (checks.append(c), original(c)))
-    )
-    cluster = PgCluster.start()  # its own: restarted under the store
-    try:
-        for name, value in cluster.env().items():
-            monkeypatch.setenv(name, value)
-        store = open_store(StoreLocation(database=cluster.create_database()))
-        made = [keys.new_key(u, "", {"admin"})[0] for u in ("a", "b", "c", "d")]
-        store.add_key(made[0])
-        checks.clear()  # those of the store's loading
-        store.add_key(made[1])
-        assert len(checks) == (1 if check_idle_secs == 0 else 0)
-        cluster.pause()
-        cluster.resume()
-        failed = 0
-        for _ in range(postgres.POOL_SIZE + 1):
-            try:
-                store.add_key(made[2])
-                break
-            except Unavailable as exc:
-                assert (exc.code, exc.message) == ("unavailable", postgres.UNREACHABLE)
-                failed += 1
-        # Checked: the broken connection is replaced before the write. Not: the write on it fails, and the pool
-        # discards it (one failure per connection it held, at most).
-        assert failed == 0 if check_idle_secs == 0 else 1 <= failed <= postgres.POOL_SIZE
-        store.add_key(made[3])
-        assert set(store.keys) == {k.id for k in made}
-        store.close()
-    finally:
-        cluster.stop()
-
-
 def test_an_unreachable_database_says_so(tmp_path: Path) -> None:
     with pytest.raises(StateError, match=f"cannot use the database .*{tmp_path}"):
         open_store(StoreLocation(database=f"postgresql://gw@/gw?host={tmp_path}"))

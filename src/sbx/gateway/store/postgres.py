@@ -35,7 +35,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,8 +78,6 @@ LEADER_CHECK_SECS = 2.0
 #: replica takes over within ~12 s, under the 15 s the operator is promised.
 LEADER_KEEPALIVES = {"tcp_keepalives_idle": 4, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3,
                      "tcp_user_timeout": 10000}  # fmt: skip
-#: A pooled connection idle this long or more is checked (a round trip) before it is handed out (``_RecentlyReturned``).
-CHECK_IDLE_SECS = 1.0
 #: Connections in the pool: as many as the threads that call the store at once (asyncio's default executor).
 POOL_SIZE = 8
 #: A connection attempt, and the wait for a free (or new) connection of the pool, give up after this long.
@@ -138,30 +135,6 @@ def _connect_kwargs() -> dict[str, Any]:
     if password:
         kwargs["password"] = password
     return kwargs
-
-
-class _RecentlyReturned:
-    """The pool's check, made only on a connection idle for ``CHECK_IDLE_SECS`` or more: a check is a round trip
-    (about 75 us of this process's CPU, on every write and read), and a connection returned moments ago is all but
-    certainly alive. One that broke meanwhile (PostgreSQL restarted within the second) fails its request (503
-    ``unavailable``, as while the database is away) and is discarded by the pool, so each pooled connection
-    fails at most one request; after an outage of ``CHECK_IDLE_SECS`` or longer every connection is checked and
-    replaced first, as before."""
-
-    def __init__(self) -> None:
-        self._at: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def returned(self, conn: psycopg.Connection[Any]) -> None:
-        """The pool's ``configure`` (a new connection) and ``reset`` (one given back) callback."""
-        with self._lock:
-            self._at[conn] = time.monotonic()
-
-    def check(self, conn: psycopg.Connection[Any]) -> None:
-        with self._lock:
-            at = self._at.get(conn)
-        if at is None or time.monotonic() - at >= CHECK_IDLE_SECS:
-            ConnectionPool.check_connection(conn)
 
 
 class PostgresStore(Store):
@@ -222,11 +195,9 @@ class PostgresStore(Store):
                         "API while it runs"
                     )
             _migrate(owner, url)
-            recent = _RecentlyReturned()
             pool = ConnectionPool(
                 url, kwargs=kwargs, min_size=1, max_size=POOL_SIZE, open=False, name="sandbox-gateway",
-                check=recent.check, configure=recent.returned, reset=recent.returned,
-                timeout=CONNECT_TIMEOUT_SECS,
+                check=ConnectionPool.check_connection, timeout=CONNECT_TIMEOUT_SECS,
             )  # fmt: skip
             pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECS)
             if not lock:
