@@ -213,15 +213,24 @@ fi
 if ! grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg" 2>/dev/null; then
     note "note: $VENV was not made with $SYSTEM_PYTHON; delete it to have it recreated with Debian's python3"
 fi
-# Reinstall only when pyproject.toml or the interpreter changed, or the package resolves to another checkout.
-want_stamp="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
+# Exactly the versions of requirements.lock (every package pinned with its hashes: pip refuses anything else),
+# then this checkout editable without its dependencies, built by the venv's own setuptools (Debian's, offline).
+# Reinstall only when the lock, pyproject.toml or the interpreter changed, or the package resolves to another
+# checkout. The lock is remade from pyproject.toml's ranges by scripts/lock.sh.
+want_stamp="$(cat "$REPO/requirements.lock" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
 sbx_path=$("$VENV/bin/python" -c 'import sbx; print(sbx.__file__)' 2>/dev/null || true)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want_stamp" ] && [ "$sbx_path" = "$REPO/src/sbx/__init__.py" ]; then
     note "up to date"
 else
-    note "pip install -e '.[test]'"
-    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[test]" ||
-        die "pip install failed" "check access to PyPI (or a configured index) and run this again"
+    note "pip install --require-hashes -r requirements.lock; pip install --no-deps -e ."
+    pip_opts=(--disable-pip-version-check -q)
+    "$VENV/bin/python" -m pip install "${pip_opts[@]}" --require-hashes --no-deps -r "$REPO/requirements.lock" ||
+        die "pip install of requirements.lock failed" "check access to PyPI (or a configured index) and run this again"
+    "$VENV/bin/python" -m pip install "${pip_opts[@]}" --no-deps --no-build-isolation -e "$REPO" ||
+        die "pip install -e $REPO failed" "see pip's message above"
+    "$VENV/bin/python" -m pip check >/dev/null ||
+        die "the installed packages do not fit together" "$("$VENV/bin/python" -m pip check 2>&1 | head -n 5)" \
+            "remake the lock (bash scripts/lock.sh) and run this again"
     printf '%s\n' "$want_stamp" >"$STAMP"
 fi
 

@@ -1132,8 +1132,8 @@ export interface components {
         /**
          * Agent
          * @description An agent of the gateway's agents file as ``GET /v1/agents`` lists it (an addition to the spec,
-         *         docs/jobs.md): its argv (``{prompt_file}`` as written), defaults and the names of its secrets and
-         *         environment; never an environment value.
+         *     docs/jobs.md): its argv (``{prompt_file}`` as written), defaults and the names of its secrets and
+         *     environment; never an environment value.
          */
         Agent: {
             name: string;
@@ -1148,7 +1148,7 @@ export interface components {
         /**
          * NetworkRequest
          * @description A request's ``network`` object (create, PATCH): every field optional. ``allow`` null (the default list)
-         *         and absent are the same; ``allow: []`` (nothing) is kept distinct and refused by rule 5.
+         *     and absent are the same; ``allow: []`` (nothing) is kept distinct and refused by rule 5.
          */
         NetworkRequest: {
             mode?: string;
@@ -1167,7 +1167,7 @@ export interface components {
         /**
          * AgentRunRequest
          * @description ``POST /v1/agent-runs``: one run of an agent the gateway defines (``--agents-file``); ``prompt`` is written
-         *         to a file in the sandbox, never put on its command line.
+         *     to a file in the sandbox, never put on its command line.
          */
         AgentRunRequest: {
             agent: string;
@@ -1205,8 +1205,8 @@ export interface components {
         /**
          * Capabilities
          * @description ``GET /v1/capabilities``: what this server offers; a client asks rather than assumes. Flags in
-         *         ``capabilities``: the spec's (``network_policy_update``, ``suspend``, ``memory_snapshot``, ``disk_snapshot``,
-         *         ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``).
+         *     ``capabilities``: the spec's (``network_policy_update``, ``suspend``, ``memory_snapshot``, ``disk_snapshot``,
+         *     ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``).
          */
         Capabilities: {
             api_version: string;
@@ -1220,8 +1220,8 @@ export interface components {
         /**
          * Limits
          * @description The server's limits: resources per sandbox (CPUs, MiB), the longest idle timeout in seconds (0: no
-         *         bound, and 0 may then mean "never"), the shortest snapshot interval in seconds and the most scheduled
-         *         snapshots kept.
+         *     bound, and 0 may then mean "never"), the shortest snapshot interval in seconds and the most scheduled
+         *     snapshots kept.
          */
         Limits: {
             /** @default 4 */
@@ -1241,9 +1241,9 @@ export interface components {
          * NetworkConfig
          * @description The server's network settings (config section ``[network]``; the ``network`` object of capabilities).
          *
-         *         ``default`` applies when a request omits ``network``; ``ceiling`` is the loosest mode a request may
-         *         pick; ``may_allow`` lists names and ``*.domain`` patterns a request may put in its allow list beyond
-         *         the default's names (``"*"`` permits any name; empty permits only the default's names).
+         *     ``default`` applies when a request omits ``network``; ``ceiling`` is the loosest mode a request may
+         *     pick; ``may_allow`` lists names and ``*.domain`` patterns a request may put in its allow list beyond
+         *     the default's names (``"*"`` permits any name; empty permits only the default's names).
          */
         NetworkConfig: {
             /**
@@ -1264,7 +1264,7 @@ export interface components {
         /**
          * NetworkPolicy
          * @description A resolved network policy, as the wire shows it: ``{mode, allow?, deny}``; ``allow`` is present (set)
-         *         only for mode allowlist, so a policy read back from a sandbox can be sent again unchanged.
+         *     only for mode allowlist, so a policy read back from a sandbox can be sent again unchanged.
          */
         NetworkPolicy: {
             /** @enum {unknown} */
@@ -1284,9 +1284,9 @@ export interface components {
          * CreateRequest
          * @description ``POST /v1/sandboxes``: every field optional (UNSET: the server's default or nothing).
          *
-         *         ``secret_env`` (an addition, capability ``secret_env``): environment like ``env``, whose values the node holds
-         *         in memory only, never on its disk, in its audit log or in an answer; a restart of the node loses them
-         *         (docs/node-api.md, "Secret environment"). A name may not be in both.
+         *     ``secret_env`` (an addition, capability ``secret_env``): environment like ``env``, whose values the node holds
+         *     in memory only, never on its disk, in its audit log or in an answer; a restart of the node loses them
+         *     (docs/node-api.md, "Secret environment"). A name may not be in both.
          */
         CreateRequest: {
             name?: string;
@@ -1387,8 +1387,8 @@ export interface components {
         /**
          * GatewayNode
          * @description A node as the gateway sees it: health, when it last answered a poll, cordon (as the gateway keeps
-         *         it), lost (down past ``--node-lost-after``), whether it comes from the node file, the last poll's error
-         *         and the last NodeStatus it answered.
+         *     it), lost (down past ``--node-lost-after``), whether it comes from the node file, the last poll's error
+         *     and the last NodeStatus it answered.
          */
         GatewayNode: {
             name: string;
@@ -1404,11 +1404,11 @@ export interface components {
         /**
          * NodeStatus
          * @description ``GET /v1/node``: a node's name (empty when standalone), version, capabilities, capacity and what is
-         *         free (capacity less what every live sandbox holds, pooled ones included), sandboxes running, pooled
-         *         sandboxes ready by image, installed images, labels and cordon. Additions: ``defaults`` (what a create
-         *         gets for what it omits; a gateway counts quotas with it), ``runtime`` (the backend's own facts, such
-         *         as its version and platform), ``parked`` (running sandboxes parked for idleness: counted in ``running``
-         *         too) and ``sandbox_capacity`` (how many sandboxes it can hold, and why).
+         *     free (capacity less what every live sandbox holds, pooled ones included), sandboxes running, pooled
+         *     sandboxes ready by image, installed images, labels and cordon. Additions: ``defaults`` (what a create
+         *     gets for what it omits; a gateway counts quotas with it), ``runtime`` (the backend's own facts, such
+         *     as its version and platform), ``parked`` (running sandboxes parked for idleness: counted in ``running``
+         *     too) and ``sandbox_capacity`` (how many sandboxes it can hold, and why).
          */
         NodeStatus: {
             name: string;
@@ -1442,8 +1442,8 @@ export interface components {
         /**
          * Defaults
          * @description What a create gets for what it omits: image, CPUs, memory and disk (MiB), idle timeout in seconds
-         *         (0: never, only where ``max_idle_timeout_secs`` is 0). Two CPUs by default: gVisor's systrap platform
-         *         answers system calls about twice as fast with two cores of quota as with one (docs/benchmarks.md).
+         *     (0: never, only where ``max_idle_timeout_secs`` is 0). Two CPUs by default: gVisor's systrap platform
+         *     answers system calls about twice as fast with two cores of quota as with one (docs/benchmarks.md).
          */
         Defaults: {
             /** @default 2 */
@@ -1460,8 +1460,8 @@ export interface components {
         /**
          * Runtime
          * @description What runs a node's sandboxes (an addition to NodeStatus): the ``platform`` guest code runs on and
-         *         ``platform_reason`` why it was chosen, ``limitations`` (one sentence each: what sandboxes here cannot do
-         *         or do slowly) and, for gVisor, the runsc release read at start and its path.
+         *     ``platform_reason`` why it was chosen, ``limitations`` (one sentence each: what sandboxes here cannot do
+         *     or do slowly) and, for gVisor, the runsc release read at start and its path.
          */
         Runtime: {
             platform: string;
@@ -1475,8 +1475,8 @@ export interface components {
         /**
          * SandboxCapacity
          * @description How many sandboxes a node can hold and why (an addition to NodeStatus): ``max_sandboxes`` of the default
-         *         size, the smallest of ``limits``, the one that binds (``limited_by``), how many it holds now
-         *         (``sandboxes``, pooled ones included) and the host's live figures (``host``).
+         *     size, the smallest of ``limits``, the one that binds (``limited_by``), how many it holds now
+         *     (``sandboxes``, pooled ones included) and the host's live figures (``host``).
          */
         SandboxCapacity: {
             max_sandboxes: number;
@@ -1488,9 +1488,9 @@ export interface components {
         /**
          * SandboxLimit
          * @description One limit on how many sandboxes a node holds (an addition, in ``sandbox_capacity``): the ``resource``
-         *         (``cpus``, ``memory``, ``disk`` and ``max_sandboxes`` of the node's accounting; ``host_memory``, ``tasks``
-         *         and ``open_files`` read from the host), how many sandboxes of the default size it allows in all
-         *         (``sandboxes``), and ``why``, one sentence with the figures it was computed from.
+         *     (``cpus``, ``memory``, ``disk`` and ``max_sandboxes`` of the node's accounting; ``host_memory``, ``tasks``
+         *     and ``open_files`` read from the host), how many sandboxes of the default size it allows in all
+         *     (``sandboxes``), and ``why``, one sentence with the figures it was computed from.
          */
         SandboxLimit: {
             resource: string;
@@ -1500,10 +1500,10 @@ export interface components {
         /**
          * HostHeadroom
          * @description The host's live figures every create is checked against (an addition, in ``sandbox_capacity``): memory
-         *         available and the reserve kept (MiB), host tasks (threads) running, the most the kernel allows (the smaller
-         *         of ``kernel.pid_max`` and ``kernel.threads-max``) and the reserve kept, and the server's open files, its
-         *         limit (RLIMIT_NOFILE) and the reserve kept. A create is refused (503) when one would fall below its
-         *         reserve.
+         *     available and the reserve kept (MiB), host tasks (threads) running, the most the kernel allows (the smaller
+         *     of ``kernel.pid_max`` and ``kernel.threads-max``) and the reserve kept, and the server's open files, its
+         *     limit (RLIMIT_NOFILE) and the reserve kept. A create is refused (503) when one would fall below its
+         *     reserve.
          */
         HostHeadroom: {
             memory_available_mb: number;
@@ -1525,8 +1525,8 @@ export interface components {
         /**
          * Image
          * @description The spec's Image. ``bytes`` is the root disk's size (0 until installed); ``in_use`` counts sandboxes
-         *         starting, running or suspended from it; ``progress`` only while installing, ``error`` only when
-         *         failed, ``digest`` and ``installed_at`` once installed.
+         *     starting, running or suspended from it; ``progress`` only while installing, ``error`` only when
+         *     failed, ``digest`` and ``installed_at`` once installed.
          */
         Image: {
             image: string;
@@ -1576,7 +1576,7 @@ export interface components {
         /**
          * Job
          * @description A job: its spec (``env`` left out), owner, state and attempts (``runs`` left out in listings);
-         *         ``agent`` names the agent of an agent run; ``error`` says why it failed or was cancelled.
+         *     ``agent`` names the agent of an agent run; ``error`` says why it failed or was cancelled.
          */
         Job: {
             id: string;
@@ -1596,8 +1596,8 @@ export interface components {
         /**
          * JobSpec
          * @description A job: ``command`` run once in a sandbox of its own, again up to ``retries`` times after a failed attempt;
-         *         ``timeout_secs`` bounds each attempt (none when omitted); ``notify`` an https URL told when each attempt
-         *         and the job end.
+         *     ``timeout_secs`` bounds each attempt (none when omitted); ``notify`` an https URL told when each attempt
+         *     and the job end.
          */
         JobSpec: {
             name?: string;
@@ -1717,7 +1717,7 @@ export interface components {
         /**
          * MemberRequest
          * @description ``POST /v1/orgs/{name}/members``: ``tenant`` defaults to the caller's own (``default`` names the
-         *         default tenant); ``role`` defaults to ``member``.
+         *     default tenant); ``role`` defaults to ``member``.
          */
         MemberRequest: {
             user: string;
@@ -1760,7 +1760,7 @@ export interface components {
         /**
          * OwnOrg
          * @description An entry of ``GET /v1/orgs``: the key's own tenant first, then each organisation of its user;
-         *         ``current`` marks the one the request acts in.
+         *     ``current`` marks the one the request acts in.
          */
         OwnOrg: {
             name: string;
@@ -1772,7 +1772,7 @@ export interface components {
         /**
          * PatchRequest
          * @description ``PATCH /v1/sandboxes/{ref}``: any of these; omitted ones stay as they are (``{}`` changes nothing).
-         *         ``name`` ``""`` removes the name; ``labels`` replaces the whole set.
+         *     ``name`` ``""`` removes the name; ``labels`` replaces the whole set.
          */
         PatchRequest: {
             network?: components["schemas"]["NetworkRequest"];
@@ -1804,7 +1804,7 @@ export interface components {
         /**
          * ProcessRequest
          * @description ``POST .../processes``: as run without ``timeout_secs``; ``tty`` gives a ``rows`` x ``cols`` terminal
-         *         (defaults 24 x 80; rows and cols are accepted only with ``tty: true``).
+         *     (defaults 24 x 80; rows and cols are accepted only with ``tty: true``).
          */
         ProcessRequest: {
             argv: string[];
@@ -1827,7 +1827,7 @@ export interface components {
         /**
          * TenantQuota
          * @description A tenant's quota (an amount null or absent has no limit) and its usage. ``tenant`` is ``default`` for the
-         *         default tenant.
+         *     default tenant.
          */
         TenantQuota: {
             tenant: string;
@@ -1851,7 +1851,7 @@ export interface components {
         /**
          * QuotaRequest
          * @description ``PUT /v1/admin/quotas/{tenant}``: the whole quota; an amount null or absent has no limit (all absent
-         *         removes the quota).
+         *     removes the quota).
          */
         QuotaRequest: {
             /** @default null */
@@ -1864,8 +1864,8 @@ export interface components {
         /**
          * Readiness
          * @description ``GET /v1/ready``: ``{status: "ready"}`` when this gateway can serve (its store reachable, the owner lock
-         *         held, other replicas' changes listened to, not stopping); else 503 ``unavailable`` saying why. No credential
-         *         needed: for load balancers (docs/ha.md).
+         *     held, other replicas' changes listened to, not stopping); else 503 ``unavailable`` saying why. No credential
+         *     needed: for load balancers (docs/ha.md).
          */
         Readiness: {
             status: string;
@@ -1895,7 +1895,7 @@ export interface components {
         /**
          * RunResult
          * @description The outcome of a run: output (base64 on the wire, bytes here), each stream kept up to 8 MiB
-         *         (``truncated`` when cut); a timed-out run has ``timed_out`` and ``exit_code`` -1.
+         *     (``truncated`` when cut); a timed-out run has ``timed_out`` and ``exit_code`` -1.
          */
         RunResult: {
             exit_code: number;
@@ -1907,10 +1907,10 @@ export interface components {
         /**
          * Sandbox
          * @description The spec's Sandbox. ``env_names`` are names only (values are never returned). ``snapshotting`` is
-         *         present only while a snapshot is being taken; ``terminated_at`` and ``terminated_reason`` (``request``,
-         *         ``idle``, ``crashed``, ``lost``) only once terminated. Additions, present only for a sandbox created with
-         *         ``secret_env``: ``secret_env_names`` (names only) and ``secret_env_lost``, true once a restart of the node
-         *         dropped the values it held in memory (processes started since do not get them).
+         *     present only while a snapshot is being taken; ``terminated_at`` and ``terminated_reason`` (``request``,
+         *     ``idle``, ``crashed``, ``lost``) only once terminated. Additions, present only for a sandbox created with
+         *     ``secret_env``: ``secret_env_names`` (names only) and ``secret_env_lost``, true once a restart of the node
+         *     dropped the values it held in memory (processes started since do not get them).
          */
         Sandbox: {
             id: string;
@@ -1939,7 +1939,7 @@ export interface components {
         /**
          * SnapshotProgress
          * @description The ``snapshotting`` field while a snapshot is taken: phase ``capture`` then ``store``; ``bytes`` read
-         *         so far (may pass ``estimated_bytes``, present only where the backend has an estimate).
+         *     so far (may pass ``estimated_bytes``, present only where the backend has an estimate).
          */
         SnapshotProgress: {
             started_at: string;
@@ -1967,7 +1967,7 @@ export interface components {
         /**
          * MetricsSample
          * @description One sample: CPU share of the given vCPUs since the previous sample (0 to 100), resident memory and its
-         *         limit in bytes, byte totals since start (network, disk), processes in the guest (0 where not seen).
+         *     limit in bytes, byte totals since start (network, disk), processes in the guest (0 where not seen).
          */
         MetricsSample: {
             time: string;
@@ -2018,9 +2018,9 @@ export interface components {
          * Service
          * @description A service: its spec (``env`` left out, defaults filled in), owner, revisions, counts and replicas.
          *
-         *         ``revision`` is the newest revision asked for; ``serving`` the revision the rollout started from until it
-         *         is done; ``ready`` the healthy replicas of any revision; ``url`` where its traffic is served (with a
-         *         ``port``); ``error`` why replicas cannot be made now, while that lasts.
+         *     ``revision`` is the newest revision asked for; ``serving`` the revision the rollout started from until it
+         *     is done; ``ready`` the healthy replicas of any revision; ``url`` where its traffic is served (with a
+         *     ``port``); ``error`` why replicas cannot be made now, while that lasts.
          */
         Service: {
             spec: components["schemas"]["ServiceSpec"];
@@ -2042,11 +2042,11 @@ export interface components {
         /**
          * ServiceSpec
          * @description A service: ``name`` a DNS label with no ``--``; at most 100 ``replicas`` (default 1); ``command`` runs in
-         *         every replica; ``port`` is where its HTTP server listens (guest loopback), for health checks and traffic;
-         *         ``secrets`` names tenant secrets put in the replicas' environment; ``answer_timeout_secs`` (1 to 3600,
-         *         default 120) is how long a replica may take to begin its answer to a proxied request (504 after; no limit
-         *         once the answer has begun, so server-sent events and long downloads are never cut). The last is an
-         *         addition to the spec's ServiceSpec (docs/services.md).
+         *     every replica; ``port`` is where its HTTP server listens (guest loopback), for health checks and traffic;
+         *     ``secrets`` names tenant secrets put in the replicas' environment; ``answer_timeout_secs`` (1 to 3600,
+         *     default 120) is how long a replica may take to begin its answer to a proxied request (504 after; no limit
+         *     once the answer has begun, so server-sent events and long downloads are never cut). The last is an
+         *     addition to the spec's ServiceSpec (docs/services.md).
          */
         ServiceSpec: {
             name: string;
@@ -2068,8 +2068,8 @@ export interface components {
         /**
          * HealthCheck
          * @description ``{http: path}`` (a GET to the replica's ``port``, 200 to 399 passes) or ``{command: [...]}`` (exit 0
-         *         passes), checked every ``every_secs`` (10) within ``timeout_secs`` (5); ``failures`` (3) in a row make a
-         *         replica unhealthy.
+         *     passes), checked every ``every_secs`` (10) within ``timeout_secs`` (5); ``failures`` (3) in a row make a
+         *     replica unhealthy.
          */
         HealthCheck: {
             http?: string;
@@ -2089,7 +2089,7 @@ export interface components {
         /**
          * Rollout
          * @description The latest rollout: from the revision serving when it began to the one asked for; ``reason`` when it
-         *         failed.
+         *     failed.
          */
         Rollout: {
             /** @enum {unknown} */
@@ -2101,7 +2101,7 @@ export interface components {
         /**
          * Replica
          * @description One replica: a sandbox of the service's owner running one revision. ``healthy`` is ``state ==
-         *         "healthy"``; ``restarts`` counts the replacements of this replica's slot.
+         *     "healthy"``; ``restarts`` counts the replacements of this replica's slot.
          */
         Replica: {
             sandbox: string;
@@ -2129,8 +2129,8 @@ export interface components {
         /**
          * Snapshot
          * @description The spec's Snapshot; ``bytes`` is the storage it takes; ``scheduled`` present (true) only when a
-         *         schedule took it. Additions: ``cpus``, ``memory_mb`` and ``disk_mb`` of the sandbox it was taken from (a
-         *         memory fork keeps them; a disk fork defaults to them).
+         *     schedule took it. Additions: ``cpus``, ``memory_mb`` and ``disk_mb`` of the sandbox it was taken from (a
+         *     memory fork keeps them; a disk fork defaults to them).
          */
         Snapshot: {
             id: string;
@@ -2180,7 +2180,7 @@ export interface components {
         /**
          * SshInfo
          * @description ``GET /v1/ssh``: where the gateway's SSH server listens, its host keys as OpenSSH public key lines
-         *         and the SHA256 fingerprint of its ed25519 key.
+         *     and the SHA256 fingerprint of its ed25519 key.
          */
         SshInfo: {
             host: string;
@@ -2211,7 +2211,7 @@ export interface components {
         /**
          * Volume
          * @description The spec's Volume: ``size_mb`` in MiB; ``attached_to`` names one live holder (the writer if there is
-         *         one, else the first reader by sandbox id), null when no live sandbox holds it.
+         *     one, else the first reader by sandbox id), null when no live sandbox holds it.
          */
         Volume: {
             name: string;
@@ -2237,7 +2237,7 @@ export interface components {
         /**
          * Whoami
          * @description ``GET /v1/whoami``: the key's user, tenant (null: the default one), id and scopes, and the
-         *         organisation this request acts in (null: the key's own tenant).
+         *     organisation this request acts in (null: the key's own tenant).
          */
         Whoami: {
             user: string;
