@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import os
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,66 @@ async def test_garbage_collection_keeps_recorded_and_pinned_blobs(tmp_path: Path
     assert collect_unused_blobs(images, blobs) == len(payloads["recorded"])
     assert blobs.digests() == set()
     assert images.list() == [], "the blobs directory is never listed as an image"
+
+
+def _pin_in_child(images_dir: Path, digest: str, conn: Connection) -> None:
+    """A pull under way in another process: its pins held until the parent says (or it dies). A pipe, not
+    events: a process killed inside an Event's wait would leave its lock taken."""
+    with BlobStore(images_dir).pinned([digest]):
+        conn.send("pinned")
+        conn.recv()
+
+
+@pytest.mark.parametrize("ending", ["exits", "is killed"])
+async def test_a_pull_in_another_process_keeps_its_blobs_until_it_ends(tmp_path: Path, ending: str) -> None:
+    images = ImageStore(tmp_path / "images")
+    blobs = BlobStore(images.images_dir)
+    data = os.urandom(2000)
+    digest = digest_of(data)
+
+    async def fill(writer: BlobWriter) -> None:
+        writer.write(data)
+
+    await blobs.ensure(digest, len(data), fill)
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_pin_in_child, args=(images.images_dir, digest, theirs))
+    child.start()
+    try:
+        assert ours.poll(30) and ours.recv() == "pinned"
+        # The other process's pull holds it: this process's collection keeps it, twice over.
+        assert collect_unused_blobs(images, blobs) == 0
+        assert collect_unused_blobs(images, blobs) == 0 and blobs.digests() == {digest}
+        if ending == "exits":
+            ours.send("done")
+        else:
+            child.kill()  # its pin file stays behind; its lock does not
+        child.join(30)
+        assert collect_unused_blobs(images, blobs) == len(data)
+        assert blobs.digests() == set()
+        assert not [n for n in os.listdir(blobs.root) if n.startswith(".pins-")], (
+            "a dead owner's pins are removed"
+        )
+    finally:
+        child.kill()
+        child.join(30)
+
+
+def test_pins_are_published_only_while_held(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    one, two = digest_of(b"1"), digest_of(b"2")
+
+    def published() -> list[str]:
+        return sorted(
+            line
+            for name in os.listdir(blobs.root)
+            if name.startswith(".pins-")
+            for line in (blobs.root / name).read_text().split()
+        )
+
+    with blobs.pinned([one]):
+        assert published() == [one]
+        with blobs.pinned([one, two]):
+            assert published() == sorted([one, two])
+        assert published() == [one]
+    assert published() == []

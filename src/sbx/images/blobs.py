@@ -11,7 +11,8 @@ process are joined into one download (:class:`SingleFlight`); two processes fetc
 download it and the second rename harmlessly replaces an identical file.
 
 Blobs are kept while an installed image records them (the ``layers`` of its image.json) or while a pull in
-this process uses them (:meth:`BlobStore.pinned`); :func:`collect_unused_blobs` deletes the rest.
+any process uses them (:meth:`BlobStore.pinned`, published to other processes by :mod:`sbx.images.pins`);
+:func:`collect_unused_blobs` deletes the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from sbx.api.errors import InvalidRequest
+from sbx.images.pins import PinFile, collecting
 from sbx.images.store import ImageStore
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,7 @@ class BlobStore:
         self.root = Path(images_dir) / "blobs" / "sha256"
         self._flights: SingleFlight[str, Path] = SingleFlight()
         self._pins: dict[str, int] = {}
+        self._pin_file = PinFile(self.root)
 
     def path(self, digest: str) -> Path:
         """Where the blob ``digest`` lives (whether or not it is there)."""
@@ -241,25 +244,37 @@ class BlobStore:
 
     @contextmanager
     def pinned(self, digests: Collection[str]) -> Iterator[None]:
-        """Keep ``digests`` from :meth:`collect_garbage` while the block runs (a pull not yet installed)."""
+        """Keep ``digests`` from :meth:`collect_garbage` while the block runs (a pull not yet installed), in this
+        process and in every other that collects this store (the pins are published to a file of the store:
+        :mod:`sbx.images.pins`). Entering and leaving wait for another process's collection under way."""
         for d in digests:
             self._pins[d] = self._pins.get(d, 0) + 1
         try:
+            self._make_root()
+            self._pin_file.update(self._pins.keys())
             yield
         finally:
             for d in digests:
                 self._pins[d] -= 1
                 if not self._pins[d]:
                     del self._pins[d]
+            self._pin_file.update(self._pins.keys())
 
     def collect_garbage(self, keep: Collection[str]) -> int:
         """Delete every blob not in ``keep`` and not pinned, and stale temporary files; returns bytes freed."""
+        if not self.root.is_dir():
+            return 0
+        # Other processes' pins hold still (and are read) while this runs.
+        with collecting(self.root, self._pin_file) as pinned_elsewhere:
+            keep_hex = {digest_hex(d) for d in (*keep, *self._pins, *pinned_elsewhere)}
+            return self._delete_unkept(keep_hex)
+
+    def _delete_unkept(self, keep_hex: set[str]) -> int:
         freed = 0
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
             return 0
-        keep_hex = {digest_hex(d) for d in keep} | {digest_hex(d) for d in self._pins}
         now = time.time()
         for entry in entries:
             try:
@@ -291,7 +306,7 @@ def recorded_layers(store: ImageStore) -> set[str]:
 def collect_unused_blobs(store: ImageStore, blobs: BlobStore) -> int:
     """Delete the blobs no installed image records (nor a running pull uses); returns bytes freed.
 
-    Blocking (lists images, unlinks files): call it through ``asyncio.to_thread`` from async code, and
-    after removing images (``DELETE /v1/images``), not during a pull in another process.
+    Blocking (lists images, unlinks files): call it through ``asyncio.to_thread`` from async code, after
+    removing images (``DELETE /v1/images``). A pull under way in another process keeps its blobs (its pins).
     """
     return blobs.collect_garbage(recorded_layers(store))
