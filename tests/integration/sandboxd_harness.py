@@ -7,8 +7,11 @@ on failure the server log and state files are copied to test-artifacts/<test>/ f
 from __future__ import annotations
 
 import http.client
+import ipaddress
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +27,52 @@ REPO = Path(__file__).resolve().parents[2]
 DATA_ROOT = Path(os.environ.get("SBX_DATA_ROOT", "/var/lib/sandboxd"))
 IMAGES_DIR = DATA_ROOT / "images"
 AGENT_PATH = DATA_ROOT / "agent" / "sbx-agent"
+
+#: Ports each test process takes from (``free_port``): a block of its own below the kernel's ephemeral range
+#: (32768-60999 by default), so parallel workers (pytest-xdist) and outgoing connections never collide.
+PORT_BLOCK = 1000
+PORT_BASE = 20000
+#: Most parallel workers given their own port block and subnet.
+MAX_WORKERS = 12
+
+
+def worker_index() -> int:
+    """This test process's pytest-xdist worker number (``gw3``: 3), 0 when not run by xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(name.removeprefix("gw")) if name.removeprefix("gw").isdigit() else 0
+    if index >= MAX_WORKERS:
+        raise RuntimeError(f"at most {MAX_WORKERS} parallel workers have ports and subnets of their own")
+    return index
+
+
+def worker_ports() -> range:
+    """The ports ``free_port`` hands out in this process."""
+    start = PORT_BASE + worker_index() * PORT_BLOCK
+    return range(start, start + PORT_BLOCK)
+
+
+def worker_subnet() -> ipaddress.IPv4Network:
+    """Where the sandbox subnets of the sandboxd servers this process starts come from (unless a test gives its
+    own): one /16 per worker, apart from sandboxd's default 10.200.0.0/16 (a node this machine may run) and from
+    the /20s of ``net_world.free_subnet`` (10.64.0.0/10)."""
+    return ipaddress.IPv4Network(f"10.{210 + worker_index()}.0.0/16")
+
+
+_ports = itertools.cycle(worker_ports())
+#: Each server its own /20 of the worker's /16 (1,024 sandboxes with a network), in turn: servers running at
+#: once (a gateway's nodes) never share addresses.
+_subnets = itertools.cycle(worker_subnet().subnets(new_prefix=20))
+
+
+def with_subnet(config_text: str, subnet: ipaddress.IPv4Network) -> str:
+    """``config_text`` with ``[network] subnet`` set to ``subnet`` unless it sets one itself."""
+    header = re.search(r"^\[network\][ \t]*$", config_text, re.MULTILINE)
+    if header is None:
+        return f'{config_text}\n[network]\nsubnet = "{subnet}"\n'
+    section = config_text[header.end() :].split("\n[", 1)[0]
+    if re.search(r"^\s*subnet\s*=", section, re.MULTILINE):
+        return config_text
+    return f'{config_text[: header.end()]}\nsubnet = "{subnet}"{config_text[header.end() :]}'
 
 
 def missing_requirements() -> str | None:
@@ -70,10 +119,19 @@ class Response:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now, for the caller to bind next: the next one of this test
+    process's own block (``worker_ports``), so that parallel workers never pick the same one and none is a
+    port the kernel hands out as an ephemeral source port meanwhile."""
+    for _ in range(PORT_BLOCK):
+        port = next(_ports)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held by something else (another program of this machine): the next
+            return port
+    raise RuntimeError(f"no free port in {worker_ports()}: every one is taken")
 
 
 def localhost_certificate(cert: Path, key: Path) -> None:
@@ -149,7 +207,10 @@ class Sandboxd:
         self.log_path = workdir / "sandboxd.log"
         self.config_path = workdir / "sandboxd.toml"
         self.config_path.write_text(
-            f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text,
+            with_subnet(
+                f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text,
+                next(_subnets),
+            ),
             encoding="utf-8",
         )
         self.args = args or []

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,24 @@ def _image_root() -> Path:
     return image.rootfs
 
 
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """The backend's state directory: a short one of its own, not under tmp_path, since the agent's unix socket
+    in it must stay within the 107 bytes of a socket path and a parallel worker's tmp_path is longer
+    (``.../popen-gw0/<test name>/``)."""
+    parent = Path(tempfile.mkdtemp(prefix="sbxbc-", dir="/var/tmp"))
+    (parent / "state").mkdir()
+    yield parent / "state"
+    shutil.rmtree(parent, ignore_errors=True)
+
+
 @pytest.fixture(params=KINDS)
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+async def backend(request: pytest.FixtureRequest, state_dir: Path) -> AsyncIterator[Backend]:
     made: Backend
     if request.param == "gvisor":
-        made = GVisorBackend(tmp_path / "state", AGENT_PATH)
+        made = GVisorBackend(state_dir, AGENT_PATH)
     else:
-        made = FakeBackend(tmp_path / "state", AGENT_PATH)
-    (tmp_path / "state").mkdir()
+        made = FakeBackend(state_dir, AGENT_PATH)
     made.check()
     await made.start()
     yield made
@@ -110,13 +122,13 @@ async def test_a_booted_sandbox_runs_as_the_guest_user_until_destroyed(backend: 
     await backend.destroy(f"sbx_{uuid.uuid4().hex[:16]}")  # one never booted: not an error
 
 
-async def test_a_failed_boot_leaves_nothing(backend: Backend, tmp_path: Path) -> None:
-    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "state").rglob("*"))
+async def test_a_failed_boot_leaves_nothing(backend: Backend, state_dir: Path, tmp_path: Path) -> None:
+    before = sorted(p.relative_to(state_dir) for p in state_dir.rglob("*"))
     spec = _spec(image_root=tmp_path / "no-such-image")
     with pytest.raises(BackendError):
         await backend.boot(spec)
     assert not await backend.is_running(spec.sandbox_id)
-    after = sorted(p.relative_to(tmp_path) for p in (tmp_path / "state").rglob("*"))
+    after = sorted(p.relative_to(state_dir) for p in state_dir.rglob("*"))
     assert [p for p in after if spec.sandbox_id in str(p)] == []
     assert set(after) - set(before) <= {p for p in after if p.name in ("runsc",)}
 
