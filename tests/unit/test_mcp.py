@@ -1,5 +1,6 @@
 """The pure parts of the MCP server (sbx.mcp): caps on output, the process output window, argument mapping,
-schemas, the listen address. The server itself is driven over stdio and HTTP in tests/integration/test_mcp.py."""
+schemas, answers as text (``call_tool`` on canned answers), the listen address. The server itself is driven
+over stdio and HTTP in tests/integration/test_mcp.py."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from mcp_types import TextContent
 from msgspec import UNSET
 
 from sbx.api.codec import convert_request
 from sbx.api.errors import InvalidRequest, Refused, SandboxError
 from sbx.mcp import tools as t
 from sbx.mcp.output import StreamWindow, head_and_tail, page, utf8_boundary, utf8_start
-from sbx.mcp.server import error_result, parse_http_address, success_result, tool_list
+from sbx.mcp.server import call_tool, error_result, parse_http_address, success_result, tool_list
 from sbx.mcp.session import Session
 
 # --- caps --------------------------------------------------------------------------------------------------
@@ -261,6 +263,110 @@ def test_a_success_carries_its_answer_as_structure_and_as_json_text() -> None:
     assert result.is_error is False
     assert result.structured_content == {"path": "/a", "deleted": True}
     assert json.loads(result.content[0].text) == msgspec.to_builtins(answer)  # type: ignore[union-attr]
+
+
+# --- answers as text -----------------------------------------------------------------------------------------
+
+
+class Canned:
+    """A session whose every tool answers ``answer``: all ``call_tool`` needs of one is ``handler``."""
+
+    def __init__(self, answer: msgspec.Struct) -> None:
+        self.answer = answer
+
+    def handler(self, name: str) -> Any:
+        async def run(args: msgspec.Struct) -> msgspec.Struct:
+            assert isinstance(args, t.TOOLS_BY_NAME[name].args)
+            return self.answer
+
+        return run
+
+
+#: Arguments each tool of these tests is called with (read strictly, as a host's would be).
+ARGS: dict[str, dict[str, Any]] = {
+    "read_file": {"sandbox": "sbx_1", "path": "/sandbox/home/a.py"},
+    "delete_file": {"sandbox": "sbx_1", "path": "/sandbox/home/a.py"},
+}
+
+
+async def answered(tool: str, answer: msgspec.Struct) -> tuple[list[tuple[str, Any]], Any]:
+    """``tool``'s answer ``answer`` as a host gets it: its text blocks as ``(text, _meta)``, checked to be
+    text content, and its structured content, checked to be the answer exactly (today's shape)."""
+    result = await call_tool(Canned(answer), tool, ARGS[tool])
+    assert result.is_error is False
+    assert result.structured_content == msgspec.to_builtins(answer)
+    texts = [block for block in result.content if isinstance(block, TextContent)]
+    assert texts == result.content
+    return [(block.text, block.meta) for block in texts], result.structured_content
+
+
+def file_answer(content: str, *, offset: int = 0, truncated: bool = False, size: int | None = None) -> Any:
+    size = len(content.encode()) if size is None else size
+    return t.FileContent(
+        path="/sandbox/home/a.py", content=content, encoding="utf-8", offset=offset, bytes=size,
+        next_offset=offset + size, truncated=truncated,
+    )  # fmt: skip
+
+
+def test_only_the_tools_that_carry_text_render_it() -> None:
+    rendered = {spec.name for spec in t.TOOLS if spec.text is not None}
+    assert rendered == {"read_file"}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        'def greet(name):\n    print(f"hello {name}!")\n    return "a\\"b" + \'\\\\n\'\n',
+        "tab\there\r\nwindows line\n",
+        "héllo → wörld ✓ 日本語 🐍\n",
+        "no newline at the end",
+        "",
+        "\n\n\n",
+    ],
+    ids=["quotes-and-backslashes", "tabs-and-crlf", "unicode", "no-final-newline", "empty", "only-newlines"],
+)
+async def test_a_text_files_text_content_is_its_text_exactly(content: str) -> None:
+    blocks, structured = await answered("read_file", file_answer(content))
+    assert blocks == [(content, None)]
+    assert structured["content"] == content and structured["encoding"] == "utf-8"
+
+
+#: (offset, bytes shown, truncated, the note after the text, or None).
+FILE_PAGES: list[tuple[int, int, bool, str | None]] = [
+    (0, 4096, True, "[bytes 0-4095 shown; the file goes on: call read_file with offset=4096 for more]"),
+    (4096, 4096, True, "[bytes 4096-8191 shown; the file goes on: call read_file with offset=8192 for more]"),
+    (8192, 1000, False, None),  # the last page
+    (0, 1000, False, None),  # the whole file
+    (50, 0, False, None),  # past the end: nothing, and nothing to read on
+]
+
+
+@pytest.mark.parametrize(
+    ("offset", "shown", "truncated", "note"), FILE_PAGES, ids=["first", "second", "last", "whole", "past-end"]
+)
+async def test_a_truncated_file_says_where_to_read_on(
+    offset: int, shown: int, truncated: bool, note: str | None
+) -> None:
+    text = "x" * shown
+    blocks, structured = await answered("read_file", file_answer(text, offset=offset, truncated=truncated))
+    assert blocks == [(text, None)] + ([(note, None)] if note else [])
+    assert (structured["next_offset"], structured["truncated"]) == (offset + shown, truncated)
+
+
+async def test_a_base64_file_keeps_its_json_text() -> None:
+    answer = t.FileContent(
+        path="/sandbox/home/b.bin", content="AAEC/w==", encoding="base64", offset=0, bytes=4, next_offset=4,
+        truncated=True,
+    )  # fmt: skip
+    blocks, structured = await answered("read_file", answer)
+    assert len(blocks) == 1 and blocks[0][1] is None
+    assert json.loads(blocks[0][0]) == structured
+
+
+async def test_other_tools_keep_their_json_text() -> None:
+    blocks, structured = await answered("delete_file", t.Deleted(path="/sandbox/home/a.py", deleted=True))
+    assert len(blocks) == 1 and blocks[0][1] is None
+    assert json.loads(blocks[0][0]) == structured == {"path": "/sandbox/home/a.py", "deleted": True}
 
 
 # --- the HTTP listen address -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ a wrong argument is ``invalid_request`` with a message naming it, exactly as the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -407,12 +407,49 @@ class ToolError(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
+# --- answers as text --------------------------------------------------------------------------------------
+#
+# A successful call's text content is what most hosts put before their model. For most tools that is the
+# answer's JSON; for a tool that carries text (a file) it is that text itself, since in JSON a source file
+# reaches the model as one line of \n and \" escapes. The metadata stays in the structured content, and a
+# short closing note says what the text leaves out.
+
+
+@dataclass(frozen=True)
+class TextBlock:
+    """One text block of a successful call's content."""
+
+    text: str
+
+
+#: How a tool's answer is shown as text: its blocks, or ``None`` for the answer's JSON (nothing better to show).
+TextRenderer = Callable[[Any], list[TextBlock] | None]
+
+
+def file_text(answer: FileContent) -> list[TextBlock] | None:
+    """read_file's text: the file's text exactly, then, only when the file goes on, a note of where to read
+    on. A base64 answer has no text to show: its JSON."""
+    if answer.encoding != "utf-8":
+        return None
+    blocks = [TextBlock(answer.content)]
+    if answer.truncated:
+        # A truncated page holds at least one byte (page() always moves on), so the range is never empty.
+        blocks.append(
+            TextBlock(
+                f"[bytes {answer.offset}-{answer.next_offset - 1} shown; the file goes on: call read_file "
+                f"with offset={answer.next_offset} for more]"
+            )
+        )
+    return blocks
+
+
 # --- the catalogue -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool: name, title, what an agent reads to use it, its argument and answer types, and hints."""
+    """One tool: name, title, what an agent reads to use it, its argument and answer types, hints, and how
+    its answer is shown as text (``None``: as its JSON)."""
 
     name: str
     title: str
@@ -422,6 +459,7 @@ class ToolSpec:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+    text: TextRenderer | None = None
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -480,9 +518,10 @@ TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec(
         "read_file", "Read a file",
-        "Read a file from a sandbox: UTF-8 text, or base64 when the bytes are not UTF-8. At most the cap from "
-        "offset; when truncated is true, read on from next_offset.",
-        ReadFileArgs, FileContent, read_only=True,
+        "Read a file from a sandbox: the text answer is the file's UTF-8 text as it is (JSON with base64 content "
+        "when the bytes are not UTF-8). At most the cap from offset; when the file goes on (truncated true), a "
+        "closing note gives the offset to read on from (next_offset).",
+        ReadFileArgs, FileContent, read_only=True, text=file_text,
     ),
     ToolSpec(
         "write_file", "Write a file",
