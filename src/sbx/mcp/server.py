@@ -5,9 +5,9 @@ schema (``invalid_request`` naming the argument), a failure of the service comes
 (``isError``) whose text is ``code: message`` and whose structured content is ``{"error": {"code",
 "message"}}`` (the spec's codes), and an unexpected exception is logged and answered ``internal``. A success
 carries the answer as structured content and as text: for most tools the answer's JSON (for hosts that read
-only text); for a tool that carries text (``read_file``) that text itself, then a short note when there is
-more to say (the tool's ``ToolSpec.text``), so the model reads a file's lines rather than a JSON string of
-escapes. The structured content is the same either way.
+only text); for the tools that carry text (``read_file``, ``run_command``, ``read_process_output``) that text
+itself, a block per output stream, then a short status note (the tool's ``ToolSpec.text``), so the model
+reads a file's lines rather than a JSON string of escapes. The structured content is the same either way.
 
 Logs go to stderr (stdout is the protocol on stdio): one line per tool call with its name, outcome and
 duration; never its arguments (they hold file contents and environment values) or the key.
@@ -102,8 +102,12 @@ def success_result(answer: Any, text: t.TextRenderer | None = None) -> types.Cal
 
 
 def _text_content(block: t.TextBlock) -> types.TextContent:
-    """A block as MCP text content."""
-    return types.TextContent(text=block.text)
+    """A block as MCP text content; a stream's block is marked ``_meta: {"stream": "stdout"}`` (or stderr) so a
+    host can tell the streams apart without parsing the status note."""
+    if block.stream is None:
+        return types.TextContent(text=block.text)
+    # ``_meta`` (the wire name) is the keyword the type checks accept; ``meta`` would work only at run time.
+    return types.TextContent(text=block.text, _meta={"stream": block.stream})
 
 
 class ToolHandlers(Protocol):

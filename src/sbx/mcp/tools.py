@@ -410,16 +410,18 @@ class ToolError(msgspec.Struct, kw_only=True):
 # --- answers as text --------------------------------------------------------------------------------------
 #
 # A successful call's text content is what most hosts put before their model. For most tools that is the
-# answer's JSON; for a tool that carries text (a file) it is that text itself, since in JSON a source file
-# reaches the model as one line of \n and \" escapes. The metadata stays in the structured content, and a
-# short closing note says what the text leaves out.
+# answer's JSON; for the tools that carry text (a file, a command's output) it is that text itself, since in
+# JSON a source file or a log reaches the model as one line of \n and \" escapes. The metadata stays in the
+# structured content, and a short closing note says what the text blocks are.
 
 
 @dataclass(frozen=True)
 class TextBlock:
-    """One text block of a successful call's content."""
+    """One text block of a successful call's content: the text, and the output stream it carries (``None``:
+    not a stream, e.g. a note about the answer)."""
 
     text: str
+    stream: Literal["stdout", "stderr"] | None = None
 
 
 #: How a tool's answer is shown as text: its blocks, or ``None`` for the answer's JSON (nothing better to show).
@@ -441,6 +443,53 @@ def file_text(answer: FileContent) -> list[TextBlock] | None:
             )
         )
     return blocks
+
+
+def _stream_blocks(stdout: str, stderr: str) -> tuple[list[TextBlock], dict[str, int]]:
+    """A block per non-empty stream, stdout first, and the number (from 1) of each stream's block."""
+    streams: tuple[tuple[Literal["stdout", "stderr"], str], ...] = (("stdout", stdout), ("stderr", stderr))
+    blocks = [TextBlock(text, stream) for stream, text in streams if text]
+    return blocks, {str(block.stream): number for number, block in enumerate(blocks, 1)}
+
+
+def _where(numbers: dict[str, int], stream: str) -> str:
+    """Where the status note says ``stream`` is: ``block N``, or ``no block`` when it was empty."""
+    return f"block {numbers[stream]}" if stream in numbers else "no block"
+
+
+def run_text(answer: RunCommandResult) -> list[TextBlock]:
+    """run_command's text: stdout exactly, stderr exactly (each only when not empty), then one status line
+    with the exit code, a timeout, each stream's size and cut, and which block holds which stream."""
+    blocks, numbers = _stream_blocks(answer.stdout, answer.stderr)
+    exited = f"exit code {answer.exit_code}"
+    status = [f"timed out and killed, {exited}" if answer.timed_out else exited]
+    for stream, written, truncated in (
+        ("stdout", answer.stdout_bytes, answer.stdout_truncated),
+        ("stderr", answer.stderr_bytes, answer.stderr_truncated),
+    ):
+        cut = ", truncated to its head and tail" if truncated else ""
+        status.append(f"{stream}: {written} bytes{cut}, {_where(numbers, stream)}")
+    return [*blocks, TextBlock("[" + "; ".join(status) + "]")]
+
+
+def process_text(answer: ProcessOutput) -> list[TextBlock]:
+    """read_process_output's text: the new stdout and stderr exactly (each only when not empty), then one
+    status line with the state, the exit code, which block holds which stream, the offsets to read on from,
+    and, when so, that more is waiting or that unread bytes were dropped."""
+    blocks, numbers = _stream_blocks(answer.stdout, answer.stderr)
+    state = f"process {answer.pid} {answer.state}"
+    if answer.exit_code is not None:
+        state += f", exit code {answer.exit_code}"
+    status = [
+        state,
+        f"stdout: {_where(numbers, 'stdout')}, next_stdout_offset {answer.next_stdout_offset}",
+        f"stderr: {_where(numbers, 'stderr')}, next_stderr_offset {answer.next_stderr_offset}",
+    ]
+    if answer.more:
+        status.append("more output is waiting: call read_process_output again")
+    if answer.dropped_bytes:
+        status.append(f"{answer.dropped_bytes} bytes left the window before they were read (dropped)")
+    return [*blocks, TextBlock("[" + "; ".join(status) + "]")]
 
 
 # --- the catalogue -----------------------------------------------------------------------------------------
@@ -485,11 +534,12 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "run_command", "Run a command",
         "Run a command in a sandbox to completion and return its exit code, stdout and stderr. Give command (a "
-        "shell line) or argv. Output is cut to the server's cap per stream keeping head and tail (the "
-        "*_truncated flags say so); for long output redirect it to a file and page it with read_file. A command "
-        "running past timeout_secs (default 60) is killed: timed_out true, exit_code -1. For servers and "
-        "anything longer use start_process.",
-        RunCommandArgs, RunCommandResult,
+        "shell line) or argv. The text answer is stdout, then stderr, each as it is and only when not empty, "
+        "then a status line naming the blocks. Output is cut to the server's cap per stream keeping head and "
+        "tail (the status line and the *_truncated flags say so); for long output redirect it to a file and "
+        "page it with read_file. A command running past timeout_secs (default 60) is killed: timed_out true, "
+        "exit_code -1. For servers and anything longer use start_process.",
+        RunCommandArgs, RunCommandResult, text=run_text,
     ),
     ToolSpec(
         "start_process", "Start a background process",
@@ -501,10 +551,10 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "read_process_output", "Read a background process's output",
         "Return what a background process wrote since this session's last read (or from the given offsets), "
-        "its state and exit code. wait_secs waits for the process to exit first. Up to the cap per stream: "
-        "when more is true, call again. The last 1 MiB per stream is kept; older unread bytes are counted in "
-        "dropped_bytes.",
-        ReadProcessOutputArgs, ProcessOutput, read_only=True,
+        "its state and exit code: as text, the new stdout, then stderr, then a status line. wait_secs waits "
+        "for the process to exit first. Up to the cap per stream: when more is true (the status line says so), "
+        "call again. The last 1 MiB per stream is kept; older unread bytes are counted in dropped_bytes.",
+        ReadProcessOutputArgs, ProcessOutput, read_only=True, text=process_text,
     ),
     ToolSpec(
         "write_process_stdin", "Write to a background process's stdin",
