@@ -41,6 +41,9 @@ TOOLS = {
 
 #: Seconds to wait for anything a test waits on (generous: a loaded 2-core machine).
 DEADLINE_SECS = 90.0
+#: The SDK's stdio client gives a server only a few safe variables; PYTHONPATH (when set, e.g. to a worktree's
+#: src) goes too, so the server runs the code under test, as sandboxd (which inherits everything) does.
+CODE_ENV = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +64,7 @@ async def session(
 ) -> AsyncIterator[Client]:
     """An MCP session with `sandbox-cli mcp` started over stdio as a host starts it; its stderr goes to ``log``."""
     command = server_command(server, *extra)
-    params = StdioServerParameters(command=command[0], args=command[1:], env=env)
+    params = StdioServerParameters(command=command[0], args=command[1:], env={**CODE_ENV, **(env or {})})
     # A local log file, opened once per session: not worth a thread.
     with open(log, "a", encoding="utf-8") as errlog:  # noqa: ASYNC230
         async with Client(
@@ -424,7 +427,9 @@ async def test_a_host_that_sends_sigterm_at_once_still_gets_the_clean_up(
 
 async def test_an_unreachable_server_is_a_tool_error_not_a_crash(tmp_path: Path) -> None:
     absent = tmp_path / "absent.sock"
-    params = StdioServerParameters(command=CLI[0], args=[*CLI[1:], "--url", f"unix://{absent}", "mcp"])
+    params = StdioServerParameters(
+        command=CLI[0], args=[*CLI[1:], "--url", f"unix://{absent}", "mcp"], env=CODE_ENV
+    )
     with open(tmp_path / "mcp.log", "w", encoding="utf-8") as errlog:  # noqa: ASYNC230 - a local log file
         async with Client(stdio_client(params, errlog=errlog)) as client:
             for tool, arguments in (("list_sandboxes", {}), ("create_sandbox", {})):
