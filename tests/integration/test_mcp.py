@@ -1,9 +1,10 @@
 """`sandbox-cli mcp` driven by the official `mcp` SDK's own client, against a real sandboxd (gVisor).
 
 The server runs as the subprocess an MCP host would start (`sandbox-cli --url unix://... mcp`, over stdio;
-one test over streamable HTTP). Every tool is called; bad arguments and the service's errors come back as
-tool errors with the spec's code and message while the server keeps answering; a command past its timeout is
-killed; a huge output is capped; a session's sandboxes carry its label and are removed when it ends.
+one test over streamable HTTP). Every tool is called; a file's text and a command's output come back as text
+blocks, not JSON; bad arguments and the service's errors come back as tool errors with the spec's code and
+message while the server keeps answering; a command past its timeout is killed; a huge output is capped; a
+session's sandboxes carry its label and are removed when it ends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import http.client
+import json
 import os
 import secrets
 import signal
@@ -28,6 +30,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.exceptions import MCPError
+from mcp_types import TextContent
 from sandboxd_harness import Sandboxd, free_port
 
 BIN = Path(sys.executable).parent
@@ -41,6 +44,9 @@ TOOLS = {
 
 #: Seconds to wait for anything a test waits on (generous: a loaded 2-core machine).
 DEADLINE_SECS = 90.0
+#: The SDK's stdio client gives a server only a few safe variables; PYTHONPATH (when set, e.g. to a worktree's
+#: src) goes too, so the server runs the code under test, as sandboxd (which inherits everything) does.
+CODE_ENV = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +67,7 @@ async def session(
 ) -> AsyncIterator[Client]:
     """An MCP session with `sandbox-cli mcp` started over stdio as a host starts it; its stderr goes to ``log``."""
     command = server_command(server, *extra)
-    params = StdioServerParameters(command=command[0], args=command[1:], env=env)
+    params = StdioServerParameters(command=command[0], args=command[1:], env={**CODE_ENV, **(env or {})})
     # A local log file, opened once per session: not worth a thread.
     with open(log, "a", encoding="utf-8") as errlog:  # noqa: ASYNC230
         async with Client(
@@ -239,6 +245,68 @@ async def test_every_tool(sandboxd: Sandboxd, tmp_path: Path) -> None:
     )
     assert state_of(sandboxd, outsider["id"]) == "running"
     sandboxd.request("DELETE", f"/v1/sandboxes/{outsider['id']}")
+
+
+# --- answers as text -----------------------------------------------------------------------------------------
+
+#: A source file with what JSON would escape: quotes, backslashes, newlines, non-ASCII.
+SOURCE = (
+    'import sys\n\n\ndef greet(name: str) -> str:\n    """Say \'hi\'."""\n'
+    '    return f"héllo, {name}!\\n\\t\\\\ done"\n\n\n'
+    'print(greet("wörld"), end="")\nprint("warn: \\"careful\\"", file=sys.stderr)\nsys.exit(3)\n'
+)
+
+
+async def texts(client: Client, tool: str, **arguments: Any) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+    """A successful call's text blocks as ``(text, _meta)`` (each checked to be text content) and its
+    structured answer."""
+    result = await client.call_tool(tool, arguments)
+    assert not result.is_error, (tool, result.content)
+    assert isinstance(result.structured_content, dict)
+    blocks = [block for block in result.content if isinstance(block, TextContent)]
+    assert blocks == result.content
+    return [(block.text, block.meta) for block in blocks], result.structured_content
+
+
+async def test_the_text_tools_answer_with_the_text_itself(sandboxd: Sandboxd, tmp_path: Path) -> None:
+    """A file's lines and a command's output reach the host as text, not as a JSON string of escapes; the
+    structured content keeps its shape."""
+    out, err = {"stream": "stdout"}, {"stream": "stderr"}
+    async with session(sandboxd, tmp_path / "mcp.log") as client:
+        sid = (await call(client, "create_sandbox"))["id"]
+        path = "/sandbox/home/greet.py"
+        await call(client, "write_file", sandbox=sid, path=path, content=SOURCE)
+        blocks, answer = await texts(client, "read_file", sandbox=sid, path=path)
+        assert blocks == [(SOURCE, None)]
+        assert (answer["content"], answer["encoding"], answer["truncated"]) == (SOURCE, "utf-8", False)
+
+        # A page of it: the text of the page, then where to read on.
+        blocks, answer = await texts(client, "read_file", sandbox=sid, path=path, max_bytes=10)
+        note = "[bytes 0-9 shown; the file goes on: call read_file with offset=10 for more]"
+        assert blocks == [(SOURCE[:10], None), (note, None)]
+        assert (answer["content"], answer["next_offset"], answer["truncated"]) == (SOURCE[:10], 10, True)
+
+        # The program's own output, a block per stream marked with its stream, then the status line.
+        blocks, answer = await texts(client, "run_command", sandbox=sid, argv=["python3", path])
+        printed, warned = "héllo, wörld!\n\t\\ done", 'warn: "careful"\n'
+        status = "[exit code 3; stdout: 23 bytes, block 1; stderr: 16 bytes, block 2]"
+        assert blocks == [(printed, out), (warned, err), (status, None)]
+        assert (answer["stdout"], answer["stderr"], answer["exit_code"]) == (printed, warned, 3)
+        blocks, _ = await texts(client, "run_command", sandbox=sid, command="true")
+        assert blocks == [("[exit code 0; stdout: 0 bytes, no block; stderr: 0 bytes, no block]", None)]
+
+        pid = (await call(client, "start_process", sandbox=sid, command="echo 'a \"b\"'; echo c >&2"))["pid"]
+        blocks, answer = await texts(client, "read_process_output", sandbox=sid, pid=pid, wait_secs=60)
+        status = (
+            f"[process {pid} exited, exit code 0; stdout: block 1, next_stdout_offset 6; stderr: block 2, "
+            "next_stderr_offset 2]"
+        )
+        assert blocks == [('a "b"\n', out), ("c\n", err), (status, None)]
+        assert (answer["stdout"], answer["stderr"], answer["state"]) == ('a "b"\n', "c\n", "exited")
+
+        # Every other tool still answers its JSON as text.
+        listed = await client.call_tool("list_files", {"sandbox": sid, "path": "/sandbox/home"})
+        assert json.loads(listed.content[0].text) == listed.structured_content  # type: ignore[union-attr]
 
 
 # --- errors ----------------------------------------------------------------------------------------------------
@@ -424,7 +492,9 @@ async def test_a_host_that_sends_sigterm_at_once_still_gets_the_clean_up(
 
 async def test_an_unreachable_server_is_a_tool_error_not_a_crash(tmp_path: Path) -> None:
     absent = tmp_path / "absent.sock"
-    params = StdioServerParameters(command=CLI[0], args=[*CLI[1:], "--url", f"unix://{absent}", "mcp"])
+    params = StdioServerParameters(
+        command=CLI[0], args=[*CLI[1:], "--url", f"unix://{absent}", "mcp"], env=CODE_ENV
+    )
     with open(tmp_path / "mcp.log", "w", encoding="utf-8") as errlog:  # noqa: ASYNC230 - a local log file
         async with Client(stdio_client(params, errlog=errlog)) as client:
             for tool, arguments in (("list_sandboxes", {}), ("create_sandbox", {})):

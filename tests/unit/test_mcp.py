@@ -1,5 +1,6 @@
 """The pure parts of the MCP server (sbx.mcp): caps on output, the process output window, argument mapping,
-schemas, the listen address. The server itself is driven over stdio and HTTP in tests/integration/test_mcp.py."""
+schemas, answers as text (``call_tool`` on canned answers), the listen address. The server itself is driven
+over stdio and HTTP in tests/integration/test_mcp.py."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from mcp_types import TextContent
 from msgspec import UNSET
 
 from sbx.api.codec import convert_request
 from sbx.api.errors import InvalidRequest, Refused, SandboxError
 from sbx.mcp import tools as t
 from sbx.mcp.output import StreamWindow, head_and_tail, page, utf8_boundary, utf8_start
-from sbx.mcp.server import error_result, parse_http_address, success_result, tool_list
+from sbx.mcp.server import call_tool, error_result, parse_http_address, success_result, tool_list
 from sbx.mcp.session import Session
 
 # --- caps --------------------------------------------------------------------------------------------------
@@ -261,6 +263,197 @@ def test_a_success_carries_its_answer_as_structure_and_as_json_text() -> None:
     assert result.is_error is False
     assert result.structured_content == {"path": "/a", "deleted": True}
     assert json.loads(result.content[0].text) == msgspec.to_builtins(answer)  # type: ignore[union-attr]
+
+
+# --- answers as text -----------------------------------------------------------------------------------------
+
+
+class Canned:
+    """A session whose every tool answers ``answer``: all ``call_tool`` needs of one is ``handler``."""
+
+    def __init__(self, answer: msgspec.Struct) -> None:
+        self.answer = answer
+
+    def handler(self, name: str) -> Any:
+        async def run(args: msgspec.Struct) -> msgspec.Struct:
+            assert isinstance(args, t.TOOLS_BY_NAME[name].args)
+            return self.answer
+
+        return run
+
+
+#: Arguments each tool of these tests is called with (read strictly, as a host's would be).
+ARGS: dict[str, dict[str, Any]] = {
+    "read_file": {"sandbox": "sbx_1", "path": "/sandbox/home/a.py"},
+    "run_command": {"sandbox": "sbx_1", "command": "make"},
+    "read_process_output": {"sandbox": "sbx_1", "pid": 3},
+    "delete_file": {"sandbox": "sbx_1", "path": "/sandbox/home/a.py"},
+}
+
+
+async def answered(tool: str, answer: msgspec.Struct) -> tuple[list[tuple[str, Any]], Any]:
+    """``tool``'s answer ``answer`` as a host gets it: its text blocks as ``(text, _meta)``, checked to be
+    text content, and its structured content, checked to be the answer exactly (today's shape)."""
+    result = await call_tool(Canned(answer), tool, ARGS[tool])
+    assert result.is_error is False
+    assert result.structured_content == msgspec.to_builtins(answer)
+    texts = [block for block in result.content if isinstance(block, TextContent)]
+    assert texts == result.content
+    return [(block.text, block.meta) for block in texts], result.structured_content
+
+
+def file_answer(content: str, *, offset: int = 0, truncated: bool = False, size: int | None = None) -> Any:
+    size = len(content.encode()) if size is None else size
+    return t.FileContent(
+        path="/sandbox/home/a.py", content=content, encoding="utf-8", offset=offset, bytes=size,
+        next_offset=offset + size, truncated=truncated,
+    )  # fmt: skip
+
+
+def test_only_the_tools_that_carry_text_render_it() -> None:
+    rendered = {spec.name for spec in t.TOOLS if spec.text is not None}
+    assert rendered == {"read_file", "run_command", "read_process_output"}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        'def greet(name):\n    print(f"hello {name}!")\n    return "a\\"b" + \'\\\\n\'\n',
+        "tab\there\r\nwindows line\n",
+        "héllo → wörld ✓ 日本語 🐍\n",
+        "no newline at the end",
+        "",
+        "\n\n\n",
+    ],
+    ids=["quotes-and-backslashes", "tabs-and-crlf", "unicode", "no-final-newline", "empty", "only-newlines"],
+)
+async def test_a_text_files_text_content_is_its_text_exactly(content: str) -> None:
+    blocks, structured = await answered("read_file", file_answer(content))
+    assert blocks == [(content, None)]
+    assert structured["content"] == content and structured["encoding"] == "utf-8"
+
+
+#: (offset, bytes shown, truncated, the note after the text, or None).
+FILE_PAGES: list[tuple[int, int, bool, str | None]] = [
+    (0, 4096, True, "[bytes 0-4095 shown; the file goes on: call read_file with offset=4096 for more]"),
+    (4096, 4096, True, "[bytes 4096-8191 shown; the file goes on: call read_file with offset=8192 for more]"),
+    (8192, 1000, False, None),  # the last page
+    (0, 1000, False, None),  # the whole file
+    (50, 0, False, None),  # past the end: nothing, and nothing to read on
+]
+
+
+@pytest.mark.parametrize(
+    ("offset", "shown", "truncated", "note"), FILE_PAGES, ids=["first", "second", "last", "whole", "past-end"]
+)
+async def test_a_truncated_file_says_where_to_read_on(
+    offset: int, shown: int, truncated: bool, note: str | None
+) -> None:
+    text = "x" * shown
+    blocks, structured = await answered("read_file", file_answer(text, offset=offset, truncated=truncated))
+    assert blocks == [(text, None)] + ([(note, None)] if note else [])
+    assert (structured["next_offset"], structured["truncated"]) == (offset + shown, truncated)
+
+
+async def test_a_base64_file_keeps_its_json_text() -> None:
+    answer = t.FileContent(
+        path="/sandbox/home/b.bin", content="AAEC/w==", encoding="base64", offset=0, bytes=4, next_offset=4,
+        truncated=True,
+    )  # fmt: skip
+    blocks, structured = await answered("read_file", answer)
+    assert len(blocks) == 1 and blocks[0][1] is None
+    assert json.loads(blocks[0][0]) == structured
+
+
+def run_answer(stdout: str = "", stderr: str = "", **fields: Any) -> t.RunCommandResult:
+    defaults: dict[str, Any] = {
+        "exit_code": 0, "timed_out": False, "stdout_truncated": False, "stderr_truncated": False,
+        "stdout_bytes": len(stdout.encode()), "stderr_bytes": len(stderr.encode()),
+    }  # fmt: skip
+    return t.RunCommandResult(stdout=stdout, stderr=stderr, **{**defaults, **fields})
+
+
+OUT = {"stream": "stdout"}
+ERR = {"stream": "stderr"}
+
+#: (answer, the text blocks a host gets as (text, _meta)).
+RUNS: list[tuple[t.RunCommandResult, list[tuple[str, Any]]]] = [
+    (run_answer('say "hi"\n'),
+     [('say "hi"\n', OUT), ("[exit code 0; stdout: 9 bytes, block 1; stderr: 0 bytes, no block]", None)]),
+    (run_answer(stderr="make: *** No rule\\n\n", exit_code=2),
+     [("make: *** No rule\\n\n", ERR), ("[exit code 2; stdout: 0 bytes, no block; stderr: 20 bytes, block 1]", None)]),
+    (run_answer("é\n", "warn\n", exit_code=7),
+     [("é\n", OUT), ("warn\n", ERR), ("[exit code 7; stdout: 3 bytes, block 1; stderr: 5 bytes, block 2]", None)]),
+    (run_answer(), [("[exit code 0; stdout: 0 bytes, no block; stderr: 0 bytes, no block]", None)]),
+    (run_answer("aa\n[... 99996 bytes omitted ...]\naa", stdout_bytes=100_000, stdout_truncated=True),
+     [("aa\n[... 99996 bytes omitted ...]\naa", OUT),
+      ("[exit code 0; stdout: 100000 bytes, truncated to its head and tail, block 1; stderr: 0 bytes, no block]",
+       None)]),
+    (run_answer("started\n", exit_code=-1, timed_out=True),
+     [("started\n", OUT),
+      ("[timed out and killed, exit code -1; stdout: 8 bytes, block 1; stderr: 0 bytes, no block]", None)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("answer", "expected"), RUNS, ids=["stdout", "stderr", "both", "neither", "truncated",
+                                                            "timed-out"])  # fmt: skip
+async def test_a_commands_text_is_its_output_then_a_status_line(
+    answer: t.RunCommandResult, expected: list[tuple[str, Any]]
+) -> None:
+    blocks, _ = await answered("run_command", answer)
+    assert blocks == expected
+
+
+def process_answer(stdout: str = "", stderr: str = "", **fields: Any) -> t.ProcessOutput:
+    defaults: dict[str, Any] = {
+        "pid": 3, "state": "running", "exit_code": None, "next_stdout_offset": len(stdout.encode()),
+        "next_stderr_offset": len(stderr.encode()), "more": False, "dropped_bytes": 0,
+    }  # fmt: skip
+    return t.ProcessOutput(stdout=stdout, stderr=stderr, **{**defaults, **fields})
+
+
+#: (answer, the text blocks a host gets as (text, _meta)).
+PROCESS_READS: list[tuple[t.ProcessOutput, list[tuple[str, Any]]]] = [
+    (process_answer(),
+     [("[process 3 running; stdout: no block, next_stdout_offset 0; stderr: no block, next_stderr_offset 0]",
+       None)]),
+    (process_answer("got ping\n", "warn\n", state="exited", exit_code=3),
+     [("got ping\n", OUT), ("warn\n", ERR),
+      (("[process 3 exited, exit code 3; stdout: block 1, next_stdout_offset 9; stderr: block 2, "
+        "next_stderr_offset 5]"), None)]),
+    (process_answer(stderr="Traceback\n", next_stdout_offset=40, next_stderr_offset=70),
+     [("Traceback\n", ERR),
+      ("[process 3 running; stdout: no block, next_stdout_offset 40; stderr: block 1, next_stderr_offset 70]",
+       None)]),
+    (process_answer("b" * 10, state="exited", exit_code=0, next_stdout_offset=1_000_010, more=True,
+                    dropped_bytes=1_000_000),
+     [("b" * 10, OUT),
+      (("[process 3 exited, exit code 0; stdout: block 1, next_stdout_offset 1000010; stderr: no block, "
+        "next_stderr_offset 0; more output is waiting: call read_process_output again; 1000000 bytes left "
+        "the window before they were read (dropped)]"), None)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"), PROCESS_READS, ids=["nothing", "both", "stderr", "more-dropped"]
+)
+async def test_a_processs_output_is_its_text_then_a_status_line(
+    answer: t.ProcessOutput, expected: list[tuple[str, Any]]
+) -> None:
+    blocks, _ = await answered("read_process_output", answer)
+    assert blocks == expected
+
+
+async def test_a_streams_block_is_marked_on_the_wire() -> None:
+    result = await call_tool(Canned(run_answer("out\n", "err\n")), "run_command", ARGS["run_command"])
+    wire = result.model_dump(by_alias=True, mode="json", exclude_none=True)["content"]
+    assert [block.get("_meta") for block in wire] == [OUT, ERR, None]
+
+
+async def test_other_tools_keep_their_json_text() -> None:
+    blocks, structured = await answered("delete_file", t.Deleted(path="/sandbox/home/a.py", deleted=True))
+    assert len(blocks) == 1 and blocks[0][1] is None
+    assert json.loads(blocks[0][0]) == structured == {"path": "/sandbox/home/a.py", "deleted": True}
 
 
 # --- the HTTP listen address -------------------------------------------------------------------------------

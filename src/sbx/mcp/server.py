@@ -4,7 +4,10 @@ Every tool call is answered, never crashes the server: its arguments are read st
 schema (``invalid_request`` naming the argument), a failure of the service comes back as a tool error
 (``isError``) whose text is ``code: message`` and whose structured content is ``{"error": {"code",
 "message"}}`` (the spec's codes), and an unexpected exception is logged and answered ``internal``. A success
-carries the answer as structured content and as its JSON text (for hosts that read only text).
+carries the answer as structured content and as text: for most tools the answer's JSON (for hosts that read
+only text); for the tools that carry text (``read_file``, ``run_command``, ``read_process_output``) that text
+itself, a block per output stream, then a short status note (the tool's ``ToolSpec.text``), so the model
+reads a file's lines rather than a JSON string of escapes. The structured content is the same either way.
 
 Logs go to stderr (stdout is the protocol on stdio): one line per tool call with its name, outcome and
 duration; never its arguments (they hold file contents and environment values) or the key.
@@ -18,14 +21,16 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Protocol
 
 import mcp_types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
+from msgspec import Struct
 
 from sbx.api.codec import convert_request, to_builtins
 from sbx.api.errors import Internal, InvalidRequest, Refused, SandboxError
@@ -82,15 +87,38 @@ def error_result(exc: SandboxError) -> types.CallToolResult:
     )
 
 
-def success_result(answer: Any) -> types.CallToolResult:
-    """A successful call: the answer as structured content and as its JSON text."""
+def success_result(answer: Any, text: t.TextRenderer | None = None) -> types.CallToolResult:
+    """A successful call: the answer as structured content (always the same shape, the output schema's), and
+    as text the blocks ``text`` renders from it, or its JSON when there is no renderer or it has nothing
+    better (a base64 file)."""
     data = to_builtins(answer)
-    return types.CallToolResult(
-        content=[types.TextContent(text=json.dumps(data, ensure_ascii=False))], structured_content=data
-    )
+    blocks = text(answer) if text is not None else None
+    content: list[types.ContentBlock]
+    if blocks is None:
+        content = [types.TextContent(text=json.dumps(data, ensure_ascii=False))]
+    else:
+        content = [_text_content(block) for block in blocks]
+    return types.CallToolResult(content=content, structured_content=data)
 
 
-async def call_tool(session: Session, name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
+def _text_content(block: t.TextBlock) -> types.TextContent:
+    """A block as MCP text content; a stream's block is marked ``_meta: {"stream": "stdout"}`` (or stderr) so a
+    host can tell the streams apart without parsing the status note."""
+    if block.stream is None:
+        return types.TextContent(text=block.text)
+    # ``_meta`` (the wire name) is the keyword the type checks accept; ``meta`` would work only at run time.
+    return types.TextContent(text=block.text, _meta={"stream": block.stream})
+
+
+class ToolHandlers(Protocol):
+    """What ``call_tool`` needs of a session: the coroutine implementing a tool (``Session`` is one)."""
+
+    def handler(self, name: str) -> Callable[[Any], Awaitable[Struct]]: ...
+
+
+async def call_tool(
+    session: ToolHandlers, name: str, arguments: dict[str, Any] | None
+) -> types.CallToolResult:
     """Run tool ``name``; every outcome but an unknown name is a ``CallToolResult``."""
     spec = t.TOOLS_BY_NAME.get(name)
     if spec is None:
@@ -104,7 +132,7 @@ async def call_tool(session: Session, name: str, arguments: dict[str, Any] | Non
         if arguments is not None and not isinstance(arguments, dict):
             raise InvalidRequest("the arguments must be a JSON object")
         args = convert_request(arguments or {}, spec.args)
-        return success_result(await session.handler(name)(args))
+        return success_result(await session.handler(name)(args), spec.text)
     except SandboxError as exc:
         outcome = exc.code
         return error_result(exc)

@@ -7,7 +7,7 @@ a wrong argument is ``invalid_request`` with a message naming it, exactly as the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -407,12 +407,98 @@ class ToolError(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
+# --- answers as text --------------------------------------------------------------------------------------
+#
+# A successful call's text content is what most hosts put before their model. For most tools that is the
+# answer's JSON; for the tools that carry text (a file, a command's output) it is that text itself, since in
+# JSON a source file or a log reaches the model as one line of \n and \" escapes. The metadata stays in the
+# structured content, and a short closing note says what the text blocks are.
+
+
+@dataclass(frozen=True)
+class TextBlock:
+    """One text block of a successful call's content: the text, and the output stream it carries (``None``:
+    not a stream, e.g. a note about the answer)."""
+
+    text: str
+    stream: Literal["stdout", "stderr"] | None = None
+
+
+#: How a tool's answer is shown as text: its blocks, or ``None`` for the answer's JSON (nothing better to show).
+TextRenderer = Callable[[Any], list[TextBlock] | None]
+
+
+def file_text(answer: FileContent) -> list[TextBlock] | None:
+    """read_file's text: the file's text exactly, then, only when the file goes on, a note of where to read
+    on. A base64 answer has no text to show: its JSON."""
+    if answer.encoding != "utf-8":
+        return None
+    blocks = [TextBlock(answer.content)]
+    if answer.truncated:
+        # A truncated page holds at least one byte (page() always moves on), so the range is never empty.
+        blocks.append(
+            TextBlock(
+                f"[bytes {answer.offset}-{answer.next_offset - 1} shown; the file goes on: call read_file "
+                f"with offset={answer.next_offset} for more]"
+            )
+        )
+    return blocks
+
+
+def _stream_blocks(stdout: str, stderr: str) -> tuple[list[TextBlock], dict[str, int]]:
+    """A block per non-empty stream, stdout first, and the number (from 1) of each stream's block."""
+    streams: tuple[tuple[Literal["stdout", "stderr"], str], ...] = (("stdout", stdout), ("stderr", stderr))
+    blocks = [TextBlock(text, stream) for stream, text in streams if text]
+    return blocks, {str(block.stream): number for number, block in enumerate(blocks, 1)}
+
+
+def _where(numbers: dict[str, int], stream: str) -> str:
+    """Where the status note says ``stream`` is: ``block N``, or ``no block`` when it was empty."""
+    return f"block {numbers[stream]}" if stream in numbers else "no block"
+
+
+def run_text(answer: RunCommandResult) -> list[TextBlock]:
+    """run_command's text: stdout exactly, stderr exactly (each only when not empty), then one status line
+    with the exit code, a timeout, each stream's size and cut, and which block holds which stream."""
+    blocks, numbers = _stream_blocks(answer.stdout, answer.stderr)
+    exited = f"exit code {answer.exit_code}"
+    status = [f"timed out and killed, {exited}" if answer.timed_out else exited]
+    for stream, written, truncated in (
+        ("stdout", answer.stdout_bytes, answer.stdout_truncated),
+        ("stderr", answer.stderr_bytes, answer.stderr_truncated),
+    ):
+        cut = ", truncated to its head and tail" if truncated else ""
+        status.append(f"{stream}: {written} bytes{cut}, {_where(numbers, stream)}")
+    return [*blocks, TextBlock("[" + "; ".join(status) + "]")]
+
+
+def process_text(answer: ProcessOutput) -> list[TextBlock]:
+    """read_process_output's text: the new stdout and stderr exactly (each only when not empty), then one
+    status line with the state, the exit code, which block holds which stream, the offsets to read on from,
+    and, when so, that more is waiting or that unread bytes were dropped."""
+    blocks, numbers = _stream_blocks(answer.stdout, answer.stderr)
+    state = f"process {answer.pid} {answer.state}"
+    if answer.exit_code is not None:
+        state += f", exit code {answer.exit_code}"
+    status = [
+        state,
+        f"stdout: {_where(numbers, 'stdout')}, next_stdout_offset {answer.next_stdout_offset}",
+        f"stderr: {_where(numbers, 'stderr')}, next_stderr_offset {answer.next_stderr_offset}",
+    ]
+    if answer.more:
+        status.append("more output is waiting: call read_process_output again")
+    if answer.dropped_bytes:
+        status.append(f"{answer.dropped_bytes} bytes left the window before they were read (dropped)")
+    return [*blocks, TextBlock("[" + "; ".join(status) + "]")]
+
+
 # --- the catalogue -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool: name, title, what an agent reads to use it, its argument and answer types, and hints."""
+    """One tool: name, title, what an agent reads to use it, its argument and answer types, hints, and how
+    its answer is shown as text (``None``: as its JSON)."""
 
     name: str
     title: str
@@ -422,6 +508,7 @@ class ToolSpec:
     read_only: bool = False
     destructive: bool = False
     idempotent: bool = False
+    text: TextRenderer | None = None
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -447,11 +534,12 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "run_command", "Run a command",
         "Run a command in a sandbox to completion and return its exit code, stdout and stderr. Give command (a "
-        "shell line) or argv. Output is cut to the server's cap per stream keeping head and tail (the "
-        "*_truncated flags say so); for long output redirect it to a file and page it with read_file. A command "
-        "running past timeout_secs (default 60) is killed: timed_out true, exit_code -1. For servers and "
-        "anything longer use start_process.",
-        RunCommandArgs, RunCommandResult,
+        "shell line) or argv. The text answer is stdout, then stderr, each as it is and only when not empty, "
+        "then a status line naming the blocks. Output is cut to the server's cap per stream keeping head and "
+        "tail (the status line and the *_truncated flags say so); for long output redirect it to a file and "
+        "page it with read_file. A command running past timeout_secs (default 60) is killed: timed_out true, "
+        "exit_code -1. For servers and anything longer use start_process.",
+        RunCommandArgs, RunCommandResult, text=run_text,
     ),
     ToolSpec(
         "start_process", "Start a background process",
@@ -463,10 +551,10 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "read_process_output", "Read a background process's output",
         "Return what a background process wrote since this session's last read (or from the given offsets), "
-        "its state and exit code. wait_secs waits for the process to exit first. Up to the cap per stream: "
-        "when more is true, call again. The last 1 MiB per stream is kept; older unread bytes are counted in "
-        "dropped_bytes.",
-        ReadProcessOutputArgs, ProcessOutput, read_only=True,
+        "its state and exit code: as text, the new stdout, then stderr, then a status line. wait_secs waits "
+        "for the process to exit first. Up to the cap per stream: when more is true (the status line says so), "
+        "call again. The last 1 MiB per stream is kept; older unread bytes are counted in dropped_bytes.",
+        ReadProcessOutputArgs, ProcessOutput, read_only=True, text=process_text,
     ),
     ToolSpec(
         "write_process_stdin", "Write to a background process's stdin",
@@ -480,9 +568,10 @@ TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec(
         "read_file", "Read a file",
-        "Read a file from a sandbox: UTF-8 text, or base64 when the bytes are not UTF-8. At most the cap from "
-        "offset; when truncated is true, read on from next_offset.",
-        ReadFileArgs, FileContent, read_only=True,
+        "Read a file from a sandbox: the text answer is the file's UTF-8 text as it is (JSON with base64 content "
+        "when the bytes are not UTF-8). At most the cap from offset; when the file goes on (truncated true), a "
+        "closing note gives the offset to read on from (next_offset).",
+        ReadFileArgs, FileContent, read_only=True, text=file_text,
     ),
     ToolSpec(
         "write_file", "Write a file",
