@@ -253,9 +253,9 @@ def test_pins_are_published_only_while_held(tmp_path: Path) -> None:
     def published() -> list[str]:
         return sorted(
             line
-            for name in os.listdir(blobs.root)
+            for name in os.listdir(blobs.root.parent)
             if name.startswith(".pins-")
-            for line in (blobs.root / name).read_text().split()
+            for line in (blobs.root.parent / name).read_text().split()
         )
 
     with blobs.pinned([one]):

@@ -190,7 +190,8 @@ class BlobStore:
         self.root = Path(images_dir) / "blobs" / "sha256"
         self._flights: SingleFlight[str, Path] = SingleFlight()
         self._pins: dict[str, int] = {}
-        self._pin_file = PinFile(self.root)
+        # Beside sha256/, not in it: that directory holds only blobs and their downloads.
+        self._pin_file = PinFile(self.root.parent)
 
     def path(self, digest: str) -> Path:
         """Where the blob ``digest`` lives (whether or not it is there)."""
@@ -265,7 +266,7 @@ class BlobStore:
         if not self.root.is_dir():
             return 0
         # Other processes' pins hold still (and are read) while this runs.
-        with collecting(self.root, self._pin_file) as pinned_elsewhere:
+        with collecting(self.root.parent, self._pin_file) as pinned_elsewhere:
             keep_hex = {digest_hex(d) for d in (*keep, *self._pins, *pinned_elsewhere)}
             return self._delete_unkept(keep_hex)
 

@@ -2,7 +2,7 @@
 
 Several processes may use one images directory (two sandboxd on a host, a test suite's servers, an image
 builder beside the node). A pull pins the blobs it is about to install; a collection in another process must
-not delete them. Layout under the blob root (``blobs/sha256``)::
+not delete them. Layout under ``blobs/`` (beside ``sha256/``, which holds only blobs)::
 
     .gc.lock           flock: shared while a process rewrites its pin file, exclusive while a collection runs
     .pins-<pid>-<rand> the digests one process has pinned, one per line; flock-ed exclusively by that process
@@ -43,7 +43,7 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 
 
 class PinFile:
-    """This process's pins in the blob root ``root``: :meth:`update` publishes them, :meth:`close` removes
+    """This process's pins in ``root`` (``blobs/``): :meth:`update` publishes them, :meth:`close` removes
     them. Not thread-safe: one owner (a :class:`~sbx.images.blobs.BlobStore`) calls it."""
 
     def __init__(self, root: Path) -> None:
