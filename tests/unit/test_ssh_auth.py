@@ -65,6 +65,13 @@ def store(tmp_path: Path) -> Store:
 
 
 _ROOT, _NORA = _blob(), _blob()
+#: Names of the random keys for the cases' ids, which must be the same in every process collecting them
+#: (parallel workers compare their collections).
+_NAMES = {ALICE: "alice", ALICE_LIMITED: "alice_limited", BOB: "bob", _ROOT: "root", _NORA: "nora"}
+
+
+def _case_id(value: object) -> str | None:
+    return _NAMES.get(value, "unregistered") if isinstance(value, bytes) else None
 
 
 def _sandboxes(store: Store) -> Sandboxes:
@@ -87,6 +94,7 @@ def _sandboxes(store: Store) -> Sandboxes:
         (_NORA, "norabox", "no_access"),  # nora holds no key with sandbox:ssh
         (_ROOT, "sbx_b1", ("root", "sbx_b1", "ssh_root")),  # an admin reaches every sandbox
     ],
+    ids=_case_id,
 )
 def test_key_logins(store: Store, blob: bytes, username: str, expected: Any) -> None:
     if isinstance(expected, str):
