@@ -168,6 +168,10 @@ def front(pg_cluster: PgCluster) -> Iterator[Front]:
             lb.stop()
             if lb.log.exists():
                 print(lb.log.read_text(errors="replace")[-3000:])
+        # SIGINT: stop at once, all three together (SIGTERM would wait out each one's DRAIN in turn).
+        for gw in gws.values():
+            if gw.proc is not None and gw.proc.poll() is None:
+                gw.proc.send_signal(signal.SIGINT)
         for gw in gws.values():
             gw.stop()
         node.teardown()
