@@ -4,6 +4,12 @@
 #
 #   bash scripts/test.sh [extra pytest arguments, e.g. -k name or -x]   (as root)
 #
+# Both test runs use parallel workers (pytest-xdist): SBX_TEST_UNIT_WORKERS (default 4) for the unit tests, one
+# test at a time to each; SBX_TEST_WORKERS (default 4) for the integration tests, which mostly wait (sandbox
+# boots, servers, timeouts) so more workers than cores pay, each taking whole modules (they share module-scoped
+# servers), the longest first, with ports and sandbox subnets of its own (tests/integration/sandboxd_harness.py).
+# 0 runs a suite in this one process. One file or test alone: docs/contributing.md.
+#
 # Runs scripts/install.sh --no-start --test-deps first (idempotent; sandboxd is not started: integration tests start
 # their own servers). Every step runs even when an earlier one fails, then a summary is printed. Logs and
 # failure evidence (server logs, state files of failed integration tests, junit XML) go to test-artifacts/.
@@ -21,6 +27,10 @@ UNIT_TEST_TIMEOUT_SECS=120
 INTEGRATION_TEST_TIMEOUT_SECS=600
 UNIT_TIMEOUT=15m
 INTEGRATION_TIMEOUT=45m
+UNIT_WORKERS=${SBX_TEST_UNIT_WORKERS:-4}
+INTEGRATION_WORKERS=${SBX_TEST_WORKERS:-4}
+# How many of the slowest tests a run prints at its end (and keeps in test-artifacts/slowest.txt).
+SLOWEST=30
 T0=$SECONDS
 
 declare -a SUMMARY=()
@@ -97,8 +107,9 @@ print(f"{n - f - e - s} passed, {f} failed, {e} errors, {s} skipped")
 EOF
 }
 
-run_pytest unit tests/unit "$UNIT_TEST_TIMEOUT_SECS" "$UNIT_TIMEOUT" "$@"
-run_pytest integration tests/integration "$INTEGRATION_TEST_TIMEOUT_SECS" "$INTEGRATION_TIMEOUT" "$@"
+run_pytest unit tests/unit "$UNIT_TEST_TIMEOUT_SECS" "$UNIT_TIMEOUT" -n "$UNIT_WORKERS" --dist load "$@"
+run_pytest integration tests/integration "$INTEGRATION_TEST_TIMEOUT_SECS" "$INTEGRATION_TIMEOUT" \
+    -n "$INTEGRATION_WORKERS" --dist loadfile --no-loadscope-reorder "$@"
 
 # An integration run where everything was skipped tested nothing: its prerequisites (root, runsc, the agent,
 # an image) are missing although install.sh just ran. Say so rather than pass.
@@ -121,6 +132,32 @@ else
     done
 fi
 [ "$status" -eq 0 ] && [ "$lint_failed" -ne 0 ] && status=1
+
+# The slowest tests of both runs (setup and teardown included) and the slowest modules: where to look first
+# when the suite gets slower.
+"$VENV/bin/python" - "$SLOWEST" "$ART/unit.xml" "$ART/integration.xml" <<'EOF' 2>/dev/null | tee "$ART/slowest.txt"
+import collections
+import sys
+import xml.etree.ElementTree as ET
+
+count, reports = int(sys.argv[1]), sys.argv[2:]
+tests, modules = [], collections.Counter()
+for report in reports:
+    try:
+        root = ET.parse(report).getroot()
+    except (OSError, ET.ParseError):
+        continue
+    for case in root.iter("testcase"):
+        secs = float(case.get("time") or 0)
+        tests.append((secs, f"{case.get('classname')}::{case.get('name')}"))
+        modules[case.get("classname") or "?"] += secs
+print(f"\n==== the {count} slowest tests (s, setup and teardown included) ====")
+for secs, name in sorted(tests, reverse=True)[:count]:
+    print(f"{secs:8.1f}  {name}")
+print("\n==== the 10 slowest modules (s, their tests added up) ====")
+for name, secs in modules.most_common(10):
+    print(f"{secs:8.1f}  {name}")
+EOF
 
 banner "summary ($((SECONDS - T0)) s)"
 printf '%s\n' "${SUMMARY[@]}"
