@@ -92,9 +92,11 @@ class Sandbox:
         return True
 
     def touch(self) -> None:
-        """Note activity: a request naming the sandbox, or a process starting or exiting."""
+        """Note activity: a request naming the sandbox, or a process starting or exiting. Under a hold the
+        timer is not told: nothing can be due while a request is in progress, and the release tells it."""
         self.last_activity = time.monotonic()
-        self.changed()
+        if self.holds == 0:
+            self.changed()
 
     def changed(self) -> None:
         """Tell the node that what its idle timer goes by changed (activity, holds, processes)."""
