@@ -3,10 +3,12 @@ and from the record files of sandboxd before it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from pathlib import Path
 
+from sbx.api.processes import OutputChunk, OutputExit
 from sbx.backends.base import GuestUser
 from sbx.node.audit import AuditLog
 from sbx.node.output_log import OutputLog
@@ -82,4 +84,11 @@ async def test_a_table_reads_the_journal_and_the_record_files_before_it(tmp_path
     assert [(r.pid, r.exit_code) for r in table.records()] == [(1, 5), (2, None), (3, 0), (5, None)]
     assert table.records()[0].finished_at == "2023-11-14T22:13:20.000Z"
     assert table.running == 2 and table.next_pid == 6
+    # Followed after the restart: an exited process that printed nothing ends at once, as one that printed.
+    assert await asyncio.wait_for(_followed(table, 3), 5) == [OutputExit(0)]
+    assert await asyncio.wait_for(_followed(table, 1), 5) == [OutputChunk("stdout", b"1\n"), OutputExit(5)]
+
+
+async def _followed(table: ProcessTable, pid: int) -> list[OutputChunk | OutputExit]:
+    return [event async for event in table.follow(pid)]
     assert table.output_budget.used_bytes == struct.calcsize(">BI") + 2

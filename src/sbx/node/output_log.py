@@ -193,6 +193,11 @@ class OutputLog:
         self.exit_code, self.exited_at = exit_code, exited_at
         await self.close()
 
+    def ended(self) -> None:
+        """The process is known to have exited (its record says so, read back after a restart): no output
+        will come, even when the file holds no exit record (a process that printed nothing has no file)."""
+        self.closed = True
+
     async def close(self) -> None:
         """No more output will come (the process exited); wakes followers so they finish."""
         self.closed = True

@@ -195,6 +195,8 @@ class ProcessTable:
             if record.exit_code is None and log.exit_code is not None and log.exited_at is not None:
                 record.exit_code = log.exit_code
                 record.finished_at = iso_utc(log.exited_at)
+            if record.exit_code is not None:
+                log.ended()  # followers of a process that printed nothing (no log file) end at once
             self._procs[pid] = _Process(record, log, meta_path)
             self._next_pid = max(self._next_pid, pid + 1)
             if record.exit_code is None:
