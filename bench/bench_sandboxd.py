@@ -187,9 +187,12 @@ def http_runs(server: Sandboxd, sandbox_id: str, count: int) -> list[float]:
 HISTORY_POINTS = (30, 1000, 3000, 10000)
 
 
-def history_cpu(server: Sandboxd, sandbox_id: str, total_runs: int, window: int) -> list[tuple[int, float]]:
+def history_cpu(
+    server: Sandboxd, sandbox_id: str, total_runs: int, window: int
+) -> Iterator[tuple[int, float]]:
     """sandboxd's CPU seconds per run of `true` over ``window`` runs starting at each of HISTORY_POINTS (and at
-    ``total_runs`` when it is not one) that is at most ``total_runs``, as (runs before the window, seconds).
+    ``total_runs`` when it is not one) that is at most ``total_runs``, as (runs before the window, seconds),
+    each as soon as it is measured.
 
     The runs between windows are made as fast as one keep-alive connection allows. sandboxd's CPU is read from
     /proc (user plus system, all its threads), at a clock tick's resolution: ``window`` runs keep that below
@@ -200,7 +203,6 @@ def history_cpu(server: Sandboxd, sandbox_id: str, total_runs: int, window: int)
     points = sorted({p for p in HISTORY_POINTS if p <= total_runs} | {total_runs})
     client = KeepAlive(server)
     done = 0
-    results = []
     try:
         for point in points:
             while done < point:
@@ -209,24 +211,24 @@ def history_cpu(server: Sandboxd, sandbox_id: str, total_runs: int, window: int)
             before = cpu_secs(pid)
             for _ in range(window):
                 client.call("POST", f"/v1/sandboxes/{sandbox_id}/run", {"argv": ["true"]})
-            results.append((point, (cpu_secs(pid) - before) / window))
+            yield point, (cpu_secs(pid) - before) / window
             done += window
     finally:
         client.close()
-    return results
 
 
 def print_history_cpu(server: Sandboxd, total_runs: int, window: int) -> None:
     """Create a sandbox, measure :func:`history_cpu` in it, print one row per point, delete it."""
     sandbox_id = server.create()["id"]
+    first = None
     try:
-        results = history_cpu(server, sandbox_id, total_runs, window)
+        for point, secs in history_cpu(server, sandbox_id, total_runs, window):
+            first = first or secs
+            name = f"sandboxd CPU per run (true) after {point:,} runs"
+            print(f"{name:<42} {secs * 1000:8.2f} ms   ratio to the first {secs / first:5.2f}x   ({window} runs)",
+                  flush=True)  # fmt: skip
     finally:
         server.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
-    first = results[0][1]
-    for point, secs in results:
-        name = f"sandboxd CPU per run (true) after {point:,} runs"
-        print(f"{name:<42} {secs * 1000:8.2f} ms   ratio to the first {secs / first:5.2f}x   ({window} runs)")
 
 
 def wait_torn_down(server: Sandboxd, sandbox_id: str) -> None:
@@ -348,8 +350,12 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=50)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--concurrent", type=int, default=20)
-    parser.add_argument("--history-runs", type=int, default=10000,
-                        help="runs in one sandbox for sandboxd's CPU per run as its history grows (0: skip)")
+    parser.add_argument(
+        "--history-runs",
+        type=int,
+        default=10000,
+        help="runs in one sandbox for sandboxd's CPU per run as its history grows (0: skip)",
+    )
     parser.add_argument("--history-window", type=int, default=300, help="runs measured at each point")
     parser.add_argument("--history-only", action="store_true", help="measure only the CPU per run by history")
     args = parser.parse_args()
