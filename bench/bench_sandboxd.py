@@ -7,7 +7,10 @@ Prints p50/p95 (and p99 for concurrent creates) with ratios against the raw tool
   in a bundle on the same image root;
 - run round trip of `true` vs `runsc exec` of `true` into a running raw sandbox;
 - N concurrent creates;
-- idle memory per sandbox (its cgroup's usage, and the host's MemAvailable drop per sandbox).
+- idle memory per sandbox (its cgroup's usage, and the host's MemAvailable drop per sandbox);
+- sandboxd's CPU per run of `true` as one sandbox's history grows (``--history-runs``, default 10,000; read
+  from /proc/<pid>/stat of sandboxd over a window of runs at 30, 1,000, 3,000 and 10,000 runs): per-request
+  work must not grow with what the sandbox has done. ``--history-only`` measures only this (no raw runsc).
 Results go in docs/benchmarks.md.
 """
 
@@ -180,6 +183,54 @@ def http_runs(server: Sandboxd, sandbox_id: str, count: int) -> list[float]:
         client.close()
 
 
+#: History sizes (runs already made in the sandbox) at which sandboxd's CPU per run is measured.
+HISTORY_POINTS = (30, 1000, 3000, 10000)
+
+
+def history_cpu(
+    server: Sandboxd, sandbox_id: str, total_runs: int, window: int
+) -> Iterator[tuple[int, float]]:
+    """sandboxd's CPU seconds per run of `true` over ``window`` runs starting at each of HISTORY_POINTS (and at
+    ``total_runs`` when it is not one) that is at most ``total_runs``, as (runs before the window, seconds),
+    each as soon as it is measured.
+
+    The runs between windows are made as fast as one keep-alive connection allows. sandboxd's CPU is read from
+    /proc (user plus system, all its threads), at a clock tick's resolution: ``window`` runs keep that below
+    one percent of what a window measures.
+    """
+    assert server.proc is not None
+    pid = server.proc.pid
+    points = sorted({p for p in HISTORY_POINTS if p <= total_runs} | {total_runs})
+    client = KeepAlive(server)
+    done = 0
+    try:
+        for point in points:
+            while done < point:
+                client.call("POST", f"/v1/sandboxes/{sandbox_id}/run", {"argv": ["true"]})
+                done += 1
+            before = cpu_secs(pid)
+            for _ in range(window):
+                client.call("POST", f"/v1/sandboxes/{sandbox_id}/run", {"argv": ["true"]})
+            yield point, (cpu_secs(pid) - before) / window
+            done += window
+    finally:
+        client.close()
+
+
+def print_history_cpu(server: Sandboxd, total_runs: int, window: int) -> None:
+    """Create a sandbox, measure :func:`history_cpu` in it, print one row per point, delete it."""
+    sandbox_id = server.create()["id"]
+    first = None
+    try:
+        for point, secs in history_cpu(server, sandbox_id, total_runs, window):
+            first = first or secs
+            name = f"sandboxd CPU per run (true) after {point:,} runs"
+            print(f"{name:<42} {secs * 1000:8.2f} ms   ratio to the first {secs / first:5.2f}x   ({window} runs)",
+                  flush=True)  # fmt: skip
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+
 def wait_torn_down(server: Sandboxd, sandbox_id: str) -> None:
     """Wait until a deleted sandbox's background teardown ended, so it does not weigh on the next sample."""
     while (server.state_dir / "gvisor" / sandbox_id).exists():
@@ -287,6 +338,10 @@ async def bench(args: argparse.Namespace, server: Sandboxd, raw: RawRunsc) -> No
         await client.sandboxes.delete(sandbox_id)
     await client.aclose()
 
+    # 5. sandboxd's CPU per run as the sandbox's history grows
+    if args.history_runs:
+        await asyncio.to_thread(print_history_cpu, server, args.history_runs, args.history_window)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -295,11 +350,24 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=50)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--concurrent", type=int, default=20)
+    parser.add_argument(
+        "--history-runs",
+        type=int,
+        default=10000,
+        help="runs in one sandbox for sandboxd's CPU per run as its history grows (0: skip)",
+    )
+    parser.add_argument("--history-window", type=int, default=300, help="runs measured at each point")
+    parser.add_argument("--history-only", action="store_true", help="measure only the CPU per run by history")
     args = parser.parse_args()
     # Room for the concurrent creates whatever this host's measured capacity (2 cores x 8 here).
     capacity = f"[capacity]\ncpus = {max(64, args.concurrent * 2)}\n"
     with bench_node("sbx-bench-", capacity) as (server, workdir):
-        asyncio.run(bench(args, server, RawRunsc(workdir / "raw", default_rootfs())))
+        if args.history_only:
+            print(f"# sandboxd CPU per run by history, {time.strftime('%Y-%m-%d %H:%M')} UTC, "
+                  f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+            print_history_cpu(server, args.history_runs, args.history_window)
+        else:
+            asyncio.run(bench(args, server, RawRunsc(workdir / "raw", default_rootfs())))
 
 
 if __name__ == "__main__":

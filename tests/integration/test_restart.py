@@ -84,3 +84,29 @@ def test_restart_finishes_teardowns_a_kill_interrupted(sandboxd_factory: Callabl
     ]
     assert mounts == []
     assert server.request("GET", f"/v1/sandboxes/{s['id']}").json()["state"] == "terminated"
+
+
+def test_process_records_survive_a_kill_with_and_without_output(
+    sandboxd_factory: Callable[..., Sandboxd],
+) -> None:
+    server = sandboxd_factory()
+    ref = server.create()["id"]
+    quiet = server.request("POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["true"]}).json()["pid"]
+    assert server.run(ref, ["echo", "hi"])["stdout"] == b"hi\n"
+    assert server.run(ref, ["sh", "-c", "exit 3"])["exit_code"] == 3
+    directory = server.state_dir / "sandboxes" / ref / "processes"
+    # One journal of records; an output log only for what printed (a file per run cost most of a run's CPU).
+    assert (directory / "journal.ndjson").exists() and not (directory / f"{quiet}.out").exists()
+    server.signal(signal.SIGKILL)
+    server.start()
+    listed = server.request("GET", f"/v1/sandboxes/{ref}/processes").json()["processes"]
+    assert [(p["pid"], p["argv"][0], p["state"], p["exit_code"]) for p in listed] == [
+        (quiet, "true", "exited", 0), (quiet + 1, "echo", "exited", 0), (quiet + 2, "sh", "exited", 3),
+    ]  # fmt: skip
+    assert list(server.follow(ref, quiet)) == [{"exit_code": 0}]
+    echoed = list(server.follow(ref, quiet + 1))
+    assert base64.b64decode(echoed[0]["data"]) == b"hi\n" and echoed[-1] == {"exit_code": 0}
+    # The agent's side is forgotten (its FORGETs go with later frames) and new handles are new.
+    for _ in range(3):
+        assert server.run(ref, ["true"])["exit_code"] == 0
+    assert server.request("GET", f"/v1/sandboxes/{ref}/processes").json()["processes"][-1]["pid"] == quiet + 5

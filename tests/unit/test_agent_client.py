@@ -17,6 +17,7 @@ import pytest
 
 from sbx.agent import protocol as p
 from sbx.agent.client import (
+    MAX_DEFERRED_FORGETS,
     MAX_FILE_TRANSFERS,
     MAX_HANDLES,
     AgentClient,
@@ -160,6 +161,35 @@ async def test_a_refused_pipelined_spawn_raises_and_leaves_the_client_usable(
     assert isinstance(msg, p.Spawn)
     fake.send(p.Spawned(43), fid)
     assert await spawning == 43
+
+
+async def test_forget_later_rides_with_the_next_frames_and_needs_no_answer(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    await _list(client, fake)
+    client.forget_later(3)
+    client.forget_later(4)
+    with pytest.raises(TimeoutError):
+        await fake.recv(QUIET_SECS)  # nothing written on its own
+    spawning = asyncio.create_task(client.spawn(5, ["true"], ENV, "/", 0, 0))
+    frames = await fake.recv()
+    assert [(type(m).__name__, fid) for m, fid in frames[:2]] == [("Forget", 0), ("Forget", 0)]
+    assert [m.handle for m, _ in frames[:2]] == [3, 4] and isinstance(frames[2][0], p.Spawn)  # type: ignore[attr-defined]
+    fake.send(p.Ok(), 0)  # the agent's answers to id 0 are dropped, never taken for another reply
+    fake.send(p.Error(errno.ENOENT, "no such process handle"), 0)
+    fake.send(p.Spawned(50), frames[2][1])
+    assert await spawning == 50
+
+
+async def test_forgets_held_back_are_written_on_their_own_past_the_cap(
+    pair: tuple[AgentClient, FakeAgent],
+) -> None:
+    client, fake = pair
+    for handle in range(MAX_DEFERRED_FORGETS):
+        client.forget_later(handle)
+    frames = await fake.recv_all()
+    assert [m for m, _ in frames] == [p.Forget(h) for h in range(MAX_DEFERRED_FORGETS)]
 
 
 # ---- TCP tunnels ----------------------------------------------------------------------------

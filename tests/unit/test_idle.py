@@ -40,9 +40,11 @@ def view(now: float, last: float = 100.0, idle: int = 600, park: int = 30, **mor
         # A process running: neither, and no timer (its exit is activity and looks again).
         (view(5000, processes=1), Decision(NOTHING, None)),
         (view(5000, processes=3, parked=True), Decision(NOTHING, None)),
-        # A request or stream open: never parked under it; the idle timeout still counts (the spec's rule).
-        (view(200, holds=1), Decision(NOTHING, 700.0)),
-        (view(700, holds=2), Decision(TERMINATE)),
+        # A request in progress (a tunnel, an attach, followed output, a file transfer): activity for as long
+        # as it lasts, neither parked nor idled out under it, and no timer (its end is activity).
+        (view(200, holds=1), Decision(NOTHING, None)),
+        (view(700, holds=2), Decision(NOTHING, None)),
+        (view(5000, holds=1, parked=True), Decision(NOTHING, None)),
         (view(200, idle=0, holds=1), Decision(NOTHING, None)),
         # A park under way: not a second one.
         (view(200, parking=True), Decision(NOTHING, 700.0)),
@@ -222,12 +224,20 @@ def test_a_running_process_or_a_hold_waits_for_its_end_without_a_timer() -> None
     sandbox.processes.running = 0  # its exit is activity
     t.touch(sandbox)
     sandbox.holds = 1  # a request comes and stays open (an attach)
-    t.clock.advance(100)
-    assert t.parks == []  # never parked under it
+    t.touch(sandbox)
+    assert t.clock.armed() == []
+    t.clock.advance(10_000)  # far past the idle timeout (600 s)
+    assert t.parks == [] and t.terminated == []  # neither parked nor idled out under it
     sandbox.holds = 0
-    t.touch(sandbox)  # its end is activity
+    t.touch(sandbox)  # its end is activity: both deadlines count from it
     t.clock.advance(30)
     assert t.parks == [sandbox]
+    sandbox.parked = True
+    t.timers.changed(sandbox)  # type: ignore[arg-type]
+    t.clock.advance(569)
+    assert t.terminated == []
+    t.clock.advance(1)
+    assert t.terminated == [sandbox]
 
 
 def test_a_terminated_sandbox_has_no_timer() -> None:

@@ -138,3 +138,15 @@ async def test_follow_waits_for_output_until_the_exit(tmp_path: Path) -> None:
     assert not follower.done()
     await log.finish(0, 2.0)
     assert await asyncio.wait_for(follower, 5) == [("stdout", b"a"), ("stdout", b"b")]
+
+
+async def test_a_process_that_prints_nothing_has_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "8.out"
+    log = OutputLog(path, new=True)
+    follower = asyncio.create_task(_collect(log))
+    await asyncio.sleep(0)
+    await log.finish(0, 3.0)  # its exit is in its record (the process journal), not in a file of its own
+    assert not path.exists() and (log.exit_code, log.exited_at, log.closed) == (0, 3.0, True)
+    assert await asyncio.wait_for(follower, 5) == []
+    assert log.drop_output() == 0 and not path.exists()
+    log.remove()

@@ -5,13 +5,15 @@ lost; processes get them above the sandbox's env and below the request's."""
 from __future__ import annotations
 
 import json
+import random
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sbx.api.codec import encode
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import GuestUser
 from sbx.node.audit import AuditLog
-from sbx.node.records import SandboxRecord, SandboxState
+from sbx.node.records import SandboxRecord, SandboxState, iso_utc
 from sbx.node.routes.processes import process_env
 from sbx.node.sandbox import Sandbox
 
@@ -70,3 +72,13 @@ def test_processes_get_them_above_the_sandbox_env_and_below_their_own(tmp_path: 
     sandbox = Sandbox(rec, tmp_path, AuditLog(tmp_path / "audit"), guest)
     env = process_env(sandbox, {"C": "request"})
     assert (env["A"], env["B"], env["C"], env["HOME"]) == ("env", "secret", "request", "/sandbox/home")
+
+
+def test_timestamps_are_written_as_datetime_writes_them() -> None:
+    rng = random.Random(31)
+    times = [0.0, 1.0000005, 1.0015, 1.9999995, 59.9999999, 1_700_000_000.5, 4102444799.9995]
+    times += [round(rng.uniform(0, 4e9), rng.randint(0, 7)) for _ in range(20_000)]
+    for t in times:
+        assert iso_utc(t) == datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace(
+            "+00:00", "Z"
+        )

@@ -79,6 +79,9 @@ MAX_FILE_TRANSFERS = 64
 #: Process handles one channel tracks; an agent naming more (the agent retains at most 4096) is broken or
 #: hostile, and its channel is closed.
 MAX_HANDLES = 8192
+#: FORGETs :meth:`AgentClient.forget_later` holds back at most, to go out with the next frames written; past
+#: that they are written on their own. The agent thus retains at most this many exited processes it need not.
+MAX_DEFERRED_FORGETS = 64
 
 
 class ProcessSink(Protocol):
@@ -165,6 +168,7 @@ class AgentClient:
         self._procs: dict[int, _Proc] = {}
         self._tunnels: dict[int, AgentTcpStream] = {}  # by the id of their TCP_OPEN
         self._transfers: set[int] = set()  # frame ids of the file transfers under way
+        self._deferred: list[bytes] = []  # encoded frames that go out with the next ones (forget_later)
         self._next_id = 1
         # Every handle the agent holds is in _procs once list_processes() ran on this connection;
         # only then may spawn pipeline stdin frames (see spawn).
@@ -469,6 +473,27 @@ class AgentClient:
         await self._call(p.Forget(handle))
         self._drop_proc(handle)
 
+    def forget_later(self, handle: int) -> None:
+        """Drop an exited process the host has fully recorded, without a round trip of its own: its FORGET (id 0,
+        so its answer is ignored) goes out in the same write as the next frames, or on its own once
+        MAX_DEFERRED_FORGETS wait. Each write wakes the agent and each answer sandboxd, so a run that forgot
+        its process on its own cost one more of each. A FORGET a closed connection loses is harmless: the host
+        forgets again what the agent still lists at the next connection (sbx.node.processes)."""
+        self._drop_proc(handle)
+        if self._closed_error is not None or self._quiesced:
+            return
+        self._deferred.append(p.encode(p.Forget(handle), 0))
+        if len(self._deferred) >= MAX_DEFERRED_FORGETS and not self._writer.is_closing():
+            self._writer.write(self._take_deferred())
+
+    def _take_deferred(self, frames: bytes = b"") -> bytes:
+        """``frames`` with the deferred ones in front (they were asked for first)."""
+        if not self._deferred:
+            return frames
+        frames = b"".join(self._deferred) + frames
+        self._deferred.clear()
+        return frames
+
     # ---- files ---------------------------------------------------------------------------
 
     async def open_read(self, path: str, uid: int, gid: int) -> FileReader:
@@ -655,7 +680,7 @@ class AgentClient:
     async def _send_bytes(self, frames: bytes, *, last: bool = False) -> None:
         """Write ``frames`` and wait for the transport; ``last``: nothing may be written after them."""
         self._check_open()
-        self._writer.write(frames)
+        self._writer.write(self._take_deferred(frames))
         # Set before the first await: no other task may slip a frame in behind these.
         self._quiesced = self._quiesced or last
         try:
@@ -667,7 +692,7 @@ class AgentClient:
     def _send_nowait(self, msg: p.Message, frame_id: int) -> None:
         """Queue a small frame without waiting for the transport (acks, closes); no-op once closed."""
         if self._closed_error is None and not self._quiesced and not self._writer.is_closing():
-            self._writer.write(p.encode(msg, frame_id))
+            self._writer.write(self._take_deferred(p.encode(msg, frame_id)))
 
     async def _await(self, fid: int, req: _Request) -> p.Message:
         try:
@@ -712,7 +737,19 @@ class AgentClient:
 
     def _start_sink(self, handle: int, st: _Proc, sink: ProcessSink) -> None:
         st.sink = sink
+        if not st.events.empty():
+            self._start_worker(handle, st, sink)
+
+    def _start_worker(self, handle: int, st: _Proc, sink: ProcessSink) -> None:
+        # At the first event, not with the sink: a task started only to wait costs a turn of the loop, and a
+        # process that prints nothing has a single event, its exit.
         st.worker = asyncio.create_task(self._deliver(handle, st, sink), name=f"agent-sink-{handle}")
+
+    def _queue_event(self, handle: int, st: _Proc, event: tuple[int, int, bytes]) -> None:
+        """Queue an output chunk or the exit for the process's sink (started at the first)."""
+        st.events.put_nowait(event)
+        if st.worker is None and st.sink is not None:
+            self._start_worker(handle, st, st.sink)
 
     def _drop_proc(self, handle: int) -> None:
         st = self._procs.pop(handle, None)
@@ -758,7 +795,7 @@ class AgentClient:
         if isinstance(msg, p.Output):
             self._on_output(msg)
         elif isinstance(msg, p.Exited):
-            self._proc_for(msg.handle).events.put_nowait((_EXIT, msg.exit_code, b""))
+            self._queue_event(msg.handle, self._proc_for(msg.handle), (_EXIT, msg.exit_code, b""))
         elif isinstance(msg, (p.TcpData, p.TcpSendAck, p.TcpEof, p.TcpClosed)):
             tunnel = self._tunnels.get(frame.id)
             if tunnel is not None:  # else closed here already: frames in flight are dropped
@@ -800,7 +837,7 @@ class AgentClient:
                 raise AgentProtocolError(
                     f"the agent sent more output of handle {msg.handle} than the window {self.output_window}"
                 )
-            st.events.put_nowait((msg.stream, offset, data))
+            self._queue_event(msg.handle, st, (msg.stream, offset, data))
 
     def _proc_for(self, handle: int) -> _Proc:
         """The state of ``handle``, made when the agent names it first (output after a reconnect)."""

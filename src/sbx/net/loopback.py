@@ -49,6 +49,8 @@ def host_header_name(value: str) -> str:
 
 
 def _is_ipv6(text: str) -> bool:
+    if ":" not in text:
+        return False  # every IPv6 address has two at least; a name (``localhost``) costs no parse error
     try:
         ipaddress.IPv6Address(text)
     except ValueError:

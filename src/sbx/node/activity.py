@@ -1,5 +1,10 @@
-"""A request holds every sandbox it names until it ends, so that no sandbox is parked under a request, a file
-transfer, an attach or a tunnel in progress (sbx.node.parking), and its end counts as activity.
+"""A request holds every sandbox it names until it ends, so that no sandbox is parked (sbx.node.parking) or idled
+out (sbx.node.idle) under a request in progress: a file transfer, an attach, followed output or a tunnel is
+activity for the whole time it lasts, and its end counts as the latest activity.
+
+A sandbox's holds are a counter (:attr:`Sandbox.holds`) raised when a request names it and lowered in a
+``finally`` when the request ends, so the idle timer reads "a request is in progress" in O(1), whatever the
+sandbox has done before.
 
 The middleware opens a scope per request; :meth:`SandboxManager.resolve` (every lookup that notes activity)
 calls :func:`hold_for_request`, which holds the sandbox in the current request's scope (once per request); the

@@ -24,11 +24,11 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from sbx import logfiles
+from sbx.node.records import utc_now
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,14 @@ FORBIDDEN_FIELDS = frozenset(
 """Field names that would carry environment values, process arguments or file contents."""
 
 _RESERVED = ("time", "type", "sandbox")
+#: Compact separators are relied on by the search pre-filter in events_for. Made once: ``json.dumps`` with
+#: options builds an encoder per call, a good part of what recording an event cost.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def rfc3339_now() -> str:
     """The current UTC time as RFC 3339 with milliseconds and a ``Z``, e.g. ``2024-05-01T12:00:00.123Z``."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return utc_now()
 
 
 def args_sha256(argv: Sequence[str]) -> str:
@@ -177,8 +180,7 @@ class AuditLog:
                 log.error("audit event %s: field %r dropped (reserved or may carry a value)", type, name)
                 continue
             event[name] = value
-        # Compact separators are relied on by the search pre-filter in events_for.
-        text = json.dumps(event, ensure_ascii=False, separators=(",", ":"), default=str)
+        text = _ENCODER.encode(event)
         return text.encode("utf-8", "surrogateescape") + b"\n"
 
     def _append(self, line: bytes, encoded_id: bytes) -> None:

@@ -220,8 +220,9 @@ class Checkpoints:
         return await asyncio.shield(task)
 
     async def _take(self, sandbox: Sandbox, kind: SnapshotKind, scheduled: bool) -> SnapshotRecord:
-        # Held for the whole snapshot (a scheduled one is no request): it must not be parked under the copy or
-        # the capture, and a parked one is woken (its agent must quiesce; runsc's checkpoint asks the sentry).
+        # Held for the whole snapshot (a scheduled one is no request): it must not be parked or idled out under
+        # the copy or the capture, and a parked one is woken (its agent must quiesce; runsc's checkpoint asks the
+        # sentry). An idle timeout that fell due meanwhile is acted on at the release.
         sandbox.hold()
         try:
             await sandbox.wake()

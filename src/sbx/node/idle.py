@@ -3,18 +3,21 @@
 Nothing here runs per sandbox per tick. Each sandbox has at most one timer (``loop.call_at``, a heap in the
 event loop) set for the earliest of its deadlines, and it is re-armed lazily: activity only moves a deadline
 later, so a request just notes the time (:meth:`Sandbox.touch`) and the timer, when it fires early, looks again
-and sets itself for the new deadline. A sandbox with a process running has no deadline at all until that
-process exits (an exit is activity); one with a request or stream open cannot be parked until it ends (the end
-is activity). An idle, parked sandbox thus costs sandboxd nothing until its idle timeout, a single timer.
+and sets itself for the new deadline. A sandbox with a process running, or a request in progress (``holds``: a
+tunnel, an attach, followed output, a file transfer, any request while it lasts), has no deadline at all until
+the last of them ends (an exit, a request's end, is activity). An idle, parked sandbox thus costs sandboxd
+nothing until its idle timeout, a single timer.
 
 What is decided is one pure function, :func:`decide`, of what is known of the sandbox at that moment
 (:class:`IdleView`), so its rules are tested as tables (tests/unit/test_idle.py):
 
-- **terminate** (reason ``idle``): running, no process running, and ``idle_timeout_secs`` (> 0) since the last
-  activity (spec: no request naming it and no process running for that long). Parked or not: a parked sandbox
-  is destroyed like any other.
+- **terminate** (reason ``idle``): running, no process running, no request in progress (``holds``), and
+  ``idle_timeout_secs`` (> 0) since the last activity (spec: no request naming it and no process running for
+  that long; a request names it for as long as it lasts, so a tunnel in use for an hour is an hour of
+  activity, and the idle time counts from its end). Parked or not: a parked sandbox is destroyed like any
+  other.
 - **park**: running, not parked, ``park_after_secs`` (> 0) since the last activity, no process running, no
-  request or stream open (``holds``), and no earlier refusal to wait for (``park_retry_at``). Whether the guest
+  request in progress, and no earlier refusal to wait for (``park_retry_at``). Whether the guest
   runs anything besides the agent is checked only then, by the parking itself (sbx.node.parking); when it
   does, the next try waits :func:`park_retry_delay`.
 """
@@ -50,8 +53,9 @@ class IdleAction(Enum):
 class IdleView:
     """What the decision needs to know of one sandbox. Times are time.monotonic seconds; ``idle_timeout_secs``
     and ``park_after_secs`` 0 mean never. ``running``: its state is running (pending, suspended and terminated
-    sandboxes neither idle out nor park). ``processes``: API processes running in it. ``holds``: requests and
-    streams open on it. ``parking``: a park is under way."""
+    sandboxes neither idle out nor park). ``processes``: API processes running in it. ``holds``: requests in
+    progress naming it, streams included, and node operations holding it (sbx.node.activity), a count kept as
+    they start and end. ``parking``: a park is under way."""
 
     now: float
     last_activity: float
@@ -78,15 +82,16 @@ def decide(view: IdleView) -> Decision:
     """What to do with the sandbox ``view`` describes, and when to look again (see the module's rules)."""
     if not view.running:
         return Decision(IdleAction.NOTHING)
-    if view.processes > 0:
-        return Decision(IdleAction.NOTHING)  # the exit is activity: looked at again then
+    if view.processes > 0 or view.holds > 0:
+        # The exit or the end of the last request is activity: looked at again then, from then on.
+        return Decision(IdleAction.NOTHING)
     due: list[float] = []
     if view.idle_timeout_secs > 0:
         idle_at = view.last_activity + view.idle_timeout_secs
         if view.now >= idle_at:
             return Decision(IdleAction.TERMINATE)
         due.append(idle_at)
-    if view.park_after_secs > 0 and not view.parked and not view.parking and view.holds == 0:
+    if view.park_after_secs > 0 and not view.parked and not view.parking:
         park_at = max(view.last_activity + view.park_after_secs, view.park_retry_at)
         if view.now >= park_at:
             return Decision(IdleAction.PARK)  # the park's end is looked at again

@@ -4,7 +4,7 @@ Record layout: one byte (1 stdout, 2 stderr; with the high bit set the record is
 for bytes that were dropped and carries no data), a big-endian uint32 length, then the data. The sum of
 lengths per stream, kept and dropped, is the offset the agent has been acknowledged up to, so it can be
 rebuilt after a restart. The last record of an exited process is kind 3, the exit: a big-endian int32 exit
-code and a float64 Unix time.
+code and a float64 Unix time. The file is created by the first record: a process that never printed has none.
 
 Data records are only ever appended. A stream has one drop marker, whose length is updated in place as more
 bytes are dropped (a new one is appended only after 4 GiB), so a process printing forever past the bound
@@ -76,10 +76,11 @@ class OutputBudget:
 class OutputLog:
     """Writer side plus change notification for followers. Single writer, many readers.
 
-    ``budget`` is the sandbox's (a budget of its own, of the default size, when None).
+    ``budget`` is the sandbox's (a budget of its own, of the default size, when None). ``new``: the caller
+    knows there is no file yet (a process just started), so none is looked for.
     """
 
-    def __init__(self, path: Path, budget: OutputBudget | None = None) -> None:
+    def __init__(self, path: Path, budget: OutputBudget | None = None, *, new: bool = False) -> None:
         self.path = path
         self.budget = budget or OutputBudget()
         self.offsets = {"stdout": 0, "stderr": 0}
@@ -91,14 +92,17 @@ class OutputLog:
         #: Set once the process has exited: its code and the Unix time it was recorded.
         self.exit_code: int | None = None
         self.exited_at: float | None = None
-        self._changed = asyncio.Condition()
+        #: What followers wait on; made by the first (most processes are never followed).
+        self._changed: asyncio.Condition | None = None
         self._fd: int | None = None
         self._size = 0
         #: Per stream: (file offset, length) of its drop marker, when it has one.
         self._markers: dict[str, tuple[int, int]] = {}
         #: Changes when the output is dropped: followers then stop reading the file.
         self._generation = 0
-        if path.exists():
+        #: Whether the file may exist (it does once written; a log made ``new`` has none until then).
+        self._on_disk = not new
+        if not new and path.exists():
             self._scan()
             self.budget.charge(self.charged)
 
@@ -133,6 +137,7 @@ class OutputLog:
 
     def _open(self) -> int:
         if self._fd is None:
+            self._on_disk = True
             # Not O_APPEND: drop markers are updated in place (pwrite ignores offsets under O_APPEND).
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         return self._fd
@@ -159,8 +164,13 @@ class OutputLog:
         if len(kept) < len(data):
             self._drop(stream, len(data) - len(kept))
         self.offsets[stream] += len(data)
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
+
+    async def _notify(self) -> None:
+        """Wake the followers, if any."""
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
 
     def _drop(self, stream: str, count: int) -> None:
         """Count ``count`` bytes of ``stream`` as dropped in its drop marker."""
@@ -175,10 +185,18 @@ class OutputLog:
             self._markers[stream] = (at, count)
 
     async def finish(self, exit_code: int, exited_at: float) -> None:
-        """Record the exit (``exited_at``: Unix time) as the last record, then close."""
-        self._write(_HEADER.pack(_EXIT, _EXIT_BODY.size) + _EXIT_BODY.pack(exit_code, exited_at))
+        """Record the exit (``exited_at``: Unix time) as the last record, then close. A process that printed
+        nothing has no file, and gets none: its exit is in its record (sbx.node.process_journal), and creating
+        a file is most of what a run of such a process would cost the host."""
+        if self._size:
+            self._write(_HEADER.pack(_EXIT, _EXIT_BODY.size) + _EXIT_BODY.pack(exit_code, exited_at))
         self.exit_code, self.exited_at = exit_code, exited_at
         await self.close()
+
+    def ended(self) -> None:
+        """The process is known to have exited (its record says so, read back after a restart): no output
+        will come, even when the file holds no exit record (a process that printed nothing has no file)."""
+        self.closed = True
 
     async def close(self) -> None:
         """No more output will come (the process exited); wakes followers so they finish."""
@@ -186,8 +204,7 @@ class OutputLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        async with self._changed:
-            self._changed.notify_all()
+        await self._notify()
 
     def drop_output(self) -> int:
         """Replace the log of an exited process by its summary: a drop marker per stream with its whole
@@ -215,7 +232,8 @@ class OutputLog:
 
     def remove(self) -> None:
         """Delete the log and give its budget back (the process is forgotten)."""
-        self.path.unlink(missing_ok=True)
+        if self._on_disk:
+            self.path.unlink(missing_ok=True)
         self.budget.refund(self.charged)
         self.charged = 0
         self._generation += 1
@@ -225,10 +243,13 @@ class OutputLog:
         when the output is dropped meanwhile (:meth:`drop_output`)."""
         pos = 0
         generation = self._generation
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        changed = self._changed
         while True:
-            async with self._changed:
+            async with changed:
                 while not self.closed and _file_size(self.path) <= pos:
-                    await self._changed.wait()
+                    await changed.wait()
             if self._generation != generation:
                 return
             size = _file_size(self.path)

@@ -1,8 +1,15 @@
 """Processes of one sandbox: started through its agent, recorded on the host, followed by clients.
 
-``pid`` is the server's handle (1, 2, ... per sandbox), never the guest kernel's. Each process has a metadata
-file ``<pid>.json`` and an output log ``<pid>.out`` under the sandbox's ``processes/`` directory, so output can
-be replayed from the start and survives a sandboxd restart.
+``pid`` is the server's handle (1, 2, ... per sandbox), never the guest kernel's. The records of a sandbox's
+processes (argv, times, exit code) are lines of one journal, ``processes/journal.ndjson``
+(sbx.node.process_journal), and each process that prints has an output log ``processes/<pid>.out``, so output
+can be replayed from the start and survives a sandboxd restart. (sandboxd before the journal wrote a record
+file ``<pid>.json`` per process; those are read too.)
+
+What a request costs does not depend on how many processes the sandbox has had: the running and exited
+processes are counted as they start and exit, and the oldest exited ones (forgotten past
+MAX_EXITED_PROCESSES, or whose output is dropped first when the output budget is short) come off heaps of
+pids, never from a sort or a scan of the table.
 
 The logs of one sandbox share one :class:`~sbx.node.output_log.OutputBudget` (docs/node-api.md, "Processes"):
 when it is used up, the output of exited processes is dropped first, oldest first, then new output is. When
@@ -13,24 +20,25 @@ listable while the node remembers the sandbox, the output goes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import heapq
 import signal as signals
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from msgspec import UNSET
 
-from sbx.agent.client import AgentClient, AgentError, CommandNotFound, SpawnFailed
+from sbx.agent.client import AgentClient, CommandNotFound, SpawnFailed
 from sbx.api.errors import Conflict, Internal, InvalidRequest, NotFound
 from sbx.api.processes import OutputChunk, OutputExit, Process, RunResult
 from sbx.backends.base import GuestUser
 from sbx.node.audit import AuditLog, process_started_fields
 from sbx.node.output_log import OutputBudget, OutputLog
+from sbx.node.process_journal import JOURNAL_NAME, ProcessJournal
 from sbx.node.records import iso_utc, utc_now
-from sbx.statefile import read_json, write_json_new
+from sbx.statefile import read_json
 
 #: Run output kept per stream in the run result (spec: 8 MiB, then truncated).
 RUN_OUTPUT_CAP_BYTES = 8 * 1024 * 1024
@@ -69,11 +77,26 @@ class ProcessRecord:
         state: Literal["running", "exited"] = "running" if self.exit_code is None else "exited"
         return Process(self.pid, self.argv, state, self.exit_code, self.started_at)
 
+    def entry(self) -> dict[str, object]:
+        """The whole record as one journal entry."""
+        return {"pid": self.pid, "argv": self.argv, "started_at": self.started_at, "tty": self.tty,
+                "exit_code": self.exit_code, "finished_at": self.finished_at}  # fmt: skip
+
+    @classmethod
+    def from_entry(cls, pid: int, fields: dict[str, object]) -> ProcessRecord:
+        """A record from its journal entries merged (or an old record file); fields it does not know are left."""
+        known = {k: v for k, v in fields.items() if k in _RECORD_FIELDS}
+        return cls(pid=pid, **known)  # type: ignore[arg-type]
+
+
+_RECORD_FIELDS = frozenset(("argv", "started_at", "tty", "exit_code", "finished_at"))
+
 
 class _Process:
-    """Host side of one process: its record, output log and exit notification."""
+    """Host side of one process: its record, output log and exit notification. ``meta_path``: its record file,
+    for a process recorded by a sandboxd before the journal (None for the others)."""
 
-    def __init__(self, record: ProcessRecord, log: OutputLog, meta_path: Path) -> None:
+    def __init__(self, record: ProcessRecord, log: OutputLog, meta_path: Path | None = None) -> None:
         self.record = record
         self.log = log
         self.meta_path = meta_path
@@ -133,18 +156,28 @@ class ProcessTable:
         self.paused_reason: str | None = None
         self._procs: dict[int, _Process] = {}
         self._next_pid = 1
+        #: Processes running and exited, counted as they start, exit and are forgotten.
+        self._running = 0
         self._exited = 0
+        #: The pids of the exited processes, smallest (oldest) first: what is forgotten first. May hold pids
+        #: already forgotten, skipped when they come up.
+        self._exited_heap: list[int] = []
+        self.journal = ProcessJournal(directory / JOURNAL_NAME)
         #: The output all this sandbox's logs may keep on the host.
         self.output_budget = OutputBudget(reclaim=self._reclaim_output)
-        #: Exited processes whose logs still hold output (what a reclaim may drop).
+        #: Exited processes whose logs still hold output (what a reclaim may drop), and their pids smallest
+        #: first (may hold pids no longer in the set, skipped).
         self._reclaimable: set[int] = set()
+        self._reclaim_heap: list[int] = []
         directory.mkdir(parents=True, exist_ok=True)
 
     # -- loading and resuming ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Read the records written before a restart; an exit is read from the end of the output log."""
-        for meta in sorted(self.directory.glob("*.json")):
+        """Read the records written before a restart (the journal, and the record files of a sandboxd before
+        it); an exit the record lacks is read from the end of the output log."""
+        found: dict[int, tuple[ProcessRecord, Path | None]] = {}
+        for meta in self.directory.glob("*.json"):
             try:
                 data = read_json(meta)
             except ValueError:
@@ -152,25 +185,38 @@ class ProcessTable:
                 # never got its spawn request, so there is nothing to take back.
                 meta.unlink(missing_ok=True)
                 continue
-            if not isinstance(data, dict):
-                continue
-            record = ProcessRecord(**data)
-            log = OutputLog(self.directory / f"{record.pid}.out", self.output_budget)
-            if log.exit_code is not None and log.exited_at is not None:
+            if isinstance(data, dict) and isinstance(data.get("pid"), int):
+                found[data["pid"]] = (ProcessRecord.from_entry(data["pid"], data), meta)
+        for pid, fields in self.journal.read().items():
+            found[pid] = (ProcessRecord.from_entry(pid, fields), found[pid][1] if pid in found else None)
+        for pid in sorted(found):
+            record, meta_path = found[pid]
+            log = OutputLog(self.directory / f"{pid}.out", self.output_budget)
+            if record.exit_code is None and log.exit_code is not None and log.exited_at is not None:
                 record.exit_code = log.exit_code
                 record.finished_at = iso_utc(log.exited_at)
-            self._procs[record.pid] = _Process(record, log, meta)
-            self._next_pid = max(self._next_pid, record.pid + 1)
             if record.exit_code is not None:
+                log.ended()  # followers of a process that printed nothing (no log file) end at once
+            self._procs[pid] = _Process(record, log, meta_path)
+            self._next_pid = max(self._next_pid, pid + 1)
+            if record.exit_code is None:
+                self._running += 1
+            else:
                 self._exited += 1
+                heapq.heappush(self._exited_heap, pid)
                 if log.charged:
-                    self._reclaimable.add(record.pid)
+                    self._reclaimable_add(pid)
 
     async def attach_agent(self, agent: AgentClient) -> None:
         """Connect the processes the agent still knows to their records; those it lost end with -1."""
         self.agent = agent
         known = {p.handle: p for p in await agent.list_processes()}
-        for pid, proc in self._procs.items():
+        for handle in known:
+            proc = self._procs.get(handle)
+            if proc is None or proc.record.exit_code is not None:
+                # Recorded (or forgotten) here, but its FORGET was lost with an earlier connection.
+                agent.forget_later(handle)
+        for pid, proc in list(self._procs.items()):
             if proc.record.exit_code is not None:
                 continue
             if pid in known:
@@ -201,8 +247,8 @@ class ProcessTable:
 
     @property
     def running(self) -> int:
-        """How many processes are running."""
-        return sum(1 for p in self._procs.values() if p.record.exit_code is None)
+        """How many processes are running (a count kept as they start and exit: O(1))."""
+        return self._running
 
     # -- starting ---------------------------------------------------------------------------------------
 
@@ -226,13 +272,15 @@ class ProcessTable:
         pid = self._next_pid
         self._next_pid += 1
         record = ProcessRecord(pid=pid, argv=list(argv), started_at=utc_now(), tty=tty is not None)
-        meta_path = self.directory / f"{pid}.json"
-        proc = _Process(record, OutputLog(self.directory / f"{pid}.out", self.output_budget), meta_path)
+        proc = _Process(record, OutputLog(self.directory / f"{pid}.out", self.output_budget, new=True))
         if capture:
             proc.capture = {"stdout": bytearray(), "stderr": bytearray()}
         self._procs[pid] = proc
-        # A new file written once (the exit is appended to the output log, never rewritten here).
-        write_json_new(meta_path, asdict(record))
+        self._running += 1
+        # Before the spawn: a sandboxd killed right after it finds the record and takes the process back.
+        self.journal.append(
+            {"pid": pid, "argv": record.argv, "started_at": record.started_at, "tty": record.tty}
+        )
         try:
             await agent.spawn(
                 pid, argv, env, cwd or self.guest.home, self.guest.uid, self.guest.gid, tty=tty,
@@ -254,23 +302,33 @@ class ProcessTable:
         return proc
 
     def _discard(self, proc: _Process) -> None:
-        if self._procs.pop(proc.record.pid, None) is not None and proc.record.exit_code is not None:
-            self._exited -= 1
-        proc.meta_path.unlink(missing_ok=True)
+        pid = proc.record.pid
+        if self._procs.pop(pid, None) is not None:
+            if proc.record.exit_code is None:
+                self._running -= 1
+            else:
+                self._exited -= 1
+        self.journal.forgotten(pid)
+        if proc.meta_path is not None:
+            proc.meta_path.unlink(missing_ok=True)
         proc.log.remove()
-        self._reclaimable.discard(proc.record.pid)
+        self._reclaimable.discard(pid)
 
     async def _finish(self, proc: _Process, exit_code: int) -> None:
         if proc.record.exit_code is not None:
             return
         exited_at = time.time()
+        pid = proc.record.pid
         proc.record.exit_code = exit_code
         proc.record.finished_at = iso_utc(exited_at)
+        self._running -= 1
+        self._exited += 1
+        heapq.heappush(self._exited_heap, pid)
+        self.journal.append({"pid": pid, "exit_code": exit_code, "finished_at": proc.record.finished_at})
         await proc.log.finish(exit_code, exited_at)
         if proc.log.charged:
-            self._reclaimable.add(proc.record.pid)
+            self._reclaimable_add(pid)
         proc.exited.set()
-        self._exited += 1
         duration_ms = int((time.monotonic() - proc.started_monotonic) * 1000)
         self.audit.record(
             "process.exited",
@@ -280,23 +338,20 @@ class ProcessTable:
             duration_ms=duration_ms,
         )
         if self.agent is not None:
-            asyncio.get_running_loop().create_task(self._forget_in_agent(proc.record.pid))
+            # Recorded whole here: the agent may drop it. Sent with the next frames, not on its own (its own
+            # write would wake the guest, its reply sandboxd, once more per process).
+            self.agent.forget_later(pid)
         self.on_change()
 
-    async def _forget_in_agent(self, pid: int) -> None:
-        agent = self.agent
-        if agent is None:
-            return
-        # The agent going away forgets everything anyway.
-        with contextlib.suppress(AgentError):
-            await agent.forget(pid)
-
     def _forget_old(self) -> None:
-        if self._exited <= MAX_EXITED_PROCESSES:
-            return  # the common case, kept O(1): this runs on every start
-        exited = [p for p in self._procs.values() if p.record.exit_code is not None]
-        for proc in sorted(exited, key=lambda p: p.record.pid)[: max(0, len(exited) - MAX_EXITED_PROCESSES)]:
-            self._discard(proc)
+        """Forget the oldest exited processes past MAX_EXITED_PROCESSES (one per start, in the steady state),
+        and rewrite the journal when it is due; O(log n) per process forgotten."""
+        while self._exited > MAX_EXITED_PROCESSES and self._exited_heap:
+            proc = self._procs.get(heapq.heappop(self._exited_heap))
+            if proc is not None and proc.record.exit_code is not None:
+                self._discard(proc)
+        if self.journal.due(len(self._procs)):
+            self.journal.rewrite(p.record.entry() for p in self._procs.values())
 
     # -- run ------------------------------------------------------------------------------------------
 
@@ -392,14 +447,20 @@ class ProcessTable:
         for proc in self._procs.values():
             proc.log.drop_output()
         self._reclaimable.clear()
+        self._reclaim_heap.clear()
+
+    def _reclaimable_add(self, pid: int) -> None:
+        self._reclaimable.add(pid)
+        heapq.heappush(self._reclaim_heap, pid)
 
     def _reclaim_output(self, needed: int) -> int:
         """Make room for ``needed`` bytes of output by dropping that of exited processes, oldest first;
-        returns the bytes freed (less than ``needed`` when there is not enough)."""
+        returns the bytes freed (less than ``needed`` when there is not enough). O(log n) per log dropped."""
         freed = 0
-        for pid in sorted(self._reclaimable):  # oldest first
-            if freed >= needed:
-                break
+        while freed < needed and self._reclaim_heap:
+            pid = heapq.heappop(self._reclaim_heap)
+            if pid not in self._reclaimable:
+                continue  # forgotten meanwhile
             self._reclaimable.discard(pid)
             freed += self._procs[pid].log.drop_output()
         return freed

@@ -34,8 +34,8 @@ class Sandbox:
             record.id, directory / "processes", audit, guest, on_change=self.touch, wake=self.wake
         )
         self.lock = asyncio.Lock()
-        #: Requests and operations under way that need the sandbox awake (see :meth:`hold`): none may be
-        #: parked under them.
+        #: Requests in progress naming it and operations under way that need it awake (see :meth:`hold`): it
+        #: is neither parked nor idled out under them.
         self.holds = 0
         #: Parked: its processes are stopped on the host (sbx.node.parking); the API still says running.
         self.parked = False
@@ -92,9 +92,11 @@ class Sandbox:
         return True
 
     def touch(self) -> None:
-        """Note activity: a request naming the sandbox, or a process starting or exiting."""
+        """Note activity: a request naming the sandbox, or a process starting or exiting. Under a hold the
+        timer is not told: nothing can be due while a request is in progress, and the release tells it."""
         self.last_activity = time.monotonic()
-        self.changed()
+        if self.holds == 0:
+            self.changed()
 
     def changed(self) -> None:
         """Tell the node that what its idle timer goes by changed (activity, holds, processes)."""
@@ -102,7 +104,8 @@ class Sandbox:
             self.on_change(self)
 
     def hold(self) -> None:
-        """Keep the sandbox from being parked until :meth:`release` (a request or operation under way)."""
+        """Keep the sandbox from being parked or idled out until :meth:`release` (a request or operation under
+        way)."""
         self.holds += 1
 
     def release(self, activity: bool = True) -> None:
