@@ -6,8 +6,9 @@
 #   bash scripts/install.sh --no-start --test-deps  also what the tests need (scripts/test.sh)
 #
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
-# Steps: apt packages (apt-get update only when one is missing; runsc from bookworm-backports, whose apt
-# source is added when the machine has none), the virtualenv .venv with this checkout installed editable, the
+# Steps: apt packages (apt-get update only when one is missing; Go from bookworm-backports when the machine has
+# none, whose apt source is added when missing), gVisor's runsc built from its Go module at the version runsc/go.mod
+# pins (once: the binary is kept), the virtualenv .venv with this checkout installed editable, the
 # web console (npm ci and its build, docs/console.md), the TypeScript SDK (npm ci and tsc,
 # docs/sdk-typescript.md), the guest agent binary, the default image, the kernel limits a node of many sandboxes
 # needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1, with LimitNOFILE raised) or as a
@@ -34,13 +35,16 @@ SYSTEM_PYTHON=/usr/bin/python3
 STAMP=$VENV/.sbx-install-stamp
 START_TIMEOUT_SECS=60
 
-# gVisor, the sandbox runtime: this release or a later one, from bookworm-backports (Debian 12's own,
-# 20221219, lacks the systrap platform and fails `ls -l`; docs/backends.md says why this one).
-RUNSC_VERSION=0.0~20240729.0-4~bpo12+2
+# gVisor, the sandbox runtime: runsc built from the Go module gvisor.dev/gvisor at the version runsc/go.mod pins
+# (its `// release:` line names it), into $RUNSC_HOME/<version>/runsc; sandboxd runs $RUNSC_HOME/runsc, a link to
+# it ([gvisor] runsc in its config; docs/backends.md says why this version, docs/install.md how to change it).
+RUNSC_MODULE=$REPO/runsc
+RUNSC_HOME=$DATA_ROOT/runsc
+# Go builds it: the machine's (on PATH or /usr/local/go), else Debian's from bookworm-backports, which fetches the
+# toolchain go.mod names from the Go module proxy (GOTOOLCHAIN=auto).
 BACKPORTS_SUITE=bookworm-backports
 BACKPORTS_SOURCES=/etc/apt/sources.list.d/sbx-bookworm-backports.sources
 APT_PACKAGES=(
-    runsc                   # checked against RUNSC_VERSION, installed from $BACKPORTS_SUITE
     mmdebstrap debian-archive-keyring  # builds the default image
     e2fsprogs               # mkfs.ext4, e2fsck, resize2fs: writable layers, volumes, snapshot copies
     util-linux mount        # umount, fsfreeze (disk snapshots), setsid, flock
@@ -109,18 +113,21 @@ installed_version() {  # the installed version of package $1, empty when it is n
     [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ] &&
         dpkg-query -W -f='${Version}' "$1" 2>/dev/null
 }
-runsc_current() {
-    local v
-    v=$(installed_version runsc) && dpkg --compare-versions "$v" ge "$RUNSC_VERSION"
+# The machine's own Go (on PATH or /usr/local/go), else Debian's (from the backports package installed below).
+find_go() {
+    local go
+    for go in "$(command -v go 2>/dev/null)" /usr/local/go/bin/go /usr/lib/go/bin/go; do
+        [ -n "$go" ] && [ -x "$go" ] && { printf '%s\n' "$go"; return 0; }
+    done
+    return 1
 }
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
-    if [ "$pkg" = runsc ]; then
-        runsc_current || missing+=(runsc)
-    elif [ -z "$(installed_version "$pkg")" ]; then
-        missing+=("$pkg")
-    fi
+    [ -n "$(installed_version "$pkg")" ] || missing+=("$pkg")
 done
+if ! find_go >/dev/null; then
+    missing+=(golang-go)  # from $BACKPORTS_SUITE (bookworm's own 1.19 cannot fetch a newer toolchain)
+fi
 
 # The first apt source of Debian's bookworm suite (one-line or deb822 format), else deb.debian.org: where
 # backports come from when no source names them yet.
@@ -149,21 +156,15 @@ has_backports_source() {
 }
 
 if [ ${#missing[@]} -eq 0 ]; then
-    note "all ${#APT_PACKAGES[@]} present (runsc $(installed_version runsc))"
+    note "all ${#APT_PACKAGES[@]} present"
 else
     note "installing: ${missing[*]}"
-    old_runsc=$(installed_version runsc || true)
-    if [[ " ${missing[*]} " == *" runsc "* ]] && [ -n "$old_runsc" ] &&
-        [ -n "$(runsc --root "$STATE_DIR/gvisor/runsc" list -quiet 2>/dev/null)" ]; then
-        note "warning: replacing runsc $old_runsc while sandboxes it started exist: they keep running, but the new"
-        note "runsc cannot suspend, snapshot or resume them; recreate them (docs/install.md)"
-    fi
     export DEBIAN_FRONTEND=noninteractive
     apt_opts=(-q -o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
-    if [[ " ${missing[*]} " == *" runsc "* ]] && ! has_backports_source; then
+    if [[ " ${missing[*]} " == *" golang-go "* ]] && ! has_backports_source; then
         mirror=$(debian_mirror)
         note "adding the apt source $BACKPORTS_SUITE from $mirror ($BACKPORTS_SOURCES)"
-        printf '%s\n' "# Added by sbx scripts/install.sh: runsc (gVisor) comes from here (docs/install.md)." \
+        printf '%s\n' "# Added by sbx scripts/install.sh: Go, to build gVisor's runsc, comes from here (docs/install.md)." \
             "Types: deb" "URIs: $mirror" "Suites: $BACKPORTS_SUITE" "Components: main" \
             "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" >"$BACKPORTS_SOURCES"
     fi
@@ -171,20 +172,15 @@ else
         die "apt-get update failed" "check /etc/apt/sources.list* and the network, then run this again"
     install_args=()
     for pkg in "${missing[@]}"; do
-        if [ "$pkg" != runsc ]; then
-            install_args+=("$pkg")
-        elif apt-cache madison runsc | awk -F'|' '{gsub(/ /, "", $2); print $2}' | grep -qxF "$RUNSC_VERSION"; then
-            install_args+=("runsc=$RUNSC_VERSION")  # the pinned release, where the archive still has it
+        if [ "$pkg" = golang-go ]; then
+            install_args+=("golang-go/$BACKPORTS_SUITE")
         else
-            install_args+=("runsc/$BACKPORTS_SUITE")  # a later backport replaced it: checked below
+            install_args+=("$pkg")
         fi
     done
     apt-get "${apt_opts[@]}" install -y --no-install-recommends "${install_args[@]}" ||
         die "apt-get install failed for: ${install_args[*]}" \
             "on Debian 12 these are in main and $BACKPORTS_SUITE; fix the apt error above and run this again"
-    runsc_current || die "runsc $(installed_version runsc) is installed, but sandboxd needs $RUNSC_VERSION or later" \
-        "check that apt can see $BACKPORTS_SUITE (apt-cache policy runsc) and run this again"
-    note "runsc $(installed_version runsc)"
 fi
 if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
     # Debian's packages enable a registry, a Prometheus server, a PostgreSQL cluster and HAProxy; tests only need
@@ -199,6 +195,44 @@ if [ "$TEST_DEPS" = 1 ] && [ -d /run/systemd/system ]; then
 fi
 [ -x "$SYSTEM_PYTHON" ] || die "$SYSTEM_PYTHON is missing although python3 is installed" \
     "reinstall it: apt-get install --reinstall python3"
+
+# --- 1b. runsc, built from gVisor's Go module ------------------------------------------------------------------
+# Once per pinned version: the binary is kept in $RUNSC_HOME/<version>/ (a second install only checks it). The
+# build verifies every module against runsc/go.sum (-mod=readonly), so the sum database is not needed; without the
+# Go module proxy, see docs/install.md ("Without access to the Go module proxy").
+RUNSC_PIN=$(awk '$1 == "require" && $2 == "gvisor.dev/gvisor" { print $3 }' "$RUNSC_MODULE/go.mod")
+RUNSC_RELEASE=$(sed -n 's|^// release: \([^ ]*\).*|\1|p' "$RUNSC_MODULE/go.mod")
+[ -n "$RUNSC_PIN" ] && [ -n "$RUNSC_RELEASE" ] ||
+    die "runsc/go.mod names no gvisor.dev/gvisor version or no '// release:' line" "restore it from git"
+RUNSC_BIN=$RUNSC_HOME/$RUNSC_PIN/runsc
+step "runsc $RUNSC_RELEASE ($RUNSC_BIN)"
+if [ -x "$RUNSC_BIN" ] && [ "$("$RUNSC_BIN" --version 2>/dev/null | head -n 1)" = "runsc version $RUNSC_RELEASE" ]; then
+    note "up to date"
+else
+    GO=$(find_go) || die "no Go to build runsc with although golang-go was to be installed" \
+        "install Go 1.26 (apt-get install -t $BACKPORTS_SUITE golang-go) and run this again"
+    note "building gvisor.dev/gvisor/runsc@$RUNSC_PIN with $("$GO" version) (about 1 to 3 minutes, once)"
+    install -d -m 0755 "$RUNSC_HOME"
+    build_dir=$(mktemp -d "$RUNSC_HOME/.build-XXXXXX")
+    # GOTOOLCHAIN=auto: Debian's Go is older than the module asks and, as packaged, never fetches a newer one.
+    if ! (cd "$RUNSC_MODULE" && CGO_ENABLED=0 GOTOOLCHAIN=auto GOFLAGS=-mod=readonly "$GO" build -trimpath \
+            -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_RELEASE" \
+            -o "$build_dir/runsc" gvisor.dev/gvisor/runsc); then
+        rm -rf "$build_dir"
+        die "building runsc failed (see go's messages above)" \
+            "it needs the Go module proxy (GOPROXY, default https://proxy.golang.org) or a module cache holding" \
+            "gvisor.dev/gvisor@$RUNSC_PIN; docs/install.md says how to build without them"
+    fi
+    "$build_dir/runsc" --version >/dev/null || { rm -rf "$build_dir"; die "the runsc just built does not run"; }
+    rm -rf "$(dirname "$RUNSC_BIN")"
+    mv "$build_dir" "$(dirname "$RUNSC_BIN")"
+    note "built $("$RUNSC_BIN" --version | head -n 1)"
+fi
+# The path sandboxd runs by default: switched in one rename, so a running sandboxd never sees it missing.
+if [ "$(readlink "$RUNSC_HOME/runsc" 2>/dev/null)" != "$RUNSC_PIN/runsc" ]; then
+    ln -sfn "$RUNSC_PIN/runsc" "$RUNSC_HOME/.runsc-link"
+    mv -T "$RUNSC_HOME/.runsc-link" "$RUNSC_HOME/runsc"
+fi
 
 # --- 2. virtualenv --------------------------------------------------------------------------------------------
 step "virtualenv $VENV"

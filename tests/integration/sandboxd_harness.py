@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 DATA_ROOT = Path(os.environ.get("SBX_DATA_ROOT", "/var/lib/sandboxd"))
 IMAGES_DIR = DATA_ROOT / "images"
 AGENT_PATH = DATA_ROOT / "agent" / "sbx-agent"
+#: The runsc every server the harness starts runs, and the tests' own runsc commands: the one scripts/install.sh
+#: builds, unless SBX_RUNSC names another (to run the suite against another gVisor build).
+RUNSC = os.environ.get("SBX_RUNSC", str(DATA_ROOT / "runsc" / "runsc"))
 
 #: Ports each test process takes from (``free_port``): a block of its own below the kernel's ephemeral range
 #: (32768-60999 by default), so parallel workers (pytest-xdist) and outgoing connections never collide.
@@ -77,8 +80,8 @@ def with_subnet(config_text: str, subnet: ipaddress.IPv4Network) -> str:
 
 def missing_requirements() -> str | None:
     """Why integration tests cannot run here, or None when they can."""
-    if shutil.which("runsc") is None:
-        return "runsc (gVisor) is not installed: run scripts/install.sh"
+    if shutil.which(RUNSC) is None:
+        return f"runsc (gVisor) is not installed at {RUNSC}: run scripts/install.sh"
     if os.geteuid() != 0:
         return "integration tests need root (gVisor sandboxes, loop mounts)"
     if not AGENT_PATH.is_file():
@@ -208,7 +211,8 @@ class Sandboxd:
         self.config_path = workdir / "sandboxd.toml"
         self.config_path.write_text(
             with_subnet(
-                f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\n' + config_text,
+                f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\nrunsc = "{RUNSC}"\n'
+                + config_text,
                 next(_subnets),
             ),
             encoding="utf-8",
@@ -300,7 +304,7 @@ class Sandboxd:
         runsc_root = self.state_dir / "gvisor" / "runsc"
         if runsc_root.exists():
             listing = subprocess.run(
-                ["runsc", "--root", str(runsc_root), "list", "-quiet"],
+                [RUNSC, "--root", str(runsc_root), "list", "-quiet"],
                 capture_output=True,
                 text=True,
                 check=False,
@@ -313,7 +317,7 @@ class Sandboxd:
                 # A sandbox with a network answers only inside its namespace (docs/network.md).
                 netns = Path(f"/var/run/netns/sbx-{sandbox_id}")
                 runsc = ["nsenter", f"--net={netns}"] if netns.exists() else []
-                runsc += ["runsc", "--root", str(runsc_root)]
+                runsc += [RUNSC, "--root", str(runsc_root)]
                 subprocess.run([*runsc, "kill", sandbox_id, "KILL"], capture_output=True, check=False)
                 subprocess.run([*runsc, "delete", "-force", sandbox_id], capture_output=True, check=False)
         for directory in (self.state_dir / "gvisor").glob("sbx_*"):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from sandboxd_harness import IMAGES_DIR
+from sandboxd_harness import IMAGES_DIR, RUNSC
 
 from sbx.agent.build import ensure_agent
 from sbx.agent.client import AgentClient, AgentRequestError, CommandNotFound
@@ -86,9 +86,9 @@ def sandbox() -> Iterator[Path]:
     (bundle / "config.json").write_text(json.dumps(_config(_default_rootfs(), agent, ctl)))
     root = state / "runroot"
     cid = f"sbx-agent-test-{uuid.uuid4().hex[:8]}"
-    info = inspect_runsc()
+    info = inspect_runsc(RUNSC)
     platform, _ = choose_platform(info, "auto", agent, state / "probe")
-    base = ["runsc", "--root", str(root), *info.start_flags(platform), "--network=none", "--host-uds=create"]
+    base = [RUNSC, "--root", str(root), *info.start_flags(platform), "--network=none", "--host-uds=create"]
     with open(state / "runsc.log", "wb") as log:
         subprocess.run(
             [*base, "run", "--detach", "--bundle", str(bundle), cid],

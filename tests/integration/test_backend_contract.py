@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fake_backend import FakeBackend
-from sandboxd_harness import AGENT_PATH, IMAGES_DIR
+from sandboxd_harness import AGENT_PATH, IMAGES_DIR, RUNSC
 
 from sbx.agent.client import AgentClient
 from sbx.api.network_policy import NetworkPolicy
@@ -51,7 +51,7 @@ def state_dir() -> Iterator[Path]:
 async def backend(request: pytest.FixtureRequest, state_dir: Path) -> AsyncIterator[Backend]:
     made: Backend
     if request.param == "gvisor":
-        made = GVisorBackend(state_dir, AGENT_PATH)
+        made = GVisorBackend(state_dir, AGENT_PATH, runsc=RUNSC)
     else:
         made = FakeBackend(state_dir, AGENT_PATH)
     made.check()

@@ -4,16 +4,15 @@ doing real work offline (docs/backends.md, docs/images.md)."""
 
 from __future__ import annotations
 
-import os
 import re
 import resource
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sandboxd_harness import Sandboxd
+import sandboxd_harness
+from sandboxd_harness import RUNSC, Sandboxd
 
 from sbx.backends.runsc import STATX_FIXED_RELEASE, dentry_cache_size, inspect_runsc
 
@@ -121,7 +120,7 @@ def test_node_reports_the_runtime(sandboxd: Sandboxd) -> None:
 def _sandbox_platform(sandbox_id: str) -> str:
     """The platform of the running ``runsc boot`` of ``sandbox_id``, from its --platform flag in /proc (runsc
     passes the flag on only when it is not its default, the first platform its help lists)."""
-    return _boot_flag(sandbox_id, "platform") or inspect_runsc().platforms[0]
+    return _boot_flag(sandbox_id, "platform") or inspect_runsc(RUNSC).platforms[0]
 
 
 def _boot_flag(sandbox_id: str, flag: str) -> str | None:
@@ -172,8 +171,7 @@ def test_ptrace_where_systrap_does_not_boot(
 ) -> None:
     """A host where systrap cannot run (here: a runsc wrapper refusing it for the probe) gets ptrace, says
     why, and its sandboxes work."""
-    real = shutil.which("runsc")
-    assert real is not None
+    real = RUNSC
     if "systrap" not in inspect_runsc(real).platforms:
         pytest.skip(
             f"runsc {inspect_runsc(real).version} has no systrap to fall back from; install.sh installs one"
@@ -188,7 +186,7 @@ def test_ptrace_where_systrap_does_not_boot(
         f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(sandboxd_harness, "RUNSC", str(wrapper))  # the server's [paths] runsc
     server = sandboxd_factory()
     runtime = server.request("GET", "/v1/node").json()["runtime"]
     assert runtime["platform"] == "ptrace"

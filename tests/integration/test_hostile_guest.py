@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from net_world import free_subnet
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import RUNSC, Sandboxd
 
 from sbx.net.limits import EgressLimits
 from sbx.node.output_log import DEFAULT_BUDGET_BYTES, SUMMARY_BYTES
@@ -249,7 +249,7 @@ while True:
 def guest_root_argv(node: Sandboxd, box: str, *argv: str) -> list[str]:
     """The host command that runs ``argv`` inside the sandbox as root (uid 0), the way root in a guest would
     act: through runsc exec, since no API call runs anything as root."""
-    return ["runsc", "--root", str(node.state_dir / "gvisor" / "runsc"), "exec", "--user", "0:0", box, *argv]
+    return [RUNSC, "--root", str(node.state_dir / "gvisor" / "runsc"), "exec", "--user", "0:0", box, *argv]
 
 
 def as_guest_root(node: Sandboxd, box: str, *argv: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from net_world import ZONE, World, free_subnet, leftovers
-from sandboxd_harness import Sandboxd, missing_requirements
+from sandboxd_harness import RUNSC, Sandboxd, missing_requirements
 
 from sbx.net.ranges import read_host_addresses
 
@@ -103,7 +103,7 @@ def _remove_network_leftovers(server: Sandboxd) -> None:
     for directory in gvisor.glob("sbx_*") if gvisor.is_dir() else []:
         netns = Path(f"/var/run/netns/sbx-{directory.name}")
         if netns.exists():
-            runsc = ["nsenter", f"--net={netns}", "runsc", "--root", str(gvisor / "runsc")]
+            runsc = ["nsenter", f"--net={netns}", RUNSC, "--root", str(gvisor / "runsc")]
             subprocess.run([*runsc, "kill", directory.name, "KILL"], capture_output=True, check=False)
             subprocess.run([*runsc, "delete", "-force", directory.name], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", f"sbx-{directory.name}"], capture_output=True, check=False)
@@ -445,7 +445,7 @@ def test_a_restart_takes_networks_back_and_clears_those_of_sandboxes_that_ended(
         server.signal(signal.SIGKILL)
         # While sandboxd is down, one sandbox ends behind its back.
         netns = f"/var/run/netns/sbx-{ended}"
-        runsc = ["nsenter", f"--net={netns}", "runsc", "--root", str(server.state_dir / "gvisor" / "runsc")]
+        runsc = ["nsenter", f"--net={netns}", RUNSC, "--root", str(server.state_dir / "gvisor" / "runsc")]
         subprocess.run([*runsc, "kill", ended, "KILL"], capture_output=True, check=True)
         server.start()
         deadline = time.monotonic() + 30

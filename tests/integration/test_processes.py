@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import RUNSC, Sandboxd
 
 MiB = 1024 * 1024
 
@@ -164,7 +164,7 @@ def test_run_round_trip_is_fast(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> 
 
     def runsc_exec() -> None:
         runsc_root = sandboxd.state_dir / "gvisor" / "runsc"
-        subprocess.run(["runsc", "--root", str(runsc_root), "exec", sandbox["id"], "true"],
+        subprocess.run([RUNSC, "--root", str(runsc_root), "exec", sandbox["id"], "true"],
                        check=True, capture_output=True)  # fmt: skip
 
     ours = median_secs(lambda: sandboxd.run(sandbox["id"], ["true"]), 20)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import RUNSC, Sandboxd
 
 MiB = 1024 * 1024
 
@@ -201,7 +201,7 @@ def test_three_readers_share_it_and_a_fourth_writable_mount_is_refused(
         assert resp.status == 409 and resp.error == ("conflict", "read-only file system"), (method, resp.body)
     # Root inside the sandbox (runsc exec as uid 0; the API runs nothing as root): also EROFS.
     root = subprocess.run(
-        ["runsc", "--root", str(sandboxd.state_dir / "gvisor" / "runsc"), "exec", "--user", "0:0", reader,
+        [RUNSC, "--root", str(sandboxd.state_dir / "gvisor" / "runsc"), "exec", "--user", "0:0", reader,
          "sh", "-c", "id -u; echo x > /r0/f; touch /r0/t; mount -o remount,rw /r0; echo x > /r0/f"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

@@ -99,6 +99,7 @@ class FakeBackend:
 
     name = "fake"
     network_modes: frozenset[str] = frozenset({"none"})
+    parking_refused: str | None = None
 
     def __init__(self, state_dir: Path, agent_path: Path) -> None:
         self.base = state_dir / "fake"

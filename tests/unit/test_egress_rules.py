@@ -21,8 +21,8 @@ from sbx.net.dns import LookupFailed, Resolver, Upstream, parse_server, system_s
 from sbx.net.egress import Egress, EgressConfig, instance_tag
 from sbx.net.ranges import classify
 from sbx.net.rules import address_permitted, name_permitted
-from sbx.node.config import ConfigError, NodeConfig, config_from_mapping
-from sbx.node.server import within_backend
+from sbx.node.config import ConfigError, NodeConfig, ParkingConfig, config_from_mapping
+from sbx.node.server import parking_within_backend, within_backend
 
 OPEN = NetworkPolicy("open", UNSET, ("denied.test", "*.evil.test"))
 ALLOW = NetworkPolicy("allowlist", ("allowed.test", "*.wild.test"), ("bad.wild.test",))
@@ -356,6 +356,15 @@ def test_ceiling_lowered_to_what_a_backend_enforces() -> None:
     strict = NodeConfig(network=NetworkConfig(NetworkPolicy("open"), "open"))
     with pytest.raises(BackendError, match="not enforced by this backend"):
         within_backend(strict, frozenset({"none"}))
+
+
+def test_parking_off_where_the_backend_refuses_it() -> None:
+    config = NodeConfig(parking=ParkingConfig(park_after_secs=30))
+    assert parking_within_backend(config, None) is config
+    off = parking_within_backend(config, "freezing breaks this runtime")
+    assert off.parking.park_after_secs == 0 and off.network == config.network
+    never = NodeConfig(parking=ParkingConfig(park_after_secs=0))
+    assert parking_within_backend(never, "freezing breaks this runtime") is never
 
 
 def test_a_host_that_refuses_the_rules_offers_mode_none_only(tmp_path: Path) -> None:

@@ -129,8 +129,13 @@ def test_release_older_than_the_minimum_is_refused(tmp_path: Path) -> None:
 
 
 def test_missing_runsc_names_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(BackendError, match="not found: install gVisor with scripts/install.sh"):
-        inspect_runsc(str(tmp_path / "no-such-runsc"))
+    missing = tmp_path / "no-such-runsc"
+    with pytest.raises(BackendError) as info:
+        inspect_runsc(str(missing))
+    assert str(info.value) == (
+        f"runsc not found at {missing}: run scripts/install.sh, which builds gVisor's runsc there, or name "
+        "another one with [paths] runsc"
+    )
 
 
 # (case, release, platform, expected phrases, phrases that must not appear)
@@ -211,3 +216,29 @@ def test_probe_that_hangs_times_out_and_is_cleaned_up(tmp_path: Path) -> None:
     calls = log.read_text().splitlines()
     assert "--platform=systrap run --bundle" in calls[0] and " delete --force probe-" in calls[1]
     assert os.listdir(tmp_path / "work") == []
+
+
+@pytest.mark.parametrize(
+    ("version", "release", "platform", "refused"),
+    [
+        ("0.0~20240729.0", 20240729, "systrap", False),  # before seccomp-notified syscall threads
+        ("release-20250618.0", 20250618, "systrap", False),
+        ("release-20250625.0", 20250625, "systrap", True),  # the first release with them
+        ("release-20260803.0-49-g7a7d8c355", 20260803, "systrap", True),  # the pinned build
+        ("release-20260803.0-49-g7a7d8c355", 20260803, "ptrace", False),  # no syscall threads on ptrace
+        ("VERSION_MISSING", 0, "systrap", True),  # a build naming no release counts as a current one
+    ],
+)
+def test_parking_is_refused_where_freezing_breaks_systrap(
+    version: str, release: int, platform: str, refused: bool
+) -> None:
+    info = RunscInfo("/var/lib/sandboxd/runsc/runsc", version, release, frozenset(), ("systrap", "ptrace"))
+    reason = info.parking_refused(platform)
+    if not refused:
+        assert reason is None
+    else:
+        assert reason == (
+            f"idle sandboxes are not parked: on runsc {version} with systrap, freezing a sandbox kills the "
+            "guest's next process (its seccomp-notified syscall thread is interrupted), and an idle sandbox "
+            "uses no CPU without it"
+        )

@@ -122,6 +122,9 @@ class Backend(Protocol):
     name: str
     #: The network modes this backend can enforce; a stricter server never pretends to offer more.
     network_modes: frozenset[str]
+    #: Why idle sandboxes must not be parked on this host (one sentence for an operator), or None when
+    #: :meth:`park` is safe; known after :meth:`check`. The node then never parks, whatever its configuration.
+    parking_refused: str | None
     #: Who processes and file transfers run as in its sandboxes.
     guest: GuestUser
     #: Where its volumes are stored.

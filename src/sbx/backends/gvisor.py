@@ -50,6 +50,7 @@ from sbx.backends.host_counters import read_usage
 from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
 from sbx.backends.runsc import (
+    DEFAULT_RUNSC,
     DENTRY_FD_RESERVE,
     FDS_PER_DENTRY,
     RunscInfo,
@@ -187,7 +188,7 @@ class GVisorBackend:
         state_dir: Path,
         agent_path: Path,
         platform: str = "auto",
-        runsc: str = "runsc",
+        runsc: str = DEFAULT_RUNSC,
         pooled_disk_mb: int = 0,
         egress: EgressConfig | None = None,
         dentry_cache: int = 0,
@@ -223,6 +224,8 @@ class GVisorBackend:
             else None
         )
         self.network_modes = frozenset({"none", "allowlist", "open"} if egress is not None else {"none"})
+        #: Why sandboxes are not parked here (check() decides: the host's freezer, this runsc and platform).
+        self.parking_refused: str | None = None
         #: Parks sandboxes by freezing their cgroups (freezer.py).
         self.freezer = CgroupFreezer(CGROUP_PARENT)
 
@@ -271,6 +274,11 @@ class GVisorBackend:
                 extra={"dentry_cache": self.dentry_cache, "nofile_limit": nofile_limit},
             )
         self.runsc_info = info
+        self.parking_refused = (
+            "no cgroup freezer on this host: idle sandboxes are never parked"
+            if not self.freezer.usable()
+            else info.parking_refused(self.platform)
+        )
         if self.net is not None:
             self.net.procfs_mask = info.netns_needs_procfs_mask
         log.info(
@@ -282,8 +290,8 @@ class GVisorBackend:
         """The runsc and platform sandboxes run on, and what they cannot do (``GET /v1/node`` ``runtime``)."""
         info = self.runsc_info
         limitations = info.limitations(self.platform) if info is not None else []
-        if not self.freezer.usable():
-            limitations.append("no cgroup freezer on this host: idle sandboxes are never parked")
+        if self.parking_refused is not None:
+            limitations.append(self.parking_refused)
         return Runtime(
             platform=self.platform,
             platform_reason=self.platform_reason,

@@ -1,10 +1,10 @@
 """The installed runsc: its release, the flags it knows, and the platform sandboxes run on.
 
 sandboxd reads these once at start (:func:`inspect_runsc`, :func:`choose_platform`) and builds every runsc
-command line and OCI spec from them, so that one sandboxd runs correctly on Debian 12's runsc (release
-20221219) and on the bookworm-backports one (20240729, what ``scripts/install.sh`` installs), and says what
-an older one cannot do instead of failing in ways a user only notices later (docs/backends.md, "runsc
-releases").
+command line and OCI spec from them, so that one sandboxd runs correctly on the runsc ``scripts/install.sh``
+builds from gVisor's Go module (:data:`DEFAULT_RUNSC`, the version ``runsc/go.mod`` pins) and on older ones
+(Debian 12's 20221219, bookworm-backports' 20240729), and says what an older one cannot do instead of failing
+in ways a user only notices later (docs/backends.md, "runsc releases").
 
 The platform: ``systrap`` (gVisor's default since release 20230621; system calls trapped with seccomp, a
 few microseconds each) when this runsc has it and a probe sandbox boots on it here, else ``ptrace`` (every
@@ -30,10 +30,13 @@ from sbx.backends.base import BackendError
 
 log = logging.getLogger(__name__)
 
+#: The runsc sandboxd runs unless ``[paths] runsc`` names another: the one scripts/install.sh builds (a link to
+#: ``/var/lib/sandboxd/runsc/<version>/runsc``).
+DEFAULT_RUNSC: Final = "/var/lib/sandboxd/runsc/runsc"
 #: The oldest runsc release sandboxd has been tested with (Debian 12's own); older ones are refused.
 MIN_RELEASE: Final = 20221219
-#: The release scripts/install.sh installs from bookworm-backports, and every later one.
-RECOMMENDED_RELEASE: Final = 20240729
+#: The release scripts/install.sh builds (the ``// release:`` line of runsc/go.mod), and every later one.
+RECOMMENDED_RELEASE: Final = 20260803
 #: Releases before this refuse ``--network=sandbox`` when /proc/sys/net/core/rmem_default exists (their
 #: test for "still in the host's network namespace", wrong on current kernels); upstream commit 19f6b0c07.
 NETNS_CHECK_FIXED_RELEASE: Final = 20240807
@@ -43,6 +46,14 @@ STATX_FIXED_RELEASE: Final = 20231030
 #: Releases before this ignore ^D (VEOF) on terminals in canonical mode: ``cat`` on a tty never sees its end
 #: of input (upstream commit e8c399a09).
 VEOF_FIXED_RELEASE: Final = 20230911
+#: From this release systrap's syscall threads wait for the sentry through seccomp user notifications (upstream
+#: commit 14c05c175, which made ``seccompNotifyIsSupported`` true). Freezing the sandbox's cgroup interrupts that
+#: wait; the kernel withdraws the notification and gVisor's ``waitForSeccompNotify`` takes the ENOENT that follows
+#: as a dead stub (only a withdrawn *reply* is retried, commit 4a8eae08b): the guest's next process after a thaw
+#: is killed (SIGSEGV or SIGKILL, "subprocess died"), measured here on the pinned release in 5 of 6 runs of
+#: tests/integration/test_parking.py. Its idle sandboxes use no CPU without freezing (the sentry parks itself,
+#: commits 32f98f20c and 88285dd6b), so sandboxd does not park them (docs/backends.md).
+FREEZER_UNSAFE_ON_SYSTRAP_RELEASE: Final = 20250625
 
 Platform = Literal["systrap", "ptrace"]
 #: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
@@ -75,6 +86,17 @@ class RunscInfo:
     release: int
     flags: frozenset[str]
     platforms: tuple[str, ...]
+
+    def parking_refused(self, platform: str) -> str | None:
+        """Why sandboxes on ``platform`` must not be frozen (parked), or None when they may. A build naming no
+        release counts as a current one."""
+        if platform == "systrap" and (self.release == 0 or self.release >= FREEZER_UNSAFE_ON_SYSTRAP_RELEASE):
+            return (
+                f"idle sandboxes are not parked: on runsc {self.version} with systrap, freezing a sandbox kills "
+                "the guest's next process (its seccomp-notified syscall thread is interrupted), and an idle "
+                "sandbox uses no CPU without it"
+            )
+        return None
 
     @property
     def netns_needs_procfs_mask(self) -> bool:
@@ -147,14 +169,14 @@ def dentry_cache_size(configured: int, nofile_limit: int) -> int:
     return max(RUNSC_DEFAULT_DENTRY_CACHE, min(MAX_AUTO_DENTRY_CACHE, fitting))
 
 
-def inspect_runsc(runsc: str = "runsc") -> RunscInfo:
+def inspect_runsc(runsc: str = DEFAULT_RUNSC) -> RunscInfo:
     """Read ``runsc --version`` and ``runsc flags`` (about 20 ms each). BackendError when runsc is missing,
     does not answer, or is older than :data:`MIN_RELEASE`."""
     path = shutil.which(runsc)
     if path is None:
         raise BackendError(
-            f"{runsc} not found: install gVisor with scripts/install.sh (Debian package runsc from "
-            "bookworm-backports)"
+            f"runsc not found at {runsc}: run scripts/install.sh, which builds gVisor's runsc there, or name "
+            "another one with [paths] runsc"
         )
     version_text = _output([path, "--version"])
     first = version_text.splitlines()[0] if version_text.strip() else ""

@@ -27,6 +27,7 @@ def _gvisor(config: NodeConfig, state_dir: Path) -> Backend:
         state_dir,
         config.paths.agent_path,
         platform=config.gvisor.platform,
+        runsc=str(config.paths.runsc),
         dentry_cache=config.gvisor.dentry_cache,
         pooled_disk_mb=config.defaults.disk_mb,
         egress=config.egress,

@@ -34,6 +34,7 @@ from sbx.api.network_policy import (
     parse_mode,
 )
 from sbx.api.node import Defaults, Limits, Resources
+from sbx.backends.runsc import DEFAULT_RUNSC
 from sbx.net.dns import parse_server
 from sbx.net.egress import MIN_SUBNET_PREFIX, EgressConfig
 from sbx.node.backend_kinds import DEFAULT_KIND, KINDS
@@ -138,10 +139,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class PathsConfig:
-    """``[paths]``: where images and the guest agent binary live (absolute paths)."""
+    """``[paths]``: where images, the guest agent binary and the gVisor runtime live (absolute paths).
+    ``runsc`` defaults to the one scripts/install.sh builds (a link to its pinned version, docs/backends.md)."""
 
     images_dir: Path = Path("/var/lib/sandboxd/images")
     agent_path: Path = Path("/var/lib/sandboxd/agent/sbx-agent")
+    runsc: Path = Path(DEFAULT_RUNSC)
 
 
 @dataclass(frozen=True)
@@ -359,6 +362,7 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     paths = PathsConfig(
         images_dir=_abs_path(pth, "paths.images_dir", base_pth.images_dir),
         agent_path=_abs_path(pth, "paths.agent_path", base_pth.agent_path),
+        runsc=_abs_path(pth, "paths.runsc", base_pth.runsc),
     )
 
     aud = sections["audit"]

@@ -85,6 +85,18 @@ def within_backend(config: NodeConfig, network_modes: frozenset[str]) -> NodeCon
     return dataclasses.replace(config, network=network)
 
 
+def parking_within_backend(config: NodeConfig, refused: str | None) -> NodeConfig:
+    """The config with parking off (``park_after_secs`` 0) where the backend says parking is unsafe here
+    (``Backend.parking_refused``): the node then never parks, and says why once."""
+    if refused is None or config.parking.park_after_secs <= 0:
+        return config
+    log.warning(
+        "parking is off on this runtime", extra={"configured_park_after_secs": config.parking.park_after_secs,
+                                                 "reason": refused},
+    )  # fmt: skip
+    return dataclasses.replace(config, parking=dataclasses.replace(config.parking, park_after_secs=0))
+
+
 async def serve(config: NodeConfig, options: ServerOptions) -> None:
     """Run sandboxd until SIGTERM or SIGINT; sandboxes keep running after it stops."""
     lock_fd = lock_state_dir(options.state_dir)
@@ -117,7 +129,7 @@ def build_app(config: NodeConfig, options: ServerOptions) -> web.Application:
     raise_descriptor_limit()
     backend = make_backend(config, options.state_dir)
     backend.check()
-    config = within_backend(config, backend.network_modes)
+    config = parking_within_backend(within_backend(config, backend.network_modes), backend.parking_refused)
     images = ImageStore(config.paths.images_dir)
     audit = AuditLog(options.state_dir / "audit")
     reservations = Reservations(
