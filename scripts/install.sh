@@ -214,6 +214,7 @@ else
     note "building gvisor.dev/gvisor/runsc@$RUNSC_PIN with $("$GO" version) (about 1 to 3 minutes, once)"
     install -d -m 0755 "$RUNSC_HOME"
     build_dir=$(mktemp -d "$RUNSC_HOME/.build-XXXXXX")
+    chmod 0755 "$build_dir"
     # GOTOOLCHAIN=auto: Debian's Go is older than the module asks and, as packaged, never fetches a newer one.
     if ! (cd "$RUNSC_MODULE" && CGO_ENABLED=0 GOTOOLCHAIN=auto GOFLAGS=-mod=readonly "$GO" build -trimpath \
             -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_RELEASE" \
