@@ -133,9 +133,16 @@ def test_a_suspended_sandbox_runs_nothing_and_refuses_work(server: Sandboxd) -> 
                  "suspended")  # fmt: skip
     expect_error(server.request("POST", f"/v1/sandboxes/{ref}/suspend"), 409, "conflict", "suspended")
     expect_error(server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"}), 409,
-                 "conflict", "suspended")  # fmt: skip
+                 "conflict", "suspended; a memory snapshot is taken of a running sandbox (resume it first)")  # fmt: skip
     expect_error(server.request("PUT", f"/v1/sandboxes/{ref}/snapshot-schedule", {"every_secs": 5}), 409,
                  "conflict", "a schedule is set on a running sandbox")  # fmt: skip
+    # A disk snapshot of it is taken without waking it; its fork boots with the files.
+    disk = snapshot(server, ref, "disk")
+    assert (disk["kind"], state_of(server, ref), host_processes(ref)) == ("disk", "suspended", 0)
+    fork = server.create(snapshot_id=disk["id"])["id"]
+    assert text(server, fork, "head", "-n", "1", "/sandbox/home/lines") == "1\n"  # what the daemon wrote
+    server.request("DELETE", f"/v1/sandboxes/{fork}")
+    server.request("DELETE", f"/v1/snapshots/{disk['id']}")
     assert server.request("GET", f"/v1/sandboxes/{ref}").json()["snapshot_every_secs"] == 0
     metrics = server.request("GET", f"/v1/sandboxes/{ref}/metrics")
     assert metrics.status == 200

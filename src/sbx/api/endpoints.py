@@ -194,7 +194,8 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     Endpoint("POST", _SBX + "/snapshots", "Take a memory or disk snapshot", BOTH, (CREATE,), status=201,
              body="json", request=SnapshotRequest, answer=Snapshot, capability="memory_snapshot",
              errors=_REF | _errs(e.InvalidRequest, e.Unsupported, e.Internal),
-             notes="An empty body is {}: a memory snapshot."),
+             notes="An empty body is {}: a memory snapshot. A suspended sandbox gives a disk snapshot (a memory "
+                   "one is 409: resume it first)."),
     Endpoint("PUT", _SBX + "/snapshot-schedule", "Set or stop the snapshot schedule", BOTH, (CREATE,),
              body="json", request=ScheduleRequest, answer=Sandbox, errors=_REF | _errs(e.InvalidRequest, e.Unsupported)),
     Endpoint("GET", "/v1/snapshots", "Snapshots, newest first", BOTH, (READ,), answer=SnapshotList,

@@ -8,8 +8,9 @@ Each of them needs a :class:`~sbx.backends.base.CheckpointBackend`. A memory cap
    from the checkpoint just made and reconnect, so it carries on where it was (paused for the capture,
    about half a second here; see docs/snapshots.md).
 
-A disk snapshot only copies the disk, with the file system frozen meanwhile (writers wait). Snapshots are
-taken by a task of their own: neither a closed connection nor a DELETE of the sandbox cancels one.
+A disk snapshot only copies the disk, with the file system frozen meanwhile (writers wait), of a running or a
+suspended sandbox. Snapshots are taken by a task of their own: neither a closed connection nor a DELETE of the
+sandbox cancels one.
 """
 
 from __future__ import annotations
@@ -197,11 +198,16 @@ class Checkpoints:
         return sandbox_id in self._taking
 
     async def snapshot(self, ref: str, kind: SnapshotKind, scheduled: bool = False) -> SnapshotRecord:
-        """Take a snapshot of a running sandbox; the answer waits for it, but a closed connection does not
-        cancel it (it runs in a task of its own)."""
+        """Take a snapshot of a running sandbox (a disk snapshot also of a suspended one); the answer waits for
+        it, but a closed connection does not cancel it (it runs in a task of its own)."""
         sandbox = self.host.resolve(ref, touch=not scheduled)
         record = sandbox.record
-        if record.state is not SandboxState.RUNNING:
+        if record.state is SandboxState.SUSPENDED and kind == "memory":
+            raise Conflict(
+                f"sandbox {record.id} is suspended; a memory snapshot is taken of a running sandbox (resume it "
+                'first), a disk snapshot ({"kind": "disk"}) of a running or a suspended one'
+            )
+        if record.state not in (SandboxState.RUNNING, SandboxState.SUSPENDED):
             raise Conflict(
                 f"sandbox {record.id} is {record.state.value}; only a running sandbox can be snapshotted"
             )

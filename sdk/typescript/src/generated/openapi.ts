@@ -818,7 +818,7 @@ export interface paths {
         put?: never;
         /**
          * Take a memory or disk snapshot
-         * @description An empty body is {}: a memory snapshot.
+         * @description An empty body is {}: a memory snapshot. A suspended sandbox gives a disk snapshot (a memory one is 409: resume it first).
          */
         post: operations["postSandboxesRefSnapshots"];
         delete?: never;
