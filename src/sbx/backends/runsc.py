@@ -178,9 +178,7 @@ def inspect_runsc(runsc: str = DEFAULT_RUNSC) -> RunscInfo:
             f"runsc not found at {runsc}: run scripts/install.sh, which builds gVisor's runsc there, or name "
             "another one with [paths] runsc"
         )
-    version_text = _output([path, "--version"])
-    first = version_text.splitlines()[0] if version_text.strip() else ""
-    version = first.removeprefix("runsc version").strip() or first.strip()
+    version = read_version(path)
     match = _RELEASE.search(version)
     release = int(match.group(1)) if match else 0
     if 0 < release < MIN_RELEASE:
@@ -191,6 +189,14 @@ def inspect_runsc(runsc: str = DEFAULT_RUNSC) -> RunscInfo:
     flags_text = _output([path, "flags"])
     flags = frozenset(re.findall(r"^\s+-([A-Za-z0-9_-]+)", flags_text, re.MULTILINE))
     return RunscInfo(path, version, release, flags, _platforms(flags_text))
+
+
+def read_version(path: str) -> str:
+    """The version ``runsc --version`` names (``0.0~20240729.0``, ``release-20260803.0-49-g7a7d8c355``: the first
+    line without its ``runsc version`` prefix). BackendError when it cannot be run."""
+    version_text = _output([path, "--version"])
+    first = version_text.splitlines()[0] if version_text.strip() else ""
+    return first.removeprefix("runsc version").strip() or first.strip()
 
 
 def _platforms(flags_text: str) -> tuple[str, ...]:

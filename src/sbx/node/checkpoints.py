@@ -53,10 +53,18 @@ QUIESCE_TIMEOUT_SECS = 10.0
 class Checkpoints:
     """Suspend/resume, snapshots, forks and schedules of the manager's sandboxes."""
 
-    def __init__(self, host: SandboxHost, backend: CheckpointBackend, store: SnapshotStore) -> None:
+    def __init__(
+        self,
+        host: SandboxHost,
+        backend: CheckpointBackend,
+        store: SnapshotStore,
+        runsc_version: str | None = None,
+    ) -> None:
+        """``runsc_version``: the runsc this node runs (None: a backend without one, which compares nothing)."""
         self.host = host
         self.backend = backend
         self.store = store
+        self.runsc_version = runsc_version
         #: Snapshots being taken, by sandbox id (one at a time per sandbox).
         self._taking: dict[str, asyncio.Task[SnapshotRecord]] = {}
         #: Schedule loops, by sandbox id.
@@ -158,6 +166,7 @@ class Checkpoints:
                 # Still suspended, the checkpoint kept: a retry restores from it again.
                 raise Internal(f"the sandbox could not be resumed: {exc}") from exc
             record.state = SandboxState.RUNNING
+            record.runsc_version = self.runsc_version
             sandbox.save()
             self.host.state_changed(sandbox)
             sandbox.touch()
@@ -261,7 +270,7 @@ class Checkpoints:
                 id=snapshot_id, sandbox=record.id, image=record.image, kind=kind,
                 bytes=allocated_bytes(staging), created_at=utc_now(), cpus=record.cpus,
                 memory_mb=record.memory_mb, disk_mb=record.disk_mb, network=record.network.to_wire(),
-                scheduled=scheduled, next_pid=next_pid,
+                scheduled=scheduled, next_pid=next_pid, runsc_version=record.runsc_version,
             )  # fmt: skip
             await asyncio.to_thread(self.store.commit, staging, snapshot)
         except BaseException as exc:
@@ -368,6 +377,7 @@ class Checkpoints:
         """Boot the fork ``sandbox`` from ``snapshot``; a memory fork takes over the original's process
         records (its processes run on in the fork) before its agent is connected."""
         record = sandbox.record
+        record.runsc_version = self.runsc_version
         memory = snapshot.kind == "memory"
         if memory:
             target = sandbox.processes.directory

@@ -3,6 +3,7 @@
 State on disk, under ``<state>/sandboxes/<id>/``: ``sandbox.json`` (the record, replaced atomically),
 ``image-config.json`` (how processes run: the image's Env and WorkingDir, fixed at create) and
 ``processes/`` (see processes.py). The backend keeps its own files under ``<state>/<backend name>/``.
+``<state>/runtime.json`` names the runsc that last served the state (runtimes.py).
 Warm pools (pools.py) boot sandboxes through :meth:`SandboxManager.boot` and hand them over with
 :meth:`SandboxManager.adopt`; until then the manager does not know them.
 """
@@ -34,6 +35,7 @@ from sbx.node.images import ImageService
 from sbx.node.parking import Parking
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.node.reservations import Reservations
+from sbx.node.runtimes import RuntimeLedger, current_runsc
 from sbx.node.sandbox import Sandbox
 from sbx.node.snapshots import SnapshotStore
 from sbx.node.volumes import VolumeStore, check_mount_points
@@ -76,8 +78,11 @@ class SandboxManager:
         image_service: ImageService | None = None,
     ) -> None:
         self.config = config
+        self.state_dir = state_dir
         self.root = state_dir / "sandboxes"
         self.backend = backend
+        #: The runsc sandboxes boot and restore on (None: a backend without one); recorded in each sandbox.
+        self.runsc_version = current_runsc(backend)
         self.images = images
         self.image_service = image_service or ImageService(config, images)
         self.image_service.users = self.image_users
@@ -90,7 +95,7 @@ class SandboxManager:
         self.volumes = VolumeStore(state_dir / "volumes", backend.volumes)
         #: Suspend, snapshots, forks and schedules (checkpoints.py); None when the backend cannot checkpoint.
         self.checkpoints: Checkpoints | None = (
-            Checkpoints(self, backend, SnapshotStore(state_dir / "snapshots"))
+            Checkpoints(self, backend, SnapshotStore(state_dir / "snapshots"), self.runsc_version)
             if isinstance(backend, CheckpointBackend)
             else None
         )
@@ -116,8 +121,13 @@ class SandboxManager:
     async def start(self) -> None:
         """Take back the sandboxes of a previous run, then start the idle checker."""
         await self.volumes.start()
+        ledger = RuntimeLedger(self.state_dir, self.runsc_version)
         if self.checkpoints is not None:
-            self.checkpoints.store.load()
+            store = self.checkpoints.store
+            store.load()
+            for snapshot in store.records():
+                if (stamped := ledger.stamp(snapshot.runsc_version)) != snapshot.runsc_version:
+                    store.set_runsc_version(snapshot.id, stamped)
         for path in sorted(self.root.glob("*/sandbox.json")):
             # Temporary files a kill left mid-write; the records themselves are always whole.
             remove_stale_tmp_files(path.parent)
@@ -137,6 +147,9 @@ class SandboxManager:
                 sandbox.processes.load()
                 await sandbox.processes.kill_all()
                 continue
+            if (stamped := ledger.stamp(record.runsc_version)) != record.runsc_version:
+                record.runsc_version = stamped
+                sandbox.save()
             if not sandbox.load_image_config():
                 self._image_config_from_store(sandbox)
             try:
@@ -149,6 +162,7 @@ class SandboxManager:
             else:
                 self._state_changed(sandbox)
         self._forget_old_terminated()
+        ledger.save()
         await self.volumes.settle()
         if self.checkpoints is not None:
             self.checkpoints.start()
@@ -448,6 +462,7 @@ class SandboxManager:
     ) -> AgentClient:
         """Boot ``record``'s sandbox from ``image`` with ``volumes`` bound in and connect to its agent; on
         failure (or cancellation) the backend's part is destroyed again, and backend errors become Internal."""
+        record.runsc_version = self.runsc_version
         try:
             await self.backend.boot(record.boot_spec(image.rootfs, volumes))
             return await self.connect_agent(record.id)

@@ -89,6 +89,10 @@ class SandboxRecord:
     volumes: tuple[VolumeMount, ...] = ()
     #: The snapshot this sandbox was forked from, None for a sandbox booted from its image.
     snapshot_id: str | None = None
+    #: The runsc (its version) that booted or last restored the sandbox: its sentry runs it, checkpoints it, and
+    #: made its checkpoint while it is suspended; only that runsc restores the checkpoint (sbx.node.runtimes).
+    #: None: a backend without runsc, or a record from before versions were recorded (stamped at start).
+    runsc_version: str | None = None
     #: The spec's Snapshot progress while a snapshot is being taken; in memory only (never on disk).
     snapshotting: SnapshotProgress | None = field(default=None, compare=False)
     #: Names of the environment given as ``secret_env`` at create (on disk: names only).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,10 @@ def new_snapshot_id(node_id: str | None) -> str:
 class SnapshotRecord:
     """One snapshot. ``bytes`` is the storage it takes (allocated blocks). ``cpus``, ``memory_mb``,
     ``disk_mb`` and ``network`` (wire form) are the original sandbox's, for forks; ``next_pid`` is the
-    original's next process handle (a memory fork goes on from it)."""
+    original's next process handle (a memory fork goes on from it). ``runsc_version``: the runsc whose sentry
+    ran the original when it was taken, the one that made a memory snapshot's checkpoint and the only one
+    that restores it (a disk snapshot boots on any); None on a backend without runsc, or from before versions
+    were recorded (stamped at start, sbx.node.runtimes)."""
 
     id: str
     sandbox: str
@@ -55,6 +58,7 @@ class SnapshotRecord:
     network: dict[str, Any]
     scheduled: bool = False
     next_pid: int = 1
+    runsc_version: str | None = None
 
     def wire(self) -> Snapshot:
         """The spec's Snapshot object: ``scheduled`` appears only when true; the original's resources too."""
@@ -108,6 +112,12 @@ class SnapshotStore:
         os.rename(staging, final)
         fsync_dir(self.root)
         self._records[record.id] = record
+
+    def set_runsc_version(self, snapshot_id: str, version: str | None) -> None:
+        """Record which runsc made the snapshot (its record rewritten atomically and durably)."""
+        record = replace(self.get(snapshot_id), runsc_version=version)
+        write_json_atomic(self.root / snapshot_id / RECORD_NAME, asdict(record), durable=True)
+        self._records[snapshot_id] = record
 
     def get(self, snapshot_id: str) -> SnapshotRecord:
         """The snapshot ``snapshot_id``; NotFound otherwise."""
