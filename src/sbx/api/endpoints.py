@@ -195,7 +195,8 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
              body="json", request=SnapshotRequest, answer=Snapshot, capability="memory_snapshot",
              errors=_REF | _errs(e.InvalidRequest, e.Unsupported, e.Internal),
              notes="An empty body is {}: a memory snapshot. A suspended sandbox gives a disk snapshot (a memory "
-                   "one is 409: resume it first)."),
+                   "one is 409: resume it first). 409 too for a memory snapshot of a sandbox another runsc started "
+                   "(docs/backends.md, upgrading the runtime)."),
     Endpoint("PUT", _SBX + "/snapshot-schedule", "Set or stop the snapshot schedule", BOTH, (CREATE,),
              body="json", request=ScheduleRequest, answer=Sandbox, errors=_REF | _errs(e.InvalidRequest, e.Unsupported)),
     Endpoint("GET", "/v1/snapshots", "Snapshots, newest first", BOTH, (READ,), answer=SnapshotList,

@@ -11,6 +11,10 @@ Each of them needs a :class:`~sbx.backends.base.CheckpointBackend`. A memory cap
 A disk snapshot only copies the disk, with the file system frozen meanwhile (writers wait), of a running or a
 suspended sandbox. Snapshots are taken by a task of their own: neither a closed connection nor a DELETE of the
 sandbox cancels one.
+
+A checkpoint is restored only by the runsc that made it: what would need another (suspending or memory-
+snapshotting a sandbox another runsc started, resuming one another suspended, forking another's memory
+snapshot) is refused here, before anything is touched (sbx.node.runtimes).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from sbx.api.snapshots import SnapshotKind
 from sbx.backends.base import BackendError, CheckpointBackend
 from sbx.backends.disk_copy import allocated_bytes
 from sbx.node.records import SandboxRecord, SandboxState, utc_now
+from sbx.node.runtimes import checkpoint_refusal, differs, fork_refusal, resume_refusal
 from sbx.node.snapshots import SnapshotRecord, SnapshotStore, new_snapshot_id
 
 if TYPE_CHECKING:
@@ -125,6 +130,11 @@ class Checkpoints:
                 raise Conflict(
                     f"sandbox {record.id} is {record.state.value}; only a running sandbox can be suspended"
                 )
+            refusal = checkpoint_refusal(
+                record.id, record.runsc_version, self.runsc_version, "it is not suspended"
+            )
+            if refusal is not None:
+                raise refusal
             running = [p.pid for p in sandbox.processes.records() if p.exit_code is None]
             if running:
                 raise Conflict(
@@ -158,6 +168,9 @@ class Checkpoints:
             record = sandbox.record
             if record.state is not SandboxState.SUSPENDED:
                 raise Conflict(f"sandbox {record.id} is {record.state.value}, not suspended")
+            refusal = resume_refusal(record.id, record.runsc_version, self.runsc_version)
+            if refusal is not None:
+                raise refusal
             image = sandbox.directory / SUSPEND_IMAGE
             try:
                 await self.backend.restore(record.id, image)
@@ -179,6 +192,16 @@ class Checkpoints:
         between a checkpoint and what follows it, finish that (a suspend becomes suspended; a capture
         restores the sandbox from its checkpoint). False when there is no checkpoint to go on from."""
         record = sandbox.record
+        image = sandbox.directory / CAPTURE_IMAGE
+        if self.backend.has_checkpoint(image) and differs(record.runsc_version, self.runsc_version):
+            # Captured by the runsc before an upgrade, which this one cannot restore: kept as a suspended
+            # sandbox (its disk reachable through a disk snapshot), never lost.
+            shutil.rmtree(sandbox.directory / SUSPEND_IMAGE, ignore_errors=True)
+            os.rename(image, sandbox.directory / SUSPEND_IMAGE)
+            log.warning(
+                "a sandbox checkpointed by another runsc before a restart is kept suspended",
+                extra={"sandbox": record.id, "made_by": record.runsc_version, "runsc": self.runsc_version},
+            )
         if self.backend.has_checkpoint(sandbox.directory / SUSPEND_IMAGE):
             record.state = SandboxState.SUSPENDED
             sandbox.save()
@@ -187,7 +210,6 @@ class Checkpoints:
             self.host.audit.record("sandbox.suspended", record.id)
             log.info("an interrupted suspend was finished", extra={"sandbox": record.id})
             return True
-        image = sandbox.directory / CAPTURE_IMAGE
         if self.backend.has_checkpoint(image):
             sandbox.processes.load()
             await self.backend.restore(record.id, image)
@@ -220,6 +242,11 @@ class Checkpoints:
             raise Conflict(
                 f"sandbox {record.id} is {record.state.value}; only a running sandbox can be snapshotted"
             )
+        if kind == "memory":
+            what = "no memory snapshot of it is taken"
+            refusal = checkpoint_refusal(record.id, record.runsc_version, self.runsc_version, what)
+            if refusal is not None:
+                raise refusal
         if record.volumes:
             raise Conflict(
                 f"sandbox {record.id} has volumes; a sandbox with volumes cannot be snapshotted "
@@ -344,6 +371,10 @@ class Checkpoints:
         with the snapshot's image and (for a memory fork) resources, or the original's for omitted ones."""
         assert req.snapshot_id is not None
         snapshot = self.store.get(req.snapshot_id)
+        if snapshot.kind == "memory":
+            refusal = fork_refusal(snapshot.id, snapshot.runsc_version, self.runsc_version)
+            if refusal is not None:
+                raise refusal
         given = req.fields_given
         if "image" in given and req.image != snapshot.image:
             raise InvalidRequest(
@@ -402,6 +433,11 @@ class Checkpoints:
             )
         if record.volumes and every_secs:
             raise Conflict(f"sandbox {record.id} has volumes; a sandbox with volumes cannot be snapshotted")
+        if every_secs:
+            what = "it cannot have a snapshot schedule (scheduled snapshots are memory snapshots)"
+            refusal = checkpoint_refusal(record.id, record.runsc_version, self.runsc_version, what)
+            if refusal is not None:
+                raise refusal
         record.snapshot_every_secs = every_secs
         record.snapshot_keep = keep if every_secs else 0
         sandbox.save()

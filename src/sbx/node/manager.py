@@ -35,7 +35,7 @@ from sbx.node.images import ImageService
 from sbx.node.parking import Parking
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.node.reservations import Reservations
-from sbx.node.runtimes import RuntimeLedger, current_runsc
+from sbx.node.runtimes import RuntimeLedger, current_runsc, describe, differs
 from sbx.node.sandbox import Sandbox
 from sbx.node.snapshots import SnapshotStore
 from sbx.node.volumes import VolumeStore, check_mount_points
@@ -162,10 +162,30 @@ class SandboxManager:
             else:
                 self._state_changed(sandbox)
         self._forget_old_terminated()
+        self._report_runtime_change(ledger)
         ledger.save()
         await self.volumes.settle()
         if self.checkpoints is not None:
             self.checkpoints.start()
+
+    def _report_runtime_change(self, ledger: RuntimeLedger) -> None:
+        """Log what another runsc left here that this one cannot checkpoint or restore (once per start)."""
+        current = self.runsc_version
+        other = [s.record.state.value for s in self.live() if differs(s.record.runsc_version, current)]
+        memory = [
+            s.id
+            for s in (self.checkpoints.store.records() if self.checkpoints is not None else [])
+            if s.kind == "memory" and differs(s.runsc_version, current)
+        ]
+        if other or memory:
+            log.warning(
+                "state made by another runsc: its running sandboxes cannot be suspended or memory-snapshotted, "
+                "its suspended ones cannot be resumed, its memory snapshots cannot be forked (disk snapshots, "
+                "their forks and deletes work; docs/backends.md)",
+                extra={"runsc": current, "last_served_by": describe(ledger.last),
+                       "running": other.count("running"), "suspended": other.count("suspended"),
+                       "memory_snapshots": len(memory)},
+            )  # fmt: skip
 
     def _image_config_from_store(self, sandbox: Sandbox) -> None:
         try:

@@ -1,17 +1,22 @@
-"""Which runsc made what.
+"""Which runsc made what, and what cannot work across two of them.
 
 A checkpoint (a suspended sandbox's image, a memory snapshot) is gVisor's saved kernel state: only the runsc
 release that made it restores it ("container specs not found in metadata during restore", measured from
 20240729 to the pinned build). A running sandbox is checkpointed by its own sentry, the runsc that booted or last
 restored it, whatever runsc sandboxd runs now. So the node records that runsc's version (``RunscInfo.version``)
-in every sandbox record and every snapshot record.
+in every sandbox record and every snapshot record, and refuses (409, before touching anything) what would need
+one runsc to restore another's image: suspending or memory-snapshotting a sandbox another runsc started (the
+restore would fail and the sandbox would be lost), resuming a sandbox another runsc suspended, and forking a
+memory snapshot another runsc made. Disk snapshots, disk forks and DELETE work across versions
+(docs/backends.md, "Upgrading the runtime under existing state").
 
 State from before the records named a runsc is stamped once, at the first start that finds it
 (:class:`RuntimeLedger`): with the runsc that last served the state directory (``<state>/runtime.json``), or,
 when there is no such file (the sandboxd before ``[paths] runsc`` always ran ``runsc`` from ``PATH``), with the
-version of the ``runsc`` on ``PATH``, else :data:`UNKNOWN`, which differs from every runsc.
+version of the ``runsc`` on ``PATH``, else :data:`UNKNOWN`, which differs from every runsc (refused rather
+than risked).
 
-A backend without runsc (``runtime_report().runsc_version`` unset) records nothing.
+A backend without runsc (``runtime_report().runsc_version`` unset) records nothing and refuses nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from sbx.api.errors import Conflict
 from sbx.backends.base import Backend, BackendError
 from sbx.backends.runsc import read_version
 from sbx.statefile import read_json, write_json_atomic
@@ -52,11 +58,66 @@ def runsc_on_path() -> str | None:
         return None
 
 
+def differs(made_by: str | None, current: str | None) -> bool:
+    """Whether what ``made_by`` made (None: not recorded) cannot be restored by ``current`` (None: a backend
+    without runsc, which compares nothing). Unknown differs from every version."""
+    return current is not None and (made_by == UNKNOWN or made_by != current)
+
+
 def describe(version: str | None) -> str:
     """``runsc 0.0~20240729.0``, or what an unknown one is called in a message."""
     if version is None or version == UNKNOWN:
         return "a runsc whose version was not recorded (from before sandboxd recorded it)"
     return f"runsc {version}"
+
+
+def _disk_route(sandbox_id: str) -> str:
+    """What gives the user a sandbox's files whatever runsc made it."""
+    request = f'POST /v1/sandboxes/{sandbox_id}/snapshots with {{"kind": "disk"}}'
+    return f"take a disk snapshot ({request}) and create from it"
+
+
+def checkpoint_refusal(
+    sandbox_id: str, made_by: str | None, current: str | None, what: str
+) -> Conflict | None:
+    """The 409 for saving the memory of a running sandbox ``made_by`` started while this node runs ``current``
+    (``what``: what is therefore not done), or None when it may be saved. The sandbox's own sentry would make
+    the checkpoint and ``current`` could not restore it: the sandbox would be lost."""
+    if not differs(made_by, current):
+        return None
+    return Conflict(
+        f"sandbox {sandbox_id} was started by {describe(made_by)} and this node now runs runsc {current}, "
+        f"which cannot restore a memory checkpoint of it, so {what} (it runs on, unchanged); "
+        f"{_disk_route(sandbox_id)}, or recreate the sandbox"
+    )
+
+
+def resume_refusal(sandbox_id: str, made_by: str | None, current: str | None) -> Conflict | None:
+    """The 409 for resuming a sandbox ``made_by`` suspended while this node runs ``current``, or None."""
+    if not differs(made_by, current):
+        return None
+    again = (
+        f"; a node serving this state with runsc {made_by} again ([paths] runsc) could resume it"
+        if made_by is not None and made_by != UNKNOWN
+        else ""
+    )
+    return Conflict(
+        f"sandbox {sandbox_id} was suspended by {describe(made_by)} and this node now runs runsc {current}, "
+        f"which cannot restore its checkpoint; it stays suspended with its disk: {_disk_route(sandbox_id)}, "
+        f"or delete it{again}"
+    )
+
+
+def fork_refusal(snapshot_id: str, made_by: str | None, current: str | None) -> Conflict | None:
+    """The 409 for forking a memory snapshot ``made_by`` made while this node runs ``current``, or None."""
+    if not differs(made_by, current):
+        return None
+    where = describe(made_by) if made_by is not None and made_by != UNKNOWN else "the runsc that made it"
+    return Conflict(
+        f"snapshot {snapshot_id} is a memory snapshot made by {describe(made_by)} and this node now runs runsc "
+        f"{current}, which cannot restore it; the snapshot is kept: fork it on a node running {where}, fork a "
+        f"disk snapshot instead, or delete it (DELETE /v1/snapshots/{snapshot_id})"
+    )
 
 
 class RuntimeLedger:

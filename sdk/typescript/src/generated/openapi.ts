@@ -818,7 +818,7 @@ export interface paths {
         put?: never;
         /**
          * Take a memory or disk snapshot
-         * @description An empty body is {}: a memory snapshot. A suspended sandbox gives a disk snapshot (a memory one is 409: resume it first).
+         * @description An empty body is {}: a memory snapshot. A suspended sandbox gives a disk snapshot (a memory one is 409: resume it first). 409 too for a memory snapshot of a sandbox another runsc started (docs/backends.md, upgrading the runtime).
          */
         post: operations["postSandboxesRefSnapshots"];
         delete?: never;
