@@ -7,12 +7,12 @@
 #
 # Idempotent: each step checks first and does nothing when already done, so a second run takes seconds.
 # Steps: apt packages (apt-get update only when one is missing; Go from bookworm-backports when the machine has
-# none, whose apt source is added when missing), gVisor's runsc built from its Go module at the version runsc/go.mod
-# pins (once: the binary is kept), the virtualenv .venv with this checkout installed editable, the
-# web console (npm ci and its build, docs/console.md), the TypeScript SDK (npm ci and tsc,
-# docs/sdk-typescript.md), the guest agent binary, the default image, the kernel limits a node of many sandboxes
-# needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1, with LimitNOFILE raised) or as a
-# daemon with a pidfile. Paths and details: docs/install.md.
+# none, and with --test-deps Debian's runsc from there too, whose apt source is added when missing), gVisor's
+# runsc built from its Go module at the version runsc/go.mod pins (once: the binary is kept), the virtualenv
+# .venv with this checkout installed editable, the web console (npm ci and its build, docs/console.md), the
+# TypeScript SDK (npm ci and tsc, docs/sdk-typescript.md), the guest agent binary, the default image, the kernel
+# limits a node of many sandboxes needs (kernel.pid_max), then sandboxd under systemd (when systemd is PID 1, with
+# LimitNOFILE raised) or as a daemon with a pidfile. Paths and details: docs/install.md.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -65,7 +65,11 @@ TEST_APT_PACKAGES=(
     chromium fonts-dejavu-core  # the web console's tests drive Debian's Chromium (Playwright)
     postgresql              # PostgreSQL 15's initdb/pg_ctl: the tests start a private cluster (docs/ha.md)
     haproxy                 # the replicas' test runs them behind a real HAProxy on loopback (docs/ha.md)
+    runsc                   # Debian's gVisor, from $BACKPORTS_SUITE: test_runtime_upgrade makes old state with it
 )
+# The oldest Debian runsc the upgrade test runs as "the old runsc" (20221219, bookworm's own, has another control
+# socket the pinned runsc cannot reach); sandboxd itself never runs it unless [paths] runsc names it.
+TEST_RUNSC_VERSION=0.0~20240729.0
 # Node.js and npm build the web console; Debian's, unless some node and npm are already installed (a packaged
 # node that bundles npm would conflict with Debian's npm package).
 NODE_APT_PACKAGES=(nodejs npm)
@@ -123,7 +127,10 @@ find_go() {
 }
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
-    [ -n "$(installed_version "$pkg")" ] || missing+=("$pkg")
+    have=$(installed_version "$pkg" || true)
+    if [ -z "$have" ] || { [ "$pkg" = runsc ] && ! dpkg --compare-versions "$have" ge "$TEST_RUNSC_VERSION"; }; then
+        missing+=("$pkg")
+    fi
 done
 if ! find_go >/dev/null; then
     missing+=(golang-go)  # from $BACKPORTS_SUITE (bookworm's own 1.19 cannot fetch a newer toolchain)
@@ -161,10 +168,10 @@ else
     note "installing: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt_opts=(-q -o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
-    if [[ " ${missing[*]} " == *" golang-go "* ]] && ! has_backports_source; then
+    if [[ " ${missing[*]} " == *" golang-go "* || " ${missing[*]} " == *" runsc "* ]] && ! has_backports_source; then
         mirror=$(debian_mirror)
         note "adding the apt source $BACKPORTS_SUITE from $mirror ($BACKPORTS_SOURCES)"
-        printf '%s\n' "# Added by sbx scripts/install.sh: Go, to build gVisor's runsc, comes from here (docs/install.md)." \
+        printf '%s\n' "# Added by sbx scripts/install.sh: Go (to build gVisor's runsc) and the tests' Debian runsc come from here (docs/install.md)." \
             "Types: deb" "URIs: $mirror" "Suites: $BACKPORTS_SUITE" "Components: main" \
             "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" >"$BACKPORTS_SOURCES"
     fi
@@ -172,8 +179,8 @@ else
         die "apt-get update failed" "check /etc/apt/sources.list* and the network, then run this again"
     install_args=()
     for pkg in "${missing[@]}"; do
-        if [ "$pkg" = golang-go ]; then
-            install_args+=("golang-go/$BACKPORTS_SUITE")
+        if [ "$pkg" = golang-go ] || [ "$pkg" = runsc ]; then
+            install_args+=("$pkg/$BACKPORTS_SUITE")
         else
             install_args+=("$pkg")
         fi
