@@ -62,6 +62,8 @@ class GatewayProcess:
         self.port = free_port()
         self.args = args or []
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Where the last start's lines begin in the log (``log_since_start``).
+        self.log_start = 0
         self.node_file.write_text(
             "".join(
                 f'[[node]]\nname = "{name}"\nendpoint = "unix://{node.socket_path}"\n\n'
@@ -100,6 +102,7 @@ class GatewayProcess:
             "--listen", f"unix:{self.socket_path}" if self.socket_path else f"127.0.0.1:{self.port}",
             "--node-file", str(self.node_file), *self.args,
         ]  # fmt: skip
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **self.database_env, **(env or {})})  # fmt: skip
@@ -117,6 +120,15 @@ class GatewayProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_since_start(self) -> str:
+        """What the process started last has logged. Not the text after its ``sandbox-gateway serving`` line:
+        its threads log before that line too (a replica that takes the leader lock at once)."""
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
 
     def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
         if self.socket_path is not None:

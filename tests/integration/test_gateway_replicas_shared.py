@@ -40,11 +40,7 @@ class Pair:
 
 def _this_run(gw: GatewayProcess) -> str:
     """The log since the replica last started."""
-    return (
-        gw.log_text().split("sandbox-gateway serving")[-1]
-        if "sandbox-gateway serving" in gw.log_text()
-        else ""
-    )
+    return gw.log_since_start()
 
 
 def _args(key_file: Path, ssh_port: int) -> list[str]:

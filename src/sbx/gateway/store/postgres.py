@@ -29,6 +29,7 @@ PostgreSQL crash may lose the last ~0.6 s of them; a gateway crash loses nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -226,6 +227,12 @@ class PostgresStore(Store):
         self._locks.close()
         self._pool.close()
         if self._owner is not None:
+            # Let go of the owner lock before closing: PostgreSQL releases a closed session's locks only once its
+            # backend has seen the end of the connection, so the next owner (a restart, an offline command run
+            # right after) could otherwise still find it held, the more so on a loaded machine (seen:
+            # test_one_owner_at_a_time under two busy loops).
+            with contextlib.suppress(psycopg.Error):
+                self._owner.execute("SELECT pg_advisory_unlock_all()")
             self._owner.close()
             self._owner = None
 
