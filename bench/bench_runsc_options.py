@@ -42,7 +42,10 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from bench_sandboxd import default_rootfs, pct
 
-from sbx.backends.runsc import inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc
+
+#: The runsc measured: the one sandboxd runs, or SBX_RUNSC.
+RUNSC = os.environ.get("SBX_RUNSC", DEFAULT_RUNSC)
 
 SCRIPT = r"""
 t() { s=$(date +%s%N); "$@" >/dev/null 2>&1; e=$(date +%s%N); printf '%s %s\n' "$name" $(( (e - s) / 1000 )); }
@@ -67,7 +70,7 @@ class Variant:
 
 
 def variants(erofs_image: Path | None) -> dict[str, Variant]:
-    overlay = ["--overlay2=none"] if "overlay2" in inspect_runsc().flags else []
+    overlay = ["--overlay2=none"] if "overlay2" in inspect_runsc(RUNSC).flags else []
     found = {
         "systrap": Variant(["--platform=systrap", *overlay]),
         "ptrace": Variant(["--platform=ptrace", *overlay]),
@@ -140,7 +143,7 @@ class Runner:
                 done = self._create_widen_start(variant, d)
             else:
                 done = subprocess.run(
-                    ["runsc", "--root", str(self.runsc_root), "--network=none", *variant.flags, "run",
+                    [RUNSC, "--root", str(self.runsc_root), "--network=none", *variant.flags, "run",
                      "--bundle", str(d / "bundle"), f"v{self.counter}"],
                     capture_output=True, text=True, check=False,
                 )  # fmt: skip
@@ -151,7 +154,7 @@ class Runner:
             times["boot"] = total - sum(times.values())
             return times
         finally:
-            subprocess.run(["runsc", "--root", str(self.runsc_root), "delete", "-force", f"v{self.counter}"],
+            subprocess.run([RUNSC, "--root", str(self.runsc_root), "delete", "-force", f"v{self.counter}"],
                            capture_output=True, check=False)  # fmt: skip
             for mount_point in reversed(mounted):
                 subprocess.run(["umount", "-l", str(mount_point)], check=False)
@@ -163,7 +166,7 @@ class Runner:
     def _create_widen_start(self, variant: Variant, d: Path) -> subprocess.CompletedProcess[str]:
         """``runsc create``, then the cpuset widened to the parent's CPUs, then ``start`` and ``wait``."""
         name = f"v{self.counter}"
-        base = ["runsc", "--root", str(self.runsc_root), "--network=none", *variant.flags]
+        base = [RUNSC, "--root", str(self.runsc_root), "--network=none", *variant.flags]
         with open(d / "out", "w") as out:  # the container's stdio: nothing here may wait for its end
             subprocess.run([*base, "create", "--bundle", str(d / "bundle"), name], stdout=out, stderr=out,
                            stdin=subprocess.DEVNULL, check=True)  # fmt: skip
@@ -197,7 +200,7 @@ def main() -> None:
             chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
         runner = Runner(work, image_root, args.small_root)
         results: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in chosen}
-        print(f"# runsc options, {time.strftime('%Y-%m-%d %H:%M')} UTC, runsc {inspect_runsc().version}, "
+        print(f"# runsc options, {time.strftime('%Y-%m-%d %H:%M')} UTC, runsc {inspect_runsc(RUNSC).version}, "
               f"{os.cpu_count()} cores, {args.rounds} rounds; erofs {'measured' if erofs else 'skipped (no mkfs.erofs)'}",
               flush=True)  # fmt: skip
         for _ in range(args.rounds):

@@ -39,7 +39,7 @@ from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, UnixHTTPConnectio
 
 from sbx.api.node import Defaults
 from sbx.backends.gvisor import CGROUP_PARENT
-from sbx.backends.runsc import PLATFORMS, choose_platform, inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, PLATFORMS, choose_platform, inspect_runsc
 from sbx.client import AsyncClient
 from sbx.images.store import ImageStore
 
@@ -76,7 +76,7 @@ class RawRunsc:
         self.bundle = workdir / "bundle"
         self.bundle.mkdir(parents=True)
         self.image_root = image_root
-        self.info = inspect_runsc()
+        self.info = inspect_runsc(os.environ.get("SBX_RUNSC", DEFAULT_RUNSC))
         self.platform = platform or choose_platform(self.info, "auto", AGENT_PATH, workdir / "probe")[0]
 
     def write_spec(self, args: list[str]) -> None:
@@ -96,7 +96,7 @@ class RawRunsc:
 
     def argv(self, *args: str) -> list[str]:
         return [
-            "runsc",
+            self.info.path,
             "--root",
             str(self.root),
             *self.info.start_flags(self.platform),

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from bench_sandboxd import default_rootfs
 
-from sbx.backends.runsc import inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc
 
 SPAWN_LOOP = r"""
 #include <spawn.h>
@@ -117,7 +117,7 @@ class Runsc:
         self.work = work
         self.image_root = image_root
         self.bin_dir = bin_dir
-        self.info = inspect_runsc()
+        self.info = inspect_runsc(os.environ.get("SBX_RUNSC", DEFAULT_RUNSC))
         self.counter = 0
 
     def run(self, platform: str, cpus: int, command: str, extra: tuple[str, ...] = ()) -> str:
@@ -139,12 +139,12 @@ class Runsc:
                       "resources": {"memory": {"limit": 512 << 20}, "cpu": {"quota": cpus * 100000, "period": 100000}}},
         }  # fmt: skip
         (bundle / "config.json").write_text(json.dumps(spec))
-        argv = ["runsc", "--root", str(self.work / "state"), *self.info.start_flags(platform), "--network=none",
+        argv = [self.info.path, "--root", str(self.work / "state"), *self.info.start_flags(platform), "--network=none",
                 "--cpu-num-from-quota", *extra, "run", "--bundle", str(bundle), name]  # fmt: skip
         try:
             done = subprocess.run(argv, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
         finally:
-            subprocess.run(["runsc", "--root", str(self.work / "state"), "delete", "-force", name],
+            subprocess.run([self.info.path, "--root", str(self.work / "state"), "delete", "-force", name],
                            capture_output=True, check=False)  # fmt: skip
             shutil.rmtree(bundle, ignore_errors=True)
             for controller in Path("/sys/fs/cgroup").iterdir():
