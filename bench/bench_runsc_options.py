@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from bench_sandboxd import default_rootfs, pct
 
-from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc, release_roots_under
 
 #: The runsc measured: the one sandboxd runs, or SBX_RUNSC.
 RUNSC = os.environ.get("SBX_RUNSC", DEFAULT_RUNSC)
@@ -220,6 +220,7 @@ def main() -> None:
                     f"{workload:<9} {name:<13} p50 {pct(samples, 50):8.1f} ms   p95 {pct(samples, 95):8.1f} ms{ratio}"
                 )
     finally:
+        release_roots_under(work)
         shutil.rmtree(work, ignore_errors=True)
         for controller in Path("/sys/fs/cgroup").iterdir():
             if (controller / "sbx-bench-options").is_dir():

@@ -39,7 +39,7 @@ from sandboxd_harness import AGENT_PATH, IMAGES_DIR, Sandboxd, UnixHTTPConnectio
 
 from sbx.api.node import Defaults
 from sbx.backends.gvisor import CGROUP_PARENT
-from sbx.backends.runsc import DEFAULT_RUNSC, PLATFORMS, choose_platform, inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, PLATFORMS, choose_platform, inspect_runsc, release_roots_under
 from sbx.client import AsyncClient
 from sbx.images.store import ImageStore
 
@@ -262,6 +262,7 @@ def bench_node(prefix: str, config_text: str = "") -> Iterator[tuple[Sandboxd, P
         yield server, workdir
     finally:
         server.teardown()
+        release_roots_under(workdir)  # the raw runsc's roots
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from bench_sandboxd import default_rootfs
 
-from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc
+from sbx.backends.runsc import DEFAULT_RUNSC, inspect_runsc, release_roots_under
 
 SPAWN_LOOP = r"""
 #include <spawn.h>
@@ -257,6 +257,7 @@ def main() -> None:
                     else f"| system call sites patched | {value:.1f} |"
                 )
     finally:
+        release_roots_under(work)
         shutil.rmtree(work, ignore_errors=True)
         for controller in Path("/sys/fs/cgroup").iterdir():
             group = controller / "sbx-bench-spawn"

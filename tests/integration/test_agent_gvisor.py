@@ -25,7 +25,7 @@ from sandboxd_harness import IMAGES_DIR, RUNSC
 
 from sbx.agent.build import ensure_agent
 from sbx.agent.client import AgentClient, AgentRequestError, CommandNotFound
-from sbx.backends.runsc import choose_platform, inspect_runsc
+from sbx.backends.runsc import choose_platform, inspect_runsc, release_root
 from sbx.images.store import ImageStore
 
 NOBODY = 65534
@@ -99,6 +99,7 @@ def sandbox() -> Iterator[Path]:
     finally:
         subprocess.run([*base, "kill", cid, "KILL"], capture_output=True, timeout=30, check=False)
         subprocess.run([*base, "delete", "-force", cid], capture_output=True, timeout=30, check=False)
+        release_root(root)
         shutil.rmtree(state, ignore_errors=True)
 
 

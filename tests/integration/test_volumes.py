@@ -317,7 +317,7 @@ def test_contents_and_holders_survive_sandboxd_restarts(sandboxd_factory: Callab
     # A restart with no sandbox using a volume that was left mounted unmounts it.
     server.signal(signal.SIGKILL)
     # While sandboxd is down its sandbox dies: the next start finds it lost and releases the volume.
-    subprocess.run(["runsc", "--root", str(server.state_dir / "gvisor" / "runsc"), "kill", reader["id"], "KILL"],
+    subprocess.run([RUNSC, "--root", str(server.state_dir / "gvisor" / "runsc"), "kill", reader["id"], "KILL"],
                    capture_output=True, check=False, timeout=30)  # fmt: skip
     time.sleep(1)
     server.start()

@@ -57,6 +57,7 @@ from sbx.backends.runsc import (
     choose_platform,
     dentry_cache_size,
     inspect_runsc,
+    release_root,
 )
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
@@ -241,6 +242,9 @@ class GVisorBackend:
             await self.layer_pool.close()
         if self.net is not None:
             await self.net.close()
+        # runsc's pin of the gofers' network namespace: sandboxes that go on running keep theirs, and the next
+        # start makes a new pin, so a stopped sandboxd leaves nothing mounted in its state directory.
+        release_root(self.runsc_root)
 
     def check(self) -> None:
         """Raise BackendError naming what is missing on this host; read runsc and choose the platform."""

@@ -61,6 +61,7 @@ _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
 _MS_REMOUNT = 0x20
 _MS_BIND = 0x1000
+_MNT_DETACH = 0x2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -85,6 +86,16 @@ def bind_read_only(source: Path, target: Path) -> None:
         err = ctypes.get_errno()
         _libc.umount2(str(target).encode(), 0)
         raise BackendError(f"cannot make the bind of {source} on {target} read-only: {os.strerror(err)}")
+
+
+def detach_all(mount_point: Path, most: int = 64) -> int:
+    """Lazily detach every mount stacked on ``mount_point`` (``umount2`` with ``MNT_DETACH``, at most ``most``
+    of them); how many there were. Nothing mounted there (or no such path) is 0. Idempotent."""
+    target = str(mount_point).encode()
+    for done in range(most):
+        if _libc.umount2(target, _MNT_DETACH) != 0:
+            return done
+    return most
 
 
 async def unmount_all(mount_points: list[Path]) -> None:

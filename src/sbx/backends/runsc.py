@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Final, Literal
 
 from sbx.backends.base import BackendError
+from sbx.backends.layers import detach_all
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ Platform = Literal["systrap", "ptrace"]
 PLATFORMS: Final[tuple[Platform, ...]] = ("systrap", "ptrace")
 #: How long a platform probe may take before the platform counts as not working here, in seconds.
 PROBE_TIMEOUT_SECS: Final = 20.0
+
+#: What runsc (the pinned release; not 20240729: ``pinNullNetNS`` in ``runsc/container``) bind-mounts in its ``--root``: the empty network namespace
+#: its gofers share, kept for the next sandbox. It outlives every container; see ``release_root``.
+NULL_NETNS: Final = "null-netns"
 
 _RELEASE = re.compile(r"(?<!\d)(20\d{6})(?!\d)")
 
@@ -283,7 +288,28 @@ def probe_platform(
         tail = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()[-1:] or [""]
         return f"exit {done.returncode}: {tail[0][:300]}"
     finally:
+        release_root(base / "state")
         shutil.rmtree(base, ignore_errors=True)
+
+
+def release_root(root: Path) -> None:
+    """Unmount what runsc left mounted in its ``--root`` directory ``root``: the ``null-netns`` pin of the
+    gofers' empty network namespace (stacked when concurrent starts each made one). Without it the directory
+    cannot be removed (EBUSY) and every removed state directory leaks a mount. Safe while sandboxes run: a
+    running gofer has entered its namespace already, and the next start pins a new one. Idempotent."""
+    detach_all(root / NULL_NETNS)
+
+
+def release_roots_under(directory: Path) -> None:
+    """``release_root`` for every runsc root under ``directory`` (the pins mounted there, as the kernel's
+    mount table lists them): what a tool that removes a whole tree of runsc state runs first."""
+    prefix = str(directory.resolve()).rstrip("/") + "/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as table:
+        # Field 5 is the mount point, octal-escaped (a space is \040): what names its directory is enough.
+        points = {line.split()[4] for line in table}
+    for point in sorted(points):
+        if point.startswith(prefix) and point.endswith("/" + NULL_NETNS):
+            detach_all(Path(point))
 
 
 def _force_delete(info: RunscInfo, base: Path, container: str) -> None:
