@@ -67,15 +67,19 @@ _ports = itertools.cycle(worker_ports())
 _subnets = itertools.cycle(worker_subnet().subnets(new_prefix=20))
 
 
-def with_subnet(config_text: str, subnet: ipaddress.IPv4Network) -> str:
-    """``config_text`` with ``[network] subnet`` set to ``subnet`` unless it sets one itself."""
-    header = re.search(r"^\[network\][ \t]*$", config_text, re.MULTILINE)
+def with_defaults(config_text: str, section: str, defaults: dict[str, str]) -> str:
+    """``config_text`` with each key of ``defaults`` set in ``[section]`` (to the string value) unless it sets
+    that key itself: the section is added, or the missing keys go under its header."""
+    header = re.search(rf"^\[{re.escape(section)}\][ \t]*$", config_text, re.MULTILINE)
+    body = "" if header is None else config_text[header.end() :].split("\n[", 1)[0]
+    missing = "".join(
+        f"\n{key} = {json.dumps(value)}"
+        for key, value in defaults.items()
+        if not re.search(rf"^\s*{re.escape(key)}\s*=", body, re.MULTILINE)
+    )
     if header is None:
-        return f'{config_text}\n[network]\nsubnet = "{subnet}"\n'
-    section = config_text[header.end() :].split("\n[", 1)[0]
-    if re.search(r"^\s*subnet\s*=", section, re.MULTILINE):
-        return config_text
-    return f'{config_text[: header.end()]}\nsubnet = "{subnet}"{config_text[header.end() :]}'
+        return f"{config_text}\n[{section}]{missing}\n"
+    return f"{config_text[: header.end()]}{missing}{config_text[header.end() :]}"
 
 
 def missing_requirements() -> str | None:
@@ -215,14 +219,13 @@ class Sandboxd:
         self.socket_path = workdir / "sandboxd.sock"
         self.log_path = workdir / "sandboxd.log"
         self.config_path = workdir / "sandboxd.toml"
-        self.config_path.write_text(
-            with_subnet(
-                f'[paths]\nimages_dir = "{IMAGES_DIR}"\nagent_path = "{AGENT_PATH}"\nrunsc = "{RUNSC}"\n'
-                + config_text,
-                next(_subnets),
-            ),
-            encoding="utf-8",
+        # The harness's paths and a subnet of this worker's, each unless config_text sets it (a benchmark's
+        # variant naming another runsc, a test's own subnet).
+        paths = {"images_dir": str(IMAGES_DIR), "agent_path": str(AGENT_PATH), "runsc": RUNSC}
+        text = with_defaults(
+            with_defaults(config_text, "paths", paths), "network", {"subnet": str(next(_subnets))}
         )
+        self.config_path.write_text(text, encoding="utf-8")
         self.args = args or []
         #: Bearer token sent with every request, for servers started with --token-file.
         self.token: str | None = None
