@@ -321,7 +321,8 @@ class Gateway:
     def name_lock(kind: str, *scope: str) -> tuple[str, str]:
         """The lock (for :meth:`reservation`) of a name unique in its scope: ``kind`` (``sandbox``, ``service``,
         ``volume``, ``org``, ``node``, ``ssh-key``) and what makes it unique there (a user's sandbox names: user
-        and tenant; a service: tenant and name; a volume: its name)."""
+        and tenant; a service: tenant and name; a volume: its name); also of a record changed by several
+        (``service-record``: a service's, by its id)."""
         return ("name", "\x1f".join((kind, *scope)))  # a byte no name holds
 
     async def fresh(self, lookup: Callable[[], T]) -> T:

@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import secrets as random_source
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -139,8 +138,6 @@ class ServiceController:
         self.on_access_lost: list[Callable[[str], object]] = []
         self._started = False
         self._sweeper: asyncio.Task[None] | None = None
-        #: One change of a service's record at a time (routes and the control loop write the same records).
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
         #: Per service: whether its owner held access at the last look (a change is acted on once).
         self._access: dict[str, bool] = {}
@@ -259,7 +256,7 @@ class ServiceController:
             raise InvalidRequest(f"name: the body names {spec.name!r} but the path {svc.name!r}; a service is "
                                  "not renamed: create another")  # fmt: skip
         assert spec.replicas is not UNSET
-        async with self._locks[svc.id]:
+        async with self._changing(svc.id):
             found = self.db.services.get(svc.id)
             if found is None:
                 raise NotFound(f"no service {svc.name!r} among yours")  # deleted meanwhile
@@ -285,12 +282,18 @@ class ServiceController:
         self._wake(svc.id)
         return changed or svc
 
+    def _changing(self, service_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held around a look at a service's record and the write it decides (the routes and the control loop
+        write the same records): one at a time on this replica, and with replicas across all of them, memory
+        caught up first, so a record deleted through another replica is seen gone and never written back."""
+        return self.gw.reservation(self.gw.name_lock("service-record", service_id))
+
     async def _change(
         self, service_id: str, change: Callable[[ServiceRecord], ServiceRecord | None]
     ) -> ServiceRecord | None:
         """Apply ``change`` to the service as it is now and write it (None from ``change``: nothing to write), one
         change of a service at a time: the routes and the control loop change the same records."""
-        async with self._locks[service_id]:
+        async with self._changing(service_id):
             current = self.db.services.get(service_id)
             if current is None:
                 return None
@@ -312,9 +315,8 @@ class ServiceController:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await rt.task
             await asyncio.gather(*(self._end(svc, rep) for rep in list(rt.replicas.values())))
-        async with self._locks[svc.id]:
+        async with self._changing(svc.id):
             await self.db.delete_service(svc.id)
-        self._locks.pop(svc.id, None)
         log.info("service deleted", extra={"service": svc.id})
 
     async def taken_up(self) -> None:
