@@ -290,7 +290,10 @@ class Gateway:
         try:
             yield
         finally:
-            await loop.run_in_executor(self._lock_threads, self.store.unlock, handle)
+            # Shielded: a holder cancelled while it lets go (a service's control loop ended by a delete) must not
+            # cancel the unlock still queued for a thread, which would leave the locks held on a lock connection
+            # never given back (seen: a service's DELETE waiting the 60 s of LOCK_WAIT_SECS, then 503).
+            await asyncio.shield(loop.run_in_executor(self._lock_threads, self.store.unlock, handle))
 
     async def _cordon_still_wanted(self, name: str) -> bool:
         await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock
