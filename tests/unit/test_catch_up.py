@@ -129,6 +129,26 @@ async def test_a_cancelled_caller_leaves_the_others_answered() -> None:
         await leaving
 
 
+async def test_a_cancel_arriving_with_the_answer_is_not_lost() -> None:
+    # A caller cancelled in the very turn its answer arrives (a service's control loop ended by a delete): the
+    # cancellation wins. asyncio.wait_for on Python 3.11 returned the answer instead, and the loop ran on.
+    calls = Calls()
+    catch_up = CatchUp(calls, timeout_secs=10)
+    first = asyncio.create_task(catch_up())
+    await started(calls, 1)
+    second = asyncio.create_task(catch_up())
+    await asyncio.sleep(0)
+    [answer] = catch_up._waiting  # the second caller's, for the next call
+    answer.set_result(True)
+    second.cancel()
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await second
+    finally:
+        calls.release(2)
+    assert await first is True
+
+
 # -- the HTTP layer -----------------------------------------------------------------------------------------
 
 

@@ -42,10 +42,14 @@ class CatchUp:
         self._waiting.append(waiter)
         if self._task is None:
             self._task = asyncio.create_task(self._calls())
+        # Not asyncio.wait_for: on Python 3.11 it returns the result when the caller is cancelled in the same turn
+        # as the answer arrives, losing the cancellation (a service's control loop cancelled by a delete would then
+        # run on, and the delete wait for it for good). asyncio.wait never swallows a cancellation.
         try:
-            return await asyncio.wait_for(waiter, self._timeout_secs)
-        except TimeoutError:
-            return False
+            done, _ = await asyncio.wait((waiter,), timeout=self._timeout_secs)
+        finally:
+            waiter.cancel()  # nothing once answered; else the next call need not answer it
+        return waiter.result() if done else False
 
     async def _calls(self) -> None:
         try:
