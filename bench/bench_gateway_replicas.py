@@ -11,7 +11,8 @@ replicas, started as tests/integration/test_gateway_haproxy.py does):
 - GET of a sandbox, one at a time over a new connection each (as a client through a TCP balancer): p50/p95;
 - GET at saturation: ``--clients`` concurrent clients, each over its own kept-alive connection, for ``--secs``:
   requests per second, and the gateways' CPU seconds per request (the replicas' utime + stime from /proc over
-  the run, summed, divided by the requests);
+  the run, summed, divided by the requests); and the same with one client (nothing to share between requests:
+  what each GET costs alone);
 - create + run + delete cycles at ``--cycle-clients`` at once: cycles per second and CPU seconds per request;
 - with several replicas: the takeover time after a SIGKILL of the leader (until another replica logs that it
   leads; the sandbox_gateway_leader gauge turns 1 at the same moment).
@@ -235,6 +236,7 @@ async def main() -> None:
             _, body = s.request("POST", "/v1/sandboxes", {})
             sid = json.loads(body)["id"]
             s.rows["get"] = await get_load(s, sid, args.clients, args.secs)
+            s.rows["get one"] = await get_load(s, sid, 1, args.secs)
             if s.lb is not None:
                 s.rows["get direct"] = await get_load(s, sid, args.clients, args.secs, direct=True)
             s.request("DELETE", f"/v1/sandboxes/{sid}")

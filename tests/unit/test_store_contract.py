@@ -53,7 +53,7 @@ from sbx.gateway.store import (
     open_store,
 )
 from sbx.gateway.store.base import Change
-from sbx.gateway.store.schema import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
+from sbx.gateway.store.schema import BOOKKEEPING, POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
 
 T0 = "2026-01-02T03:04:05Z"
 
@@ -139,7 +139,8 @@ def test_a_fresh_store_is_migrated_once(backend: Backend) -> None:
 
 
 def test_the_tables_are_those_the_copy_knows(store: Store, backend: Backend) -> None:
-    """Every table the migrations make, with its columns in order, is in ``TABLES`` (what migrate copies)."""
+    """Every table the migrations make, with its columns in order, is in ``TABLES`` (what migrate copies) or is the
+    store's own bookkeeping (``BOOKKEEPING``: not copied)."""
     if backend.kind == "sqlite":
         names = [r[0] for r in backend.sql("SELECT name FROM sqlite_master WHERE type = 'table'")]
         found = {
@@ -156,7 +157,7 @@ def test_the_tables_are_those_the_copy_knows(store: Store, backend: Backend) -> 
         for table, column in rows:
             if table != "schema_version":
                 found[table] = (*found.get(table, ()), column)
-    assert found == {name: t.columns for name, t in TABLES.items()}
+    assert found == {name: t.columns for name, t in {**TABLES, **BOOKKEEPING}.items()}
 
 
 def test_a_newer_schema_is_refused(backend: Backend) -> None:
@@ -387,6 +388,132 @@ def test_a_replica_sees_the_rows_another_commits(backend: Backend) -> None:
         writer.close()
 
 
+def test_the_commit_counter_advances_once_per_write_transaction(backend: Backend, store: Store) -> None:
+    """Every write transaction on PostgreSQL advances the commit counter by exactly one (however many rows it
+    writes); a failing one, SQL of ``run`` (the tables no replica holds in memory) and a signal do not. SQLite
+    (one process, nothing to catch up with) never writes it."""
+
+    def counter() -> list[tuple[Any, ...]]:
+        return backend.sql("SELECT id, n FROM commit_counter")
+
+    assert counter() == []
+    store.add_key(keys.new_key("alice", "acme", {"admin"})[0])
+    store.add_org(OrgRecord("acme", T0, "alice", ""), MemberRecord("acme", "alice", "", "owner", T0))
+    with pytest.raises(Exception):  # noqa: B017 - the driver's own error for a duplicate key
+        store.add_org(OrgRecord("acme", T0, "alice", ""), MemberRecord("acme", "alice", "", "owner", T0))
+    store.audit_append([(1, '{"type": "x"}')])
+    store.signal("cancel", ["job", "1"])
+    assert counter() == ([] if backend.kind == "sqlite" else [(1, 2)])
+
+
+def test_caught_up_sends_nothing_and_holds_every_commit_before_it(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``caught_up`` reads the commit counter and waits for the listener to have handed that far on: after each
+    write of the other store, memory holds it (a row carried in the notification, one read back, a whole table
+    read again, a transaction whose notifications are split in parts), and no notification is sent for it (the
+    other replicas pay nothing)."""
+    from sbx.gateway.store.postgres import CHANNEL
+
+    writer, reader, location = _pg_stores(pg_cluster, monkeypatch)
+    lock = threading.Lock()
+
+    def on_changes(changes: list[Change]) -> None:
+        with lock:
+            reader.refresh(changes)
+
+    assert location.database is not None
+    watching = pg_cluster.connect(location.database.split("/")[3].split("?")[0])
+    watching.execute(f"LISTEN {CHANNEL}")
+    try:
+        reader.listen(on_changes)
+        writer.listen(lambda changes: None)
+        assert reader.caught_up(5)
+        for _ in range(20):
+            assert reader.caught_up(5)
+        assert list(watching.notifies(timeout=0.5)) == []
+        for i in range(40):
+            key = keys.new_key(f"u{i}", "acme", {"admin"})[0]
+            writer.add_key(key)  # carried
+            assert reader.caught_up(5)
+            with lock:
+                assert reader.keys[key.id] == key, i
+            writer.revoke_key(key.id)  # an update: read back
+            assert reader.caught_up(5)
+            with lock:
+                assert reader.keys[key.id].revoked is not None, i
+            writer.put_sandbox(SandboxRecord(f"sb{i}", "u", "", f"n{i}", None, 1, 512, T0))
+            writer.execute([Delete("sandboxes", {"node": f"n{i}"})])  # not by key: the table read again
+            assert reader.caught_up(5)
+            with lock:
+                assert f"sb{i}" not in reader.sandboxes, i
+        # One transaction, many notifications (large rows): memory has all of it once caught up.
+        writer.apply([Upsert("sandboxes", {**SB, "id": f"big{i}", "name": "n" * 1000}) for i in range(40)])
+        assert reader.caught_up(5)
+        with lock:
+            assert {f"big{i}" for i in range(40)} <= set(reader.sandboxes)
+    finally:
+        watching.close()
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("batches", "handed"),
+    [
+        ([[(1, 1)]], [1]),
+        ([[(1, 1), (2, 1), (3, 1)]], [3]),
+        # A transaction of three notifications split over batches is handed on once its last arrives.
+        ([[(4, 3), (4, 3)], [(4, 3), (5, 1)]], [0, 5]),
+        ([[(6, 1), (7, 2)], [(7, 2)]], [6, 7]),
+        ([[]], [0]),
+    ],
+)
+def test_a_transaction_is_handed_on_once_all_its_notifications_arrived(
+    batches: list[list[tuple[int, int]]], handed: list[int]
+) -> None:
+    from sbx.gateway.store.postgres import _complete
+
+    parts_seen: dict[int, int] = {}
+    assert [_complete(batch, parts_seen) for batch in batches] == handed
+    assert parts_seen == {}
+
+
+def test_notifications_of_the_version_before_are_read_without_a_reload(
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica of the version before (mid-upgrade) sends catch-up markers and notifications without the commit
+    counter: both are read as they are (no reload of every table), and catching up goes on working."""
+    from sbx.gateway.store.postgres import CHANNEL
+
+    writer, reader, _ = _pg_stores(pg_cluster, monkeypatch)
+    lock = threading.Lock()
+
+    def on_changes(changes: list[Change]) -> None:
+        with lock:
+            reader.refresh(changes)
+
+    caplog.set_level(logging.WARNING, logger="sbx.gateway.store.postgres")
+    try:
+        reader.listen(on_changes)
+        writer.listen(lambda changes: None)
+        assert reader.caught_up(5)
+        row = '["sandboxes", ["old1"], ["old1", "u", "", "n1", null, 1, 512, "' + T0 + '"]]'
+        writer.run([
+            ("SELECT pg_notify(%s, %s)", (CHANNEL, '{"marker": "0123abcd"}')),
+            ("SELECT pg_notify(%s, %s)", (CHANNEL, '{"origin": "old", "rows": [' + row + "]}")),
+        ])  # fmt: skip
+        key = keys.new_key("alice", "acme", {"admin"})[0]
+        writer.add_key(key)
+        assert reader.caught_up(5)
+        with lock:
+            assert reader.keys[key.id] == key and "old1" in reader.sandboxes
+        assert "cannot read" not in caplog.text
+    finally:
+        reader.close()
+        writer.close()
+
+
 def _pg_stores(cluster: PgCluster, monkeypatch: pytest.MonkeyPatch) -> tuple[Store, Store, StoreLocation]:
     for name, value in cluster.env().items():
         monkeypatch.setenv(name, value)
@@ -470,7 +597,10 @@ def test_a_write_not_full_commits_without_waiting_for_the_wal_flush(
     pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``full=False`` runs its statements with ``synchronous_commit`` off, for its transaction only; ``full`` with
-    the database's own level (on)."""
+    the database's own level (on). What the commit goes with is set by the transaction's last statement (the
+    commit counter's)."""
+    from sbx.gateway.store.postgres import ADVANCE_COUNTER
+
     store, other, _ = _pg_stores(pg_cluster, monkeypatch)
     other.close()
     seen: list[str] = []
@@ -478,7 +608,7 @@ def test_a_write_not_full_commits_without_waiting_for_the_wal_flush(
 
     def execute(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, query, *args, **kwargs)
-        if isinstance(query, str) and query.startswith("INSERT"):
+        if isinstance(query, str) and query.startswith(ADVANCE_COUNTER):
             seen.append(original(self, "SHOW synchronous_commit").fetchone()[0])
         return result
 
@@ -886,18 +1016,24 @@ def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch
         store = open_store(StoreLocation(database=url))
         lost: list[str] = []
         store.watch_owner(lost.append)
+        store.listen(store.refresh)
         first, second, third = (keys.new_key(u, "", {"admin"})[0] for u in ("a", "b", "c"))
         store.add_key(first)
+        assert store.caught_up(5)
         cluster.pause()
         with pytest.raises(Unavailable, match="the gateway cannot reach its database now; try again shortly"):
             store.add_key(second)
         assert set(store.keys) == {first.id}
+        assert not store.caught_up(1)  # the commit counter cannot be read: not caught up, at once
         deadline = time.monotonic() + 60
         while not lost and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(lost) == 1 and "password" not in lost[0]
         cluster.resume()
         store.add_key(third)
+        deadline = time.monotonic() + 60
+        while not store.caught_up(1):  # once the listener has connected again and reloaded
+            assert time.monotonic() < deadline
         store.close()
         again = open_store(StoreLocation(database=url))
         assert set(again.keys) == {first.id, third.id}

@@ -3,6 +3,10 @@ is known), ``error_middleware`` (every failure becomes the error body), ``authen
 ``X-Sandbox-Org``, then the scope the route table names, in the spec's order, before any handler looks anything
 up). A request no route matches is answered 404 once its key is known good: no path is open by omission, but for
 the web console's static assets under ``/console`` (after the Origin check; ``sbx.web.console``).
+
+With replicas, a read carrying a credential first waits until this replica's memory holds every write committed
+before it (``Gateway.up_to_date``: read-your-writes across replicas, docs/ha.md), before its key is even looked
+up, so a key revoked or made through another replica counts too; the one place every read endpoint goes through.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from sbx.web.http import Handler, error_middleware
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
+
+#: The methods that only read: answered from memory once it holds every write made before them.
+READS = frozenset({"GET", "HEAD"})
 
 
 def preflight(origin: str) -> web.Response:
@@ -84,7 +91,10 @@ def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
             return await handler(request)  # no credential (GET /v1/health)
         # A WebSocket route may carry the key (and the organisation) as offered subprotocols (sbx.web.websocket).
         authorization = websocket.authorization(request)
-        if auth.names_unknown_key(gw.store, authorization):
+        if request.method in READS and authorization is not None:
+            # Whatever it shows, and the key itself, as of every write acknowledged before it (docs/ha.md).
+            await gw.up_to_date()
+        elif auth.names_unknown_key(gw.store, authorization):
             # A key made through another replica a moment ago may not have arrived yet: wait for what was
             # committed before this request, then look (docs/ha.md).
             await gw.caught_up()

@@ -149,9 +149,13 @@ class Registry:
         self.nodes[node.name] = node
 
     async def remove(self, name: str) -> None:
-        node = self.nodes.pop(name, None)
+        node = self.detach(name)
         if node is not None:
             await node.client.close()
+
+    def detach(self, name: str) -> Node | None:
+        """Take the node out at once (no longer listed, polled or placed on); closing its client is the caller's."""
+        return self.nodes.pop(name, None)
 
     def get(self, name: str) -> Node | None:
         return self.nodes.get(name)

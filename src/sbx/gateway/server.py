@@ -25,6 +25,7 @@ from sbx.api.node import Resources
 from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth
 from sbx.gateway.audit import AuditLog
+from sbx.gateway.catchup import CatchUp
 from sbx.gateway.jobs.controller import CANCEL_SIGNAL, JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
@@ -47,9 +48,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_ORGS_PER_USER = 10
-#: A miss (an unknown key, a sandbox not found) on a store shared with other replicas waits at most this long for
-#: the changes committed before it to arrive, then looks again.
+#: A read, or a miss (an unknown key, a sandbox not found), on a store shared with other replicas waits at most this
+#: long for the changes committed before it to arrive (a read is then refused with a 503, a miss answered as one).
 CATCH_UP_SECS = 2.0
+#: What a read is told when this replica cannot make sure it has every write acknowledged before it.
+NOT_CAUGHT_UP = (
+    "this gateway replica cannot make sure it has the other replicas' latest writes now (its database or the "
+    "database's change notifications are out of reach); try again shortly"
+)
 #: Tables whose change by another replica may take access away (its follow-up: ``access_changed``).
 ACCESS_TABLES = frozenset({"keys", "members", "orgs", "ssh_keys"})
 #: Threads that may wait at once for the replicas' shared locks (beyond them, waiters queue).
@@ -111,6 +117,8 @@ class Gateway:
         self.stop_process: Callable[[str], None] | None = None
         #: Follow-ups of other replicas' changes still running (kept referenced until they end).
         self._follow_ups: set[asyncio.Task[None]] = set()
+        #: Waits for every change committed before it (``caught_up``, ``up_to_date``), shared by concurrent callers.
+        self.catch_up = CatchUp(lambda: store.caught_up(CATCH_UP_SECS), CATCH_UP_SECS)
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
@@ -218,7 +226,7 @@ class Gateway:
         if remote & ACCESS_TABLES:
             self._follow_up(self.access_changed())
         if "nodes" in remote:
-            self._follow_up(self.sync_nodes())
+            self.sync_nodes()
         if self.leading and remote & {"services", "service_revisions"}:
             self._follow_up(self.services.taken_up())
         if self.leading and remote & {"jobs", "job_runs"}:
@@ -241,8 +249,10 @@ class Gateway:
         self._follow_ups.add(task)
         task.add_done_callback(self._follow_ups.discard)
 
-    async def sync_nodes(self) -> None:
-        """The registry holds the node file's nodes and the store's: those added or removed elsewhere follow."""
+    def sync_nodes(self) -> None:
+        """The registry holds the node file's nodes and the store's: those added or removed elsewhere follow at
+        once, with memory (the next listing shows them); a new one's first poll and a removed one's connections
+        closing follow up."""
         from_file = {d.name for d in self.options.file_nodes}
         for name, definition in list(self.store.nodes.items()):
             if name in self.registry.nodes:
@@ -253,10 +263,12 @@ class Gateway:
                 log.error("node not usable", extra={"node": name, "error": str(exc)})
                 continue
             self.registry.add(node)
-            await self.registry.poll(node)
+            self._follow_up(self.registry.poll(node))
         for name in list(self.registry.nodes):
             if name not in from_file and name not in self.store.nodes:
-                await self.registry.remove(name)
+                gone = self.registry.detach(name)
+                if gone is not None:
+                    self._follow_up(gone.client.close())
 
     @contextlib.asynccontextmanager
     async def shared_lock(self, *names: tuple[str, str]) -> AsyncIterator[None]:
@@ -278,7 +290,10 @@ class Gateway:
         try:
             yield
         finally:
-            await loop.run_in_executor(self._lock_threads, self.store.unlock, handle)
+            # Shielded: a holder cancelled while it lets go (a service's control loop ended by a delete) must not
+            # cancel the unlock still queued for a thread, which would leave the locks held on a lock connection
+            # never given back (seen: a service's DELETE waiting the 60 s of LOCK_WAIT_SECS, then 503).
+            await asyncio.shield(loop.run_in_executor(self._lock_threads, self.store.unlock, handle))
 
     async def _cordon_still_wanted(self, name: str) -> bool:
         await self.caught_up()  # another replica's lifting of it, committed before we held the node's lock
@@ -321,7 +336,8 @@ class Gateway:
     def name_lock(kind: str, *scope: str) -> tuple[str, str]:
         """The lock (for :meth:`reservation`) of a name unique in its scope: ``kind`` (``sandbox``, ``service``,
         ``volume``, ``org``, ``node``, ``ssh-key``) and what makes it unique there (a user's sandbox names: user
-        and tenant; a service: tenant and name; a volume: its name)."""
+        and tenant; a service: tenant and name; a volume: its name); also of a record changed by several
+        (``service-record``: a service's, by its id)."""
         return ("name", "\x1f".join((kind, *scope)))  # a byte no name holds
 
     async def fresh(self, lookup: Callable[[], T]) -> T:
@@ -339,7 +355,14 @@ class Gateway:
         replicas before now have arrived (so looking again is worth it). False at once without other replicas."""
         if not self.store.shared:
             return False
-        return await asyncio.to_thread(self.store.caught_up, CATCH_UP_SECS)
+        return await self.catch_up()
+
+    async def up_to_date(self) -> None:
+        """Before a read is answered from memory: memory holds every write committed (so every write any replica
+        acknowledged) before now — 503 ``unavailable`` when that cannot be made sure of within ``CATCH_UP_SECS``
+        (the database, or its change notifications, out of reach). Nothing to wait for on SQLite (one process)."""
+        if self.store.shared and not await self.catch_up():
+            raise Unavailable(NOT_CAUGHT_UP)
 
     async def _every(self, interval_secs: float, fn: Callable[[], Awaitable[None]]) -> None:
         while True:

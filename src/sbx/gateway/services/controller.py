@@ -36,10 +36,9 @@ import dataclasses
 import logging
 import secrets as random_source
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgspec import UNSET
 from msgspec.structs import replace
@@ -65,6 +64,7 @@ if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE_LABEL = "gateway.service"
 REVISION_LABEL = "gateway.service.rev"
@@ -139,8 +139,6 @@ class ServiceController:
         self.on_access_lost: list[Callable[[str], object]] = []
         self._started = False
         self._sweeper: asyncio.Task[None] | None = None
-        #: One change of a service's record at a time (routes and the control loop write the same records).
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
         #: Per service: whether its owner held access at the last look (a change is acted on once).
         self._access: dict[str, bool] = {}
@@ -259,25 +257,29 @@ class ServiceController:
             raise InvalidRequest(f"name: the body names {spec.name!r} but the path {svc.name!r}; a service is "
                                  "not renamed: create another")  # fmt: skip
         assert spec.replicas is not UNSET
-        async with self._locks[svc.id]:
+        replicas = spec.replicas
+
+        async def put() -> ServiceRecord:
             found = self.db.services.get(svc.id)
             if found is None:
                 raise NotFound(f"no service {svc.name!r} among yours")  # deleted meanwhile
-            svc = found
-            current = self.db.revisions.get((svc.id, svc.revision), svc.spec)
+            current = self.db.revisions.get((found.id, found.revision), found.spec)
             new_revision = None
-            rollout = svc.rollout
-            revision = svc.revision
+            rollout = found.rollout
+            revision = found.revision
             if rollout_part(spec) != rollout_part(current):
                 revision += 1
                 new_revision = spec
-                rollout = RolloutRecord("in_progress", svc.serving, revision, time.time())
-                log.info("rollout started", extra={"service": svc.id, "from": svc.serving, "to": revision})
-            svc = dataclasses.replace(svc, spec=spec, revision=revision, desired=spec.replicas, rollout=rollout,
-                                      updated=now_rfc3339())  # fmt: skip
-            await self.db.put_service(svc, new_revision)
-        self._wake(svc.id)
-        return svc
+                rollout = RolloutRecord("in_progress", found.serving, revision, time.time())
+                log.info("rollout started", extra={"service": svc.id, "from": found.serving, "to": revision})
+            changed = dataclasses.replace(found, spec=spec, revision=revision, desired=replicas, rollout=rollout,
+                                          updated=now_rfc3339())  # fmt: skip
+            await self.db.put_service(changed, new_revision)
+            return changed
+
+        changed = await self._under_lock(svc.id, put)
+        self._wake(changed.id)
+        return changed
 
     async def scale(self, svc: ServiceRecord, replicas: int) -> ServiceRecord:
         changed = await self._change(svc.id, lambda s: dataclasses.replace(
@@ -285,12 +287,36 @@ class ServiceController:
         self._wake(svc.id)
         return changed or svc
 
+    async def _under_lock(self, service_id: str, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` — a look at a service's record and the write it decides (the routes and the control loop
+        write the same records) — under the record's lock: one at a time on this replica, and with replicas
+        across all of them, memory caught up first, so a record deleted through another replica is seen gone and
+        never written back.
+
+        Run to its end even when the caller is cancelled meanwhile (the control loop ended by a delete, a client
+        gone): the lock is let go only once the write has committed, so a change cancelled on its way can never
+        land after the next holder's (seen: the loop's last upsert committed after the delete that cancelled
+        it, and the service was back on every replica)."""
+
+        async def locked() -> T:
+            async with self.gw.reservation(self.gw.name_lock("service-record", service_id)):
+                return await work()
+
+        running = asyncio.ensure_future(locked())
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # Its end is nobody's to see now: an error of it is logged, not left "never retrieved".
+            running.add_done_callback(_log_failure)
+            raise
+
     async def _change(
         self, service_id: str, change: Callable[[ServiceRecord], ServiceRecord | None]
     ) -> ServiceRecord | None:
         """Apply ``change`` to the service as it is now and write it (None from ``change``: nothing to write), one
         change of a service at a time: the routes and the control loop change the same records."""
-        async with self._locks[service_id]:
+
+        async def apply() -> ServiceRecord | None:
             current = self.db.services.get(service_id)
             if current is None:
                 return None
@@ -299,6 +325,8 @@ class ServiceController:
                 return current
             await self.db.put_service(changed)
             return changed
+
+        return await self._under_lock(service_id, apply)
 
     async def delete(self, svc: ServiceRecord) -> None:
         """End the service's task and every replica it can reach (one on a node not answering is ended when
@@ -312,9 +340,7 @@ class ServiceController:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await rt.task
             await asyncio.gather(*(self._end(svc, rep) for rep in list(rt.replicas.values())))
-        async with self._locks[svc.id]:
-            await self.db.delete_service(svc.id)
-        self._locks.pop(svc.id, None)
+        await self._under_lock(svc.id, lambda: self.db.delete_service(svc.id))
         log.info("service deleted", extra={"service": svc.id})
 
     async def taken_up(self) -> None:
@@ -787,3 +813,9 @@ class ServiceController:
 def _revision_of(sandbox: Sandbox) -> int | None:
     text = sandbox.labels.get(REVISION_LABEL, "")
     return int(text) if text.isdigit() else None
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    """A record's change that ran on after its caller was cancelled: an error of it goes to the log."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("a service record's change failed after its caller went", exc_info=exc)

@@ -22,6 +22,14 @@ commit, so no listener reads it. ``listen`` holds one more connection, LISTENing
 other named rows through the pool and hands them on; after its connection is lost it connects again and reloads
 every table (notifications sent meanwhile are lost).
 
+Read-your-writes (``caught_up``): every write transaction also advances the **commit counter** (the one row of
+``commit_counter``, updated as the transaction's last statement), and its notifications carry the new value. The
+row's lock makes the transactions that write take their numbers in the order they commit, one after another, and a
+rolled-back one takes none; the notifications arrive in that same order. So once the listener has handed on the
+changes of the transaction numbered ``n`` it has handed on those of every transaction committed before it, and a
+caller that reads the counter (one small query on a connection of its own) knows which number to wait for: every
+write committed before it read is numbered at most what it read.
+
 Durability: a ``full`` write waits for PostgreSQL's ``synchronous_commit`` (its WAL flushed, and a synchronous
 standby's when one is configured); the others set ``synchronous_commit = off`` for their transaction (a
 PostgreSQL crash may lose the last ~0.6 s of them; a gateway crash loses nothing it was answered for).
@@ -92,6 +100,12 @@ CHANNEL = "sbx_gateway"
 PAYLOAD_MAX = 7000
 #: The listener waits this long between reconnection attempts after losing its connection.
 LISTEN_RETRY_SECS = 1.0
+#: The commit counter: advanced by a write transaction as its last statement (the row made by the first), and read.
+ADVANCE_COUNTER = (
+    "WITH counter AS (INSERT INTO commit_counter (id, n) VALUES (1, 1) "
+    "ON CONFLICT (id) DO UPDATE SET n = commit_counter.n + 1 RETURNING n) "
+)
+READ_COUNTER = "SELECT n FROM commit_counter WHERE id = 1"
 #: What a client is told while the database cannot be reached (the log has libpq's reason).
 UNREACHABLE = "the gateway cannot reach its database now; try again shortly"
 
@@ -158,8 +172,13 @@ class PostgresStore(Store):
         self._owner_lost: str | None = None
         #: Whether the listener holds a connection that LISTENs (``listen``); None before ``listen`` is called.
         self._listening: bool | None = None
-        self._markers: dict[str, threading.Event] = {}
-        self._markers_lock = threading.Lock()
+        #: The commit counter's value up to which the listener has handed every change on (``caught_up``); -1
+        #: until its first reload of every table is handed on (even a database never written waits for that).
+        self._handed = -1
+        self._handed_changed = threading.Condition()
+        #: The connection the counter is read on (``_read_counter``), made when first needed.
+        self._counter_conn: psycopg.Connection[Any] | None = None
+        self._counter_lock = threading.Lock()
         self._load()
         #: The lock connections (``lock``), made when first needed.
         self._locks = ConnectionPool(
@@ -226,6 +245,10 @@ class PostgresStore(Store):
                 thread.join()
         self._locks.close()
         self._pool.close()
+        with self._counter_lock:
+            if self._counter_conn is not None:
+                self._counter_conn.close()
+                self._counter_conn = None
         if self._owner is not None:
             # Let go of the owner lock before closing: PostgreSQL releases a closed session's locks only once its
             # backend has seen the end of the connection, so the next owner (a restart, an offline command run
@@ -283,18 +306,13 @@ class PostgresStore(Store):
         """As ``Store.apply``; ``Unavailable`` (503) while the database cannot be reached (memory is then left as
         it was: a commit whose answer was lost is found again at the next start)."""
         statements = [render(op, "%s") for op in ops]
-        payloads = _payloads(self.origin, ops)
-        # One round trip for the notifications and the commit level (PostgreSQL sends the notifications at the
-        # commit, whatever their place in the transaction; a rollback drops them).
-        prelude = ["pg_notify(%s, %s)" for _ in payloads]
-        prelude_args = [arg for payload in payloads for arg in (CHANNEL, payload)]
-        if not full:
-            prelude.append("set_config('synchronous_commit', 'off', true)")
+        closing = _closing(_payloads(self.origin, ops), full)
         try:
             with self._pool.connection() as conn, conn.transaction():
-                if prelude:
-                    conn.execute("SELECT " + ", ".join(prelude), prelude_args)
-                return [conn.execute(sql, params).rowcount for sql, params in statements]
+                counts = [conn.execute(sql, params).rowcount for sql, params in statements]
+                if closing is not None:
+                    conn.execute(*closing)
+                return counts
         except (psycopg.OperationalError, PoolTimeout) as exc:
             log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
             raise Unavailable(UNREACHABLE) from exc
@@ -365,7 +383,10 @@ class PostgresStore(Store):
                         conn.execute(f"LISTEN {CHANNEL}")
                         log.info("listening to the database's changes again; reloading every table")
                     with conn:
+                        # Read before the tables: each of them then holds every commit up to it, at least.
+                        counter = self._read_counter()
                         on_changes([Change(t, None, self._rows(t)) for t in list(self.mirrors)])
+                        self._hand(counter)
                         # Ready again only once memory has caught up with what was missed meanwhile.
                         self._listening = True
                         self._listen_on(conn, on_changes)
@@ -386,6 +407,8 @@ class PostgresStore(Store):
         self._listener.start()
 
     def _listen_on(self, conn: psycopg.Connection[Any], on_changes: Callable[[list[Change]], None]) -> None:
+        # Of each transaction whose notifications are split over batches: its counter value, the parts seen.
+        parts_seen: dict[int, int] = {}
         while not self._closed.is_set():
             # The first notification (or a timeout, to see close()), then whatever else already arrived: the rows
             # of one batch are read once each, the newest state of every row named.
@@ -397,16 +420,19 @@ class PostgresStore(Store):
             # A row as its last notification in the batch carried it (None: that one did not; read it). Carried
             # rows apply in commit order, so the last is the row as of the batch's last commit naming it.
             carried: dict[tuple[str, Row | None], list[Row] | None] = {}
-            markers: list[str] = []
+            counters: list[tuple[int, int]] = []
+            reloaded: int | None = None
             for note in batch:
                 try:
-                    self._note(note.payload, named, carried, markers)
+                    self._note(note.payload, named, carried, counters)
                 except (ValueError, KeyError, TypeError, IndexError) as exc:
                     # Not this version's form (a replica of another version, mid-upgrade): what it changed is
-                    # unknown, so every table is read again.
+                    # unknown, so every table is read again, after the counter (as at a reconnection).
                     log.warning("a change notification this replica cannot read; reloading every table",
                                 extra={"error": repr(exc)[:200]})  # fmt: skip
                     named.update({(t, None): False for t in self.mirrors})
+                    if reloaded is None:
+                        reloaded = self._read_counter()
             if any(key is None for _, key in named):  # a table reloaded whole covers its single rows
                 whole = {
                     t: all(v for (t2, _), v in named.items() if t2 == t) for t, key in named if key is None
@@ -422,23 +448,22 @@ class PostgresStore(Store):
                 changes.append(Change(table, key, rows, local))
             if changes:
                 on_changes(changes)
-            with self._markers_lock:
-                for marker in markers:
-                    event = self._markers.get(marker)
-                    if event is not None:
-                        event.set()
+            # Handed on: every transaction whose notifications have all arrived (and each committed before it).
+            self._hand(max(reloaded or 0, _complete(counters, parts_seen)))
 
     def _note(
         self, payload: str, named: dict[tuple[str, Row | None], bool],
-        carried: dict[tuple[str, Row | None], list[Row] | None], markers: list[str],
+        carried: dict[tuple[str, Row | None], list[Row] | None], counters: list[tuple[int, int]],
     ) -> None:  # fmt: skip
         """Add one notification to its batch: the rows it names (``local`` unless another writer named them too),
-        the rows it carries (see ``_payloads``), a marker. Raises on a payload not of this form."""
+        the rows it carries (see ``_payloads``), its transaction's commit counter and number of notifications.
+        Raises on a payload not of this form."""
         body = json.loads(payload)
-        if "marker" in body:
-            markers.append(str(body["marker"]))
+        if "marker" in body:  # a catch-up marker of a replica of the version before: nothing changed
             return
         local = body["origin"] == self.origin
+        if "n" in body:  # absent from a replica of the version before (which does not advance the counter)
+            counters.append((int(body["n"]), int(body.get("parts", 1))))
         if "signal" in body:
             named[(f"signal:{body['signal']}", tuple(body["args"]))] = local
             return
@@ -594,23 +619,42 @@ class PostgresStore(Store):
             raise Unavailable(UNREACHABLE) from exc
 
     def caught_up(self, timeout_secs: float) -> bool:
-        """As ``Store.caught_up``: a marker notification of its own, sent after every commit made before the
-        call, comes back to the listener after theirs (one channel delivers in commit order)."""
+        """As ``Store.caught_up``: the commit counter read (one query: every transaction committed before it is
+        numbered at most what it says), then a wait until the listener has handed on the changes up to that
+        number (at once when it has: the common case). False when the database cannot be reached or the
+        listener does not get there within ``timeout_secs``. Nothing is sent to the other replicas."""
         if self._listener is None:
             return True
-        marker = uuid.uuid4().hex
-        event = threading.Event()
-        with self._markers_lock:
-            self._markers[marker] = event
         try:
-            with self._pool.connection() as conn:
-                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps({"marker": marker})))
-            return event.wait(timeout_secs)
-        except (psycopg.OperationalError, PoolTimeout):
+            wanted = self._read_counter()
+        except Unavailable:
             return False
-        finally:
-            with self._markers_lock:
-                self._markers.pop(marker, None)
+        with self._handed_changed:
+            return self._handed_changed.wait_for(lambda: self._handed >= wanted, timeout_secs)
+
+    def _read_counter(self) -> int:
+        """The commit counter now (0 before the first write), on a connection of its own (not the pool's: a
+        pooled connection costs its check's round trip too); ``Unavailable`` while the database cannot be
+        reached (the connection is made again at the next call)."""
+        with self._counter_lock:
+            try:
+                if self._counter_conn is None or self._counter_conn.closed:
+                    self._counter_conn = psycopg.connect(self.location, **_connect_kwargs())
+                row = self._counter_conn.execute(READ_COUNTER).fetchone()
+            except psycopg.Error as exc:
+                if self._counter_conn is not None:
+                    self._counter_conn.close()
+                    self._counter_conn = None
+                log.error("database unreachable", extra={"error": str(exc).strip() or type(exc).__name__})
+                raise Unavailable(UNREACHABLE) from exc
+        return int(row[0]) if row else 0
+
+    def _hand(self, counter: int) -> None:
+        """The listener has handed on every change up to commit ``counter``: wake whoever waits for it."""
+        with self._handed_changed:
+            if counter > self._handed:
+                self._handed = counter
+                self._handed_changed.notify_all()
 
     def after_copy(self) -> None:
         """After rows were copied in with their ids: the notification ids go on after the highest copied."""
@@ -688,6 +732,38 @@ def _carried(op: Op) -> tuple[bool, list[Any] | None]:
     if isinstance(op, Delete) and not op.below and set(op.where) == set(table.key):
         return True, None
     return False, None
+
+
+def _complete(counters: Sequence[tuple[int, int]], parts_seen: dict[int, int]) -> int:
+    """The highest commit counter of a transaction all of whose notifications have now arrived, 0 for none:
+    ``counters`` are this batch's, ``(counter, notifications of its transaction)`` each; ``parts_seen`` keeps,
+    from batch to batch, how many arrived of a transaction split over batches. A transaction's notifications
+    arrive one after another, after every earlier transaction's, so the highest complete one is the position."""
+    done = 0
+    for counter, parts in counters:
+        parts_seen[counter] = parts_seen.get(counter, 0) + 1
+        if parts_seen[counter] >= parts:
+            del parts_seen[counter]
+            done = max(done, counter)
+    return done
+
+
+def _closing(payloads: list[str], full: bool) -> tuple[str, list[Any]] | None:
+    """The last statement of a write transaction (one round trip, however many notifications): the commit
+    counter advanced, each payload sent with the new value and the transaction's number of notifications added
+    (``"n"``, ``"parts"``), and the commit level of ``full=False``. None for a transaction writing nothing.
+
+    Last, so the counter row's lock is held from there to the commit only; PostgreSQL sends the notifications at
+    the commit, whatever their place in the transaction, and a rollback drops them with the counter's advance."""
+    if not payloads:
+        return None
+    # Each payload is a JSON object: its closing brace becomes the counter's fields.
+    parts = f', "parts": {len(payloads)}, "n": '
+    notes = ["pg_notify(%s, left(%s, -1) || %s || counter.n || '}')" for _ in payloads]
+    args: list[Any] = [arg for payload in payloads for arg in (CHANNEL, payload, parts)]
+    if not full:
+        notes.append("set_config('synchronous_commit', 'off', true)")
+    return ADVANCE_COUNTER + "SELECT " + ", ".join(notes) + " FROM counter", args
 
 
 def _payloads(origin: str, ops: Sequence[Op]) -> list[str]:

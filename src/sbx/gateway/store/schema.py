@@ -109,6 +109,12 @@ TABLES: dict[str, Table] = {
     "gateway_files": Table(("name", "nonce", "data", "created"), ("name",)),
 }
 
+#: Tables of the store's own bookkeeping, not of the gateway's state: made by the migrations, left out of
+#: ``TABLES`` (``migrate`` does not copy them: a database keeps its own), never held in memory. v7's
+#: ``commit_counter`` (``id``, ``n``): one row, ``id`` 1, whose ``n`` every write transaction on PostgreSQL
+#: advances, the replicas' read-your-writes (docs/ha.md); a SQLite gateway (one process) never writes it.
+BOOKKEEPING: dict[str, Table] = {"commit_counter": Table(("id", "n"), ("id",))}
+
 SQLITE_MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE keys (
@@ -214,6 +220,10 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     );
     CREATE TABLE gateway_files (name TEXT PRIMARY KEY, nonce BLOB, data BLOB NOT NULL, created TEXT NOT NULL);
     """,
+    # v7: the commit counter (see BOOKKEEPING); its row is made by the first write that advances it.
+    """
+    CREATE TABLE commit_counter (id INTEGER PRIMARY KEY, n INTEGER NOT NULL);
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -314,6 +324,10 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (job, n, stream, seq)
     );
     CREATE TABLE gateway_files (name TEXT PRIMARY KEY, nonce BYTEA, data BYTEA NOT NULL, created TEXT NOT NULL);
+    """,
+    # v7
+    """
+    CREATE TABLE commit_counter (id INTEGER PRIMARY KEY, n BIGINT NOT NULL);
     """,
 )
 
