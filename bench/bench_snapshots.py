@@ -5,7 +5,8 @@
 Starts sandboxd and times, per sample:
 
 - suspend (POST .../suspend) and resume (POST .../resume, then a `true` run: back and answering),
-- fork from a memory snapshot to the first run result (POST /v1/sandboxes with snapshot_id, then run `true`),
+- fork from a memory snapshot to the first run result (POST /v1/sandboxes with snapshot_id, then run `true`;
+  the create and the first run are printed apart as well),
 
 and, on the same image root, raw `runsc checkpoint` and `runsc restore` of a sandbox running `sleep`.
 Prints p50/p95 of each with ratios, and checks the target: fork to first result p50 under 300 ms.
@@ -75,12 +76,15 @@ def main() -> None:
         client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["sh", "-c", script]})
         took, snap = client.timed("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": "memory"})
         snapshot_secs = [took]
-        forks = []
+        forks, fork_creates, fork_first_runs = [], [], []
         for _ in range(args.samples):
             started = time.monotonic()
             fork = client.call("POST", "/v1/sandboxes", {"snapshot_id": snap["id"]})
+            created = time.monotonic()
             result = client.call("POST", f"/v1/sandboxes/{fork['id']}/run", {"argv": ["true"]})
             forks.append(time.monotonic() - started)
+            fork_creates.append(created - started)
+            fork_first_runs.append(forks[-1] - fork_creates[-1])
             assert result["exit_code"] == 0
             client.call("DELETE", f"/v1/sandboxes/{fork['id']}")
             wait_torn_down(server, fork["id"])
@@ -98,6 +102,9 @@ def main() -> None:
     print(summary("resume + first run", resumes, raw_restore))
     print(summary("memory snapshot", snapshot_secs))
     print(summary("fork (memory) + first run", forks, raw_restore))
+    # Where a fork's time goes: the create (the restore and sandboxd's layer, bundle and reconnect), then the run.
+    print(summary("  of which the create", fork_creates, raw_restore))
+    print(summary("  of which the first run", fork_first_runs))
     fork_p50_ms = pct(forks, 50)
     verdict = "met" if fork_p50_ms < TARGET_FORK_P50_MS else "MISSED"
     print(
