@@ -240,6 +240,8 @@ class SshConnection(asyncssh.SSHServer):
         self._tries: set[tuple[str, bytes]] = set()
         self._closed = asyncio.Event()
         self._banners: set[str] = set()
+        #: The end of a login revoked while it completed (kept: a task nobody holds may be collected).
+        self._ending: asyncio.Future[None] | None = None
 
     # -- asyncssh callbacks --------------------------------------------------------------------
 
@@ -307,6 +309,10 @@ class SshConnection(asyncssh.SSHServer):
             kind="ssh", type="ssh.login", key_id=login.credential, fingerprint=login.fingerprint, user=login.user,
             tenant=login.tenant or None, target=login.sandbox.id, node=login.sandbox.node, result="accepted",
         )  # fmt: skip
+        if not auth.still_allowed(self.server.gw.store, login):
+            # Revoked after the key was checked and before its signature came (a client round trip): the
+            # revocation's sweep (SshServer.access_changed) found no login here then, so it ends here now.
+            self._ending = asyncio.ensure_future(self.end(revoked=True))
 
     def connection_requested(
         self, dest_host: str, dest_port: int, orig_host: str, orig_port: int
