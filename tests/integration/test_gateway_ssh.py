@@ -516,6 +516,12 @@ def _open_session(world: World, user: str, identity: str, marker: str) -> subpro
     return proc
 
 
+def _accepted(world: World, user: str) -> list[dict[str, Any]]:
+    """The accepted SSH logins of ``user`` in the gateway's audit."""
+    return [e for e in world.audit() if e["type"] == "ssh.login" and e.get("result") == "accepted"
+            and e.get("user") == user]  # fmt: skip
+
+
 def _sleeping(world: World, box: str, marker: str) -> bool:
     """Whether ``sleep MARKER`` runs in ``box`` (asked of the node: the sandbox may be another gateway's)."""
     return f"sleep {marker}".encode() in world.node.run(box, ["ps", "-eo", "args"])["stdout"]
@@ -532,6 +538,9 @@ def test_revocation_cuts_an_open_session_before_the_call_returns(world: World) -
                               stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     other = _open_session(world, "box", "alice", "1002")  # another user's session stays
     wait_for(lambda: _sleeping(world, box, "1001"))
+    # The forward's client started with the others but may still be logging in (its key checked, its signature
+    # not yet): both of dave's logins accepted first, so both are open connections the revocation must cut.
+    wait_for(lambda: len(_accepted(world, "dave")) == 2)
     before = time.monotonic()
     assert world.api("DELETE", f"/v1/admin/keys/{key_id}", key="admin").status == 204
     session.wait(timeout=5)  # the gateway closed it before answering; the client notices at once
