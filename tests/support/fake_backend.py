@@ -226,13 +226,15 @@ class FakeBackend:
     async def park(self, sandbox_id: str) -> None:
         if not self._signal_tree(sandbox_id, signal.SIGSTOP):
             raise BackendError(f"sandbox {sandbox_id} is not running")
-        agent = self._agent_pid(sandbox_id)
+        pid = self._pid(sandbox_id)
         for _ in range(500):  # stopped within a few ms
-            if agent is None or _state(agent) == "T":
+            # Every process, not only the agent: a SIGSTOP is taken when its process next runs, so on a busy
+            # host a guest's spinning process used CPU after the agent had stopped (a parked sandbox uses none).
+            if pid is None or all(_state(each) in ("T", "Z", "") for each in _tree(pid)):
                 return
             await asyncio.sleep(0.01)
         self._signal_tree(sandbox_id, signal.SIGCONT)
-        raise BackendError("the sandbox's agent did not stop")
+        raise BackendError("the sandbox's processes did not stop")
 
     async def unpark(self, sandbox_id: str) -> None:
         self._signal_tree(sandbox_id, signal.SIGCONT)
