@@ -190,7 +190,14 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     Endpoint("POST", _SBX + "/suspend", "Suspend", BOTH, (CREATE,), answer=Sandbox, capability="suspend",
              errors=_REF | _errs(e.Unsupported, e.Internal)),
     Endpoint("POST", _SBX + "/resume", "Resume", BOTH, (CREATE,), answer=Sandbox, capability="suspend",
-             errors=_REF | _errs(e.Unsupported, e.Internal)),
+             errors=_REF | _errs(e.Unsupported, e.Internal),
+             notes="A stopped persistent sandbox is started from its disk (new processes, every file kept). 503 "
+                   "when the node no longer has room for its cpus and memory (it stays as it was)."),
+    Endpoint("POST", _SBX + "/stop", "Stop a persistent sandbox: disk kept, memory freed", BOTH, (CREATE,),
+             answer=Sandbox, capability="persistent", errors=_REF | _errs(e.Unsupported, e.Internal),
+             notes="Persistent sandboxes only (409 otherwise). Ends its processes and frees its memory, keeping "
+                   "disk, volumes, name, labels and network; state stopped. Idempotent: a stopped one answers "
+                   "200 as it is. Resume, or any request that needs the guest, starts it again."),
     Endpoint("POST", _SBX + "/snapshots", "Take a memory or disk snapshot", BOTH, (CREATE,), status=201,
              body="json", request=SnapshotRequest, answer=Snapshot, capability="memory_snapshot",
              errors=_REF | _errs(e.InvalidRequest, e.Unsupported, e.Internal),

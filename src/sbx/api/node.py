@@ -52,12 +52,16 @@ class Resources(msgspec.Struct, frozen=True):
 WEBSOCKET_ATTACH = "websocket_attach"
 #: Capability flag of ``secret_env`` in a create request (an addition): environment the node holds in memory only.
 SECRET_ENV = "secret_env"
+#: Capability flag of persistent sandboxes (an addition, docs/node-api.md "Persistent sandboxes"): create takes
+#: ``persistent``; such a sandbox is suspended, not terminated, at its idle timeout, woken by the next request that
+#: needs its guest, and can be stopped (``POST .../stop``: disk kept, memory freed) and started again.
+PERSISTENT = "persistent"
 
 
 class Capabilities(msgspec.Struct, kw_only=True):
     """``GET /v1/capabilities``: what this server offers; a client asks rather than assumes. Flags in
     ``capabilities``: the spec's (``network_policy_update``, ``suspend``, ``memory_snapshot``, ``disk_snapshot``,
-    ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``)."""
+    ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``, ``persistent``)."""
 
     api_version: str
     backend: str

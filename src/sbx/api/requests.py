@@ -71,6 +71,7 @@ class CreateSpec:
     it (a memory fork refuses resources; a disk fork takes the original's for omitted ones).
     ``snapshot_every_secs`` and ``snapshot_keep`` None: not asked for (keep then defaults to 1).
     ``secret_env``: environment whose values the node keeps in memory only (never on disk).
+    ``persistent``: suspended, not terminated, at its idle timeout (then ``name`` is set).
     """
 
     image: str
@@ -88,6 +89,7 @@ class CreateSpec:
     snapshot_id: str | None = None
     fields_given: frozenset[str] = frozenset()
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,10 @@ def check_create(req: CreateRequest, limits: Limits | None = None) -> None:
     places the request; the node runs them again with its own limits."""
     if req.name is not UNSET:
         v.validate_sandbox_name(req.name)
+    if req.persistent is True and not req.name:
+        raise InvalidRequest(
+            "persistent: a persistent sandbox needs a name (it is found again by it after every sleep); add name"
+        )
     if req.image is not UNSET:
         v.validate_image_ref(req.image)
     if limits is not None:
@@ -225,6 +231,7 @@ def parse_create(body: bytes, rules: Rules) -> CreateSpec:
         snapshot_id=_opt(req.snapshot_id),
         fields_given=given,
         secret_env=secret_env,
+        persistent=req.persistent is True,
     )
 
 

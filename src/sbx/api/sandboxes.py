@@ -36,7 +36,10 @@ class Sandbox(msgspec.Struct, kw_only=True):
     present only while a snapshot is being taken; ``terminated_at`` and ``terminated_reason`` (``request``,
     ``idle``, ``crashed``, ``lost``) only once terminated. Additions, present only for a sandbox created with
     ``secret_env``: ``secret_env_names`` (names only) and ``secret_env_lost``, true once a restart of the node
-    dropped the values it held in memory (processes started since do not get them)."""
+    dropped the values it held in memory (processes started since do not get them). ``persistent`` (an addition,
+    capability ``persistent``, always present): suspended rather than terminated at its idle timeout, woken by the
+    next request that needs it; ``stopped_reason`` (``request``, ``restore_failed``, ``crash``, ``suspend_failed``)
+    only while it is ``stopped``."""
 
     id: str
     name: str | None
@@ -57,6 +60,8 @@ class Sandbox(msgspec.Struct, kw_only=True):
     terminated_reason: str | UnsetType = UNSET
     secret_env_names: list[str] | UnsetType = UNSET
     secret_env_lost: bool | UnsetType = UNSET
+    persistent: bool = False
+    stopped_reason: str | UnsetType = UNSET
 
 
 class SandboxList(msgspec.Struct):
@@ -76,7 +81,8 @@ class CreateRequest(msgspec.Struct, kw_only=True):
 
     ``secret_env`` (an addition, capability ``secret_env``): environment like ``env``, whose values the node holds
     in memory only, never on its disk, in its audit log or in an answer; a restart of the node loses them
-    (docs/node-api.md, "Secret environment"). A name may not be in both."""
+    (docs/node-api.md, "Secret environment"). A name may not be in both. ``persistent`` (an addition, capability
+    ``persistent``; default false): suspend at the idle timeout instead of terminating; needs a ``name``."""
 
     removed_fields: ClassVar[dict[str, str]] = {"bind": _BIND_REMOVED}
 
@@ -94,6 +100,7 @@ class CreateRequest(msgspec.Struct, kw_only=True):
     volumes: list[VolumeMount] | UnsetType = UNSET
     snapshot_id: str | UnsetType = UNSET
     secret_env: dict[str, str] | UnsetType = UNSET
+    persistent: bool | UnsetType = UNSET
 
 
 class PatchRequest(msgspec.Struct, kw_only=True):

@@ -765,7 +765,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Resume */
+        /**
+         * Resume
+         * @description A stopped persistent sandbox is started from its disk (new processes, every file kept). 503 when the node no longer has room for its cpus and memory (it stays as it was).
+         */
         post: operations["postSandboxesRefResume"];
         delete?: never;
         options?: never;
@@ -838,6 +841,26 @@ export interface paths {
         put?: never;
         /** A short-lived SSH login */
         post: operations["postSandboxesRefSshAccess"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/sandboxes/{ref}/stop": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Stop a persistent sandbox: disk kept, memory freed
+         * @description Persistent sandboxes only (409 otherwise). Ends its processes and frees its memory, keeping disk, volumes, name, labels and network; state stopped. Idempotent: a stopped one answers 200 as it is. Resume, or any request that needs the guest, starts it again.
+         */
+        post: operations["postSandboxesRefStop"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1206,7 +1229,7 @@ export interface components {
          * Capabilities
          * @description ``GET /v1/capabilities``: what this server offers; a client asks rather than assumes. Flags in
          *     ``capabilities``: the spec's (``network_policy_update``, ``suspend``, ``memory_snapshot``, ``disk_snapshot``,
-         *     ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``).
+         *     ``tunnel``, ``metrics``, ``audit``, ``images``) and the additions (``websocket_attach``, ``secret_env``, ``persistent``).
          */
         Capabilities: {
             api_version: string;
@@ -1286,7 +1309,8 @@ export interface components {
          *
          *     ``secret_env`` (an addition, capability ``secret_env``): environment like ``env``, whose values the node holds
          *     in memory only, never on its disk, in its audit log or in an answer; a restart of the node loses them
-         *     (docs/node-api.md, "Secret environment"). A name may not be in both.
+         *     (docs/node-api.md, "Secret environment"). A name may not be in both. ``persistent`` (an addition, capability
+         *     ``persistent``; default false): suspend at the idle timeout instead of terminating; needs a ``name``.
          */
         CreateRequest: {
             name?: string;
@@ -1309,6 +1333,7 @@ export interface components {
             secret_env?: {
                 [key: string]: string;
             };
+            persistent?: boolean;
         };
         /**
          * VolumeMount
@@ -1910,7 +1935,10 @@ export interface components {
          *     present only while a snapshot is being taken; ``terminated_at`` and ``terminated_reason`` (``request``,
          *     ``idle``, ``crashed``, ``lost``) only once terminated. Additions, present only for a sandbox created with
          *     ``secret_env``: ``secret_env_names`` (names only) and ``secret_env_lost``, true once a restart of the node
-         *     dropped the values it held in memory (processes started since do not get them).
+         *     dropped the values it held in memory (processes started since do not get them). ``persistent`` (an addition,
+         *     capability ``persistent``, always present): suspended rather than terminated at its idle timeout, woken by the
+         *     next request that needs it; ``stopped_reason`` (``request``, ``restore_failed``, ``crash``, ``suspend_failed``)
+         *     only while it is ``stopped``.
          */
         Sandbox: {
             id: string;
@@ -1935,6 +1963,9 @@ export interface components {
             terminated_reason?: string;
             secret_env_names?: string[];
             secret_env_lost?: boolean;
+            /** @default false */
+            persistent: boolean;
+            stopped_reason?: string;
         };
         /**
          * SnapshotProgress
@@ -7728,6 +7759,118 @@ export interface operations {
             };
             /** @description error: internal */
             500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    postSandboxesRefStop: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Stop a persistent sandbox: disk kept, memory freed */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Sandbox"];
+                };
+            };
+            /** @description error: invalid_request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: forbidden_origin, refused */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: conflict */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: invalid_request */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unsupported */
+            501: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unavailable */
+            503: {
                 headers: {
                     [name: string]: unknown;
                 };
