@@ -40,9 +40,12 @@ MAX_WORKERS = 12
 
 
 def worker_index() -> int:
-    """This test process's pytest-xdist worker number (``gw3``: 3), 0 when not run by xdist."""
+    """This test process's pytest-xdist worker number (``gw3``: 3), 0 when not run by xdist, plus
+    ``SBX_TEST_WORKER_OFFSET`` (default 0): two test runs at once on one machine (two worktrees) each take their
+    own ports and subnets when the second is given an offset past the first's workers."""
     name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(name.removeprefix("gw")) if name.removeprefix("gw").isdigit() else 0
+    index += int(os.environ.get("SBX_TEST_WORKER_OFFSET", "0") or 0)
     if index >= MAX_WORKERS:
         raise RuntimeError(f"at most {MAX_WORKERS} parallel workers have ports and subnets of their own")
     return index
