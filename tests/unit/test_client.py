@@ -414,7 +414,9 @@ async def test_a_refused_persistent_call_raises_the_servers_error_and_keeps_info
 ) -> None:
     body = {"error": {"code": code, "message": message}}
     async with AsyncClient(transport=HandlerTransport(lambda *_: (status, body))) as client:
-        box = Sandbox(client, sandbox(name="keep", persistent=True, state="stopped", stopped_reason="request"))
+        box = Sandbox(
+            client, sandbox(name="keep", persistent=True, state="stopped", stopped_reason="request")
+        )
         with pytest.raises(error) as caught:
             await call(client, box)
     assert (caught.value.code, caught.value.message) == (code, message)
