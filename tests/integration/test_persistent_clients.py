@@ -3,7 +3,7 @@
 
 Each client creates a persistent sandbox by name, stops it (state ``stopped``, reason ``request``), starts it
 again with resume or by a call that needs it, and finds its files kept; the state is shown as each client
-shows it. The end of an MCP session terminates its other sandboxes and leaves the persistent one. Bad input
+shows it, ``suspended`` too once one sat idle. The end of an MCP session terminates its other sandboxes and leaves the persistent one. Bad input
 (persistent without a name, stopping a sandbox that is not persistent) comes back with the server's code and
 message. The node's side (suspend at the idle timeout, wake, restore) is tested in its own modules.
 """
@@ -168,6 +168,26 @@ def test_cli_create_stop_resume_and_listings(sandboxd: Sandboxd) -> None:
         assert (resumed.returncode, resumed.stdout) == (0, f"{sid}: running\n"), resumed.stderr
         ran = cli(sandboxd, "run", name, "--", "cat", MARK)
         assert (ran.returncode, ran.stdout) == (0, "kept\n")
+    finally:
+        assert cli(sandboxd, "rm", sid).returncode == 0
+
+
+def test_cli_shows_an_idle_persistent_sandbox_suspended_and_a_command_wakes_it(sandboxd: Sandboxd) -> None:
+    name = unique("cli-idle")
+    made = cli(sandboxd, "create", "--persistent", "--name", name, "--idle-timeout", "2")
+    assert made.returncode == 0, made.stderr
+    sid = made.stdout.strip()
+    try:
+        # Watched through the listing: a request naming the sandbox would count as activity.
+        wait_for(
+            lambda: listed(sandboxd, sid).get("state") == "suspended", "the idle sandbox to be suspended"
+        )
+        lines = cli(sandboxd, "ls").stdout.splitlines()
+        header, row = lines[0], next(line for line in lines if line.startswith(sid))
+        assert row[header.index("STATE") :].startswith("suspended ")
+        assert row[header.index("PERSISTENT") :].startswith("true")
+        ran = cli(sandboxd, "run", name, "--", "echo", "awake")
+        assert (ran.returncode, ran.stdout) == (0, "awake\n"), ran.stderr
     finally:
         assert cli(sandboxd, "rm", sid).returncode == 0
 
