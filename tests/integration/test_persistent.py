@@ -500,3 +500,34 @@ def test_the_disk_is_journaled_and_not_from_the_layer_pool(server: Sandboxd) -> 
     out = subprocess.run(["dumpe2fs", "-h", str(image)], capture_output=True, text=True, check=False).stdout
     assert "has_journal" in out
     server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+# ---- the listening ports a gateway builds port URLs from ------------------------------------------------------
+
+
+def test_listening_ports_on_any_address_and_none_of_a_sleeping_one(server: Sandboxd) -> None:
+    assert server.request("GET", "/v1/capabilities").json()["capabilities"]["listening_ports"] is True
+    ref = persistent(server, "listener")["id"]
+    script = (
+        "import socket, time\n"
+        "a = socket.create_server(('0.0.0.0', 8000)); b = socket.create_server(('127.0.0.1', 8002))\n"
+        "c = socket.socket(socket.AF_INET6); c.bind(('::', 8001)); c.listen()\n"
+        "time.sleep(3600)\n"
+    )
+    text(server, ref, "sh", "-c", f'nohup python3 -c "{script}" >/dev/null 2>&1 &')
+    deadline = time.monotonic() + 10
+    while (got := server.request("GET", f"/v1/sandboxes/{ref}/listening").json())["ports"] != [
+        8000,
+        8001,
+        8002,
+    ]:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert got["awake"] is True
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    assert server.request("GET", f"/v1/sandboxes/{ref}/listening").json() == {"ports": [], "awake": False}
+    assert get(server, ref)["state"] == "suspended"
+    expect_error(
+        server.request("GET", "/v1/sandboxes/sbx_0000000000000000/listening"), 404, "not_found", "no sandbox"
+    )
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
