@@ -3,6 +3,7 @@ wake on request, stop and start from the disk, restarts and crashes, capacity, r
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -447,10 +448,12 @@ def test_a_sandboxd_restart_changes_nothing(sandboxd_factory: Callable[..., Sand
     wait_count_above(server, suspended, before)
 
 
+@pytest.mark.parametrize("reboot", [False, True], ids=["crash", "reboot"])
 def test_a_host_crash_leaves_a_running_one_stopped_and_a_suspended_one_suspended(
-    sandboxd_factory: Callable[..., Sandboxd],
+    sandboxd_factory: Callable[..., Sandboxd], reboot: bool
 ) -> None:
-    """SIGKILL of sandboxd and of every runsc process of the sandboxes: what a host crash leaves."""
+    """SIGKILL of sandboxd and of every runsc process of the sandboxes: what a host crash leaves. With
+    ``reboot``, their mounts (the overlay root, the layer's loop mount) are taken away too, as a reboot does."""
     server = sandboxd_factory(CONFIG)
     running = persistent(server, "c-running")["id"]
     suspended = persistent(server, "c-suspended")["id"]
@@ -465,6 +468,12 @@ def test_a_host_crash_leaves_a_running_one_stopped_and_a_suspended_one_suspended
     while subprocess.run(["pgrep", "-f", running], capture_output=True, check=False).returncode == 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    if reboot:
+        for ref in (running, suspended):
+            layer = server.state_dir / "gvisor" / ref / "layer"
+            for mount_point in (layer / "rootfs", layer / "disk"):
+                subprocess.run(["umount", "-l", str(mount_point)], check=True)
+            assert not os.path.ismount(layer / "disk")
     server.start()
     after = get(server, running)
     assert (after["state"], after["stopped_reason"]) == ("stopped", "crash")
