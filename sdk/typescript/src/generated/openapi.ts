@@ -1372,7 +1372,9 @@ export interface components {
         };
         /**
          * DrainResult
-         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to.
+         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to. ``suspended``
+         *     (an addition, capability ``persistent``): the persistent sandboxes it suspended (without ``terminate``); those
+         *     asleep do not count in ``remaining``.
          */
         DrainResult: {
             node: string;
@@ -1380,6 +1382,8 @@ export interface components {
             remaining: number;
             terminated: string[];
             failed?: components["schemas"]["DrainFailure"][];
+            /** @default [] */
+            suspended: string[];
         };
         /** DrainFailure */
         DrainFailure: {
