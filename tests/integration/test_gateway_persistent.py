@@ -227,6 +227,11 @@ def test_a_drain_suspends_persistent_sandboxes_and_they_do_not_hold_it_up(w: Wor
     w.ok("DELETE", f"/v1/sandboxes/{plain['id']}", status=204)
     again = w.ok("POST", "/v1/admin/nodes/a/drain", {}, who="admin")
     assert (again["remaining"], again["suspended"]) == (0, [])
+    # A request wakes it on its node, cordoned as it is (a cordon refuses creates only): then it remains.
+    assert w.ok("POST", "/v1/sandboxes/ws/run", {"argv": ["true"]})["exit_code"] == 0
+    assert w.on_node(ws)["state"] == "running"
+    drained = w.ok("POST", "/v1/admin/nodes/a/drain", {"terminate": False}, who="admin")
+    assert drained["suspended"] == [ws["id"]]
     # With terminate it goes too.
     ended = w.ok("POST", "/v1/admin/nodes/a/drain", {"terminate": True}, who="admin")
     assert (ended["terminated"], ended["remaining"], ended["suspended"]) == ([ws["id"]], 0, [])
