@@ -1392,7 +1392,9 @@ export interface components {
         };
         /**
          * DrainResult
-         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to.
+         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to. ``suspended``
+         *     (an addition, capability ``persistent``): the persistent sandboxes it suspended (without ``terminate``); those
+         *     asleep do not count in ``remaining``.
          */
         DrainResult: {
             node: string;
@@ -1400,6 +1402,8 @@ export interface components {
             remaining: number;
             terminated: string[];
             failed?: components["schemas"]["DrainFailure"][];
+            /** @default [] */
+            suspended: string[];
         };
         /** DrainFailure */
         DrainFailure: {
