@@ -123,7 +123,8 @@ class SameSandboxRaw:
         subprocess.run(self.argv(*self.flags, "--host-uds=create", "--cpu-num-from-quota", "--network=none",
                                  "restore", "--image-path", str(self.copy), "--detach", "--bundle",
                                  str(self.directory / "bundle"), self.id),
-                       check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
+                       check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)  # fmt: skip
         subprocess.run(self.argv("exec", self.id, "true"), check=True, stdout=subprocess.DEVNULL)
         took = time.monotonic() - started
         for args in (("kill", self.id, "KILL"), ("delete", "--force", self.id)):
