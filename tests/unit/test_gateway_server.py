@@ -681,7 +681,7 @@ async def test_org_errors_change_nothing(
 # scope rule matches was open to any valid key). A key lacking the route's scope is 403 before anything is looked
 # up; one holding it is never refused for scope; a path no route serves is 404 once the key is good.
 def _concrete(path: str) -> str:
-    return path.replace("{ref}", "nobody").replace("{pid}", "1").replace("{n}", "1").replace("{id}", "x_1") \
+    return path.replace("{ref}", "nobody").replace("{pid}", "1").replace("{port}", "8000").replace("{n}", "1").replace("{id}", "x_1") \
         .replace("{name}", "nothing").replace("{user}", "nobody").replace("{tenant}", "acme")  # fmt: skip
 
 

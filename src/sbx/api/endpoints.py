@@ -45,7 +45,7 @@ from sbx.api.orgs import (
     OrgCreateRequest,
     OwnOrgList,
 )
-from sbx.api.ports import ListeningPorts
+from sbx.api.ports import ListeningPorts, Port, PortList, PortRequest, PortToken, PortTokenRequest
 from sbx.api.processes import Process, ProcessList, ProcessRequest, RunRequest, RunResult, SignalRequest
 from sbx.api.sandboxes import CreateRequest, PatchRequest, Sandbox, SandboxList
 from sbx.api.services import ScaleRequest, SecretList, SecretRequest, Service, ServiceList, ServiceSpec
@@ -187,10 +187,23 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
              capability="audit", errors=_REF | _errs(e.Unsupported)),
     Endpoint("GET", _SBX + "/metrics", "The last hour of host-side samples", BOTH, (READ,),
              answer=SandboxMetrics, capability="metrics", errors=_REF | _errs(e.Unsupported)),
-    # -- ports (an addition: listening_ports on a node; docs/ports.md) ------------------------------------
+    # -- ports (additions: listening_ports on a node, exposed_ports on a gateway; docs/ports.md) -----------
     Endpoint("GET", _SBX + "/listening", "TCP ports the guest listens on", NODE, (READ,), answer=ListeningPorts,
              capability="listening_ports", errors=_REF,
              notes="Never wakes a sandbox: a suspended or stopped one answers awake false and no ports."),
+    Endpoint("GET", _SBX + "/ports", "The sandbox's ports: listening ones and public ones", GATEWAY, (READ,),
+             answer=PortList, capability="exposed_ports", errors=_REF | _errs(e.Unsupported),
+             notes="501 unless the gateway serves --ports-domain."),
+    Endpoint("GET", _SBX + "/ports/{port}", "One port of the sandbox (any port 1-65535)", GATEWAY, (READ,),
+             answer=Port, capability="exposed_ports", errors=_REF | _errs(e.InvalidRequest, e.Unsupported)),
+    Endpoint("PUT", _SBX + "/ports/{port}", "Make a port public or private", GATEWAY, (CREATE,), body="json",
+             request=PortRequest, answer=Port, capability="exposed_ports",
+             errors=_REF | _errs(e.InvalidRequest, e.Unsupported)),
+    Endpoint("POST", _SBX + "/ports/{port}/tokens", "A token URL for a private port", GATEWAY, (CREATE,),
+             status=201, body="json", request=PortTokenRequest, answer=PortToken, capability="exposed_ports",
+             errors=_REF | _errs(e.InvalidRequest, e.Unsupported),
+             notes="ttl_secs 1 to 86400, default 3600. Opening the url trades the token for a cookie of that "
+                   "one host and redirects to the same URL without it."),
     # -- suspend, snapshots -------------------------------------------------------------------------
     Endpoint("POST", _SBX + "/suspend", "Suspend", BOTH, (CREATE,), answer=Sandbox, capability="suspend",
              errors=_REF | _errs(e.Unsupported, e.Internal)),

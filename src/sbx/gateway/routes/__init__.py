@@ -97,6 +97,11 @@ def table(gw: Gateway) -> list[Route]:
         ("PUT", "/v1/sandboxes/{ref}/files", "raw"),
         ("DELETE", "/v1/sandboxes/{ref}/files", "none"),
         ("GET", "/v1/sandboxes/{ref}/dirs", "none"),
+        # Exposed ports (docs/ports.md): 501 without --ports-domain.
+        ("GET", "/v1/sandboxes/{ref}/ports", meta.no_ports),
+        ("GET", "/v1/sandboxes/{ref}/ports/{port}", meta.no_ports),
+        ("PUT", "/v1/sandboxes/{ref}/ports/{port}", meta.no_ports),
+        ("POST", "/v1/sandboxes/{ref}/ports/{port}/tokens", meta.no_ports),
         ("GET", "/v1/sandboxes/{ref}/events", "none"),
         ("GET", "/v1/sandboxes/{ref}/metrics", "none"),
         ("POST", "/v1/sandboxes/{ref}/suspend", "json"),

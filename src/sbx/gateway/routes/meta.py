@@ -85,5 +85,11 @@ class MetaRoutes:
     async def not_node(self, request: web.Request) -> web.Response:
         raise NotFound("a gateway does not serve /v1/node: use GET /v1/admin/nodes with an admin key")
 
+    async def no_ports(self, request: web.Request) -> web.Response:
+        raise Unsupported(
+            "this gateway serves no port URLs (capability exposed_ports): start it with --ports-domain DOMAIN, a "
+            "wildcard name *.DOMAIN that points at it"
+        )
+
     async def no_images(self, request: web.Request) -> web.Response:
         raise Unsupported("a gateway does not manage images: install them on each node with its images API")
