@@ -11,7 +11,8 @@ import pytest
 
 from sbx.backends.base import BackendError
 from sbx.backends.disk_copy import allocated_bytes, copy_frozen, copy_sparse, resize_ext4
-from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop, run_tool
+from sbx.backends.host_tool import run_tool
+from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop
 
 MIB = 1024 * 1024
 needs_root = pytest.mark.skipif(

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from sbx.backends.base import BackendError
-from sbx.backends.layers import run_tool
+from sbx.backends.host_tool import run_tool
 
 MIB = 1024 * 1024
 

@@ -47,7 +47,8 @@ from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.freezer import CgroupFreezer
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
-from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, is_mounted, run_tool, unmount_all
+from sbx.backends.host_tool import run_tool
+from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, is_mounted, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
 from sbx.backends.runsc import (
     DEFAULT_RUNSC,

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendError
-from sbx.backends.layers import run_tool
+from sbx.backends.host_tool import run_tool
 from sbx.net import nft
 from sbx.net.egress import Egress, Slot
 

@@ -24,24 +24,11 @@ import shutil
 from pathlib import Path
 
 from sbx.backends.base import BackendError
+from sbx.backends.disk_copy import copy_sparse, resize_ext4
+from sbx.backends.host_tool import run_tool
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 
 log = logging.getLogger(__name__)
-
-
-async def run_tool(*argv: str) -> str:
-    """Run a host tool, returning its stdout; raise BackendError with its stderr when it fails."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        detail = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
-        raise BackendError(f"{argv[0]} failed (exit {proc.returncode}): {detail}")
-    return out.decode(errors="replace")
 
 
 def is_mounted(path: Path) -> bool:
@@ -233,8 +220,6 @@ class WritableLayer:
 
         On failure (files that do not fit, among others) whatever was made is removed again.
         """
-        from sbx.backends.disk_copy import copy_sparse, resize_ext4  # disk_copy imports this module
-
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.disk_dir.mkdir(exist_ok=True)

@@ -19,7 +19,8 @@ import shutil
 from pathlib import Path
 
 from sbx.backends.base import BackendError, GuestUser
-from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop, run_tool
+from sbx.backends.host_tool import run_tool
+from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop
 
 log = logging.getLogger(__name__)
 
