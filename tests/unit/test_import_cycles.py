@@ -49,9 +49,10 @@ def load_time_imports(tree: ast.Module, name: str, is_package: bool, modules: se
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     inner = getattr(node, field, None)
                     if isinstance(inner, list):
-                        visit([n for n in inner if isinstance(n, ast.stmt)] + [
-                            s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body
-                        ])
+                        visit(
+                            [n for n in inner if isinstance(n, ast.stmt)]
+                            + [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body]
+                        )
 
     visit(tree.body)
     return {m for m in found if m in modules and m != name}
