@@ -26,8 +26,14 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
   const cleanups = [];
   let left = false;
   let shown = "";
+  // Each look is numbered when it is asked: an answer older than the one shown (a poll answered after an action's
+  // own reading) is dropped.
+  let asked = 0;
+  let drawn = 0;
   // Redrawn only when the sandbox changed, so a button is not replaced under the pointer.
-  const show = (s) => {
+  const show = (s, ticket) => {
+    if (left || ticket < drawn) return;
+    drawn = ticket;
     const text = JSON.stringify(s);
     if (text === shown) return;
     shown = text;
@@ -42,9 +48,10 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
     if (tab === "overview") overview(body, id, s);
   };
   const loadHead = async () => {
+    const ticket = ++asked;
     try {
       const s = await get(`/v1/sandboxes/${enc(id)}`);
-      show(s);
+      show(s, ticket);
       return s;
     } catch (error) {
       shown = "";
@@ -61,9 +68,10 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
     // The list, not GET of this sandbox: reading one sandbox counts as activity for its idle timer (it would never
     // be suspended while the page is open), the list names none. Neither wakes a suspended or stopped one.
     cleanups.push(every(WATCH_MS, async () => {
+      const ticket = ++asked;
       try {
         const now = (await get("/v1/sandboxes")).sandboxes.find((x) => x.id === s.id);
-        if (now && !left) show(now);
+        if (now) show(now, ticket);
       } catch {
         // a failed look is tried again at the next tick; the page keeps what it showed
       }

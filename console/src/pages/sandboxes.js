@@ -12,12 +12,19 @@ export function renderSandboxes(main) {
   const status = h("p.muted", { "aria-live": "polite" });
   let shown = "";
   let stopped = false;
+  // Each listing is numbered when asked: one answered after a newer one (a poll overtaken by an action's own
+  // refresh) is dropped rather than drawn over it.
+  let asked = 0;
+  let drawn = 0;
 
   async function refresh() {
     let labels;
+    const ticket = ++asked;
     try {
       labels = filter.value.split(",").map((s) => s.trim()).filter(Boolean);
       const answer = await get(`/v1/sandboxes${query({ label: labels })}`);
+      if (ticket < drawn) return;
+      drawn = ticket;
       const text = JSON.stringify(answer.sandboxes);
       if (text !== shown) {
         shown = text;
