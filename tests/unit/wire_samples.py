@@ -19,7 +19,7 @@ def sandbox_body(**overrides: Any) -> dict[str, Any]:
         "id": "sbx_1", "name": None, "state": "running", "image": "default", "cpus": 1, "memory_mb": 512,
         "disk_mb": 2048, "env_names": [], "network": {"mode": "none", "deny": []}, "labels": {},
         "idle_timeout_secs": 600, "snapshot_every_secs": 0, "snapshot_keep": 0,
-        "created_at": "2024-05-01T12:00:00.000Z",
+        "created_at": "2024-05-01T12:00:00.000Z", "persistent": False,
     }  # fmt: skip
     body.update(overrides)
     return body

@@ -47,6 +47,8 @@ class BootSpec:
 
     ``cpus`` is a count of vCPUs (whole cores of CPU time), ``memory_mb`` and ``disk_mb`` are MiB;
     ``disk_mb`` bounds the sandbox's writable layer. ``volumes``: bind mounts of volumes, none by default.
+    ``durable_disk``: the disk must come back whole after a host crash (a persistent sandbox's: journaled, never
+    one made ahead of time without a journal).
     """
 
     sandbox_id: str
@@ -57,6 +59,7 @@ class BootSpec:
     network: NetworkPolicy
     hostname: str = "sandbox"
     volumes: tuple[VolumeBind, ...] = ()
+    durable_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,3 +226,19 @@ class CheckpointBackend(Backend, Protocol):
     async def boot_from_snapshot(self, spec: BootSpec, disk_image: Path, memory_image: Path | None) -> None:
         """Boot a new sandbox on a copy of ``disk_image`` (resized to ``spec.disk_mb``); with ``memory_image``
         restored from that checkpoint, processes running, else booted afresh. Nothing is left on failure."""
+
+
+@runtime_checkable
+class PersistentBackend(CheckpointBackend, Protocol):
+    """A checkpoint backend that can also stop a sandbox while keeping its disk, and boot it again from that disk
+    (persistent sandboxes: ``POST .../stop``, a crash, a checkpoint that cannot be restored)."""
+
+    async def stop(self, sandbox_id: str) -> None:
+        """End every process of the sandbox and free its memory, keeping its disk (written to the host's storage
+        on return) and whatever :meth:`restart` needs. Idempotent: a stopped, checkpointed or crashed sandbox is
+        fine; a parked one is stopped too. A sandbox being destroyed is BackendError."""
+
+    async def restart(self, spec: BootSpec) -> None:
+        """Boot the stopped (or checkpointed, or crashed) sandbox ``spec.sandbox_id`` afresh on the disk it kept,
+        with ``spec``'s volumes bound again; on return its agent is listening. On failure the sandbox is stopped
+        again and its disk kept, so a retry may succeed; never is the disk discarded here."""

@@ -47,7 +47,7 @@ from sbx.backends.disk_copy import copy_frozen
 from sbx.backends.freezer import CgroupFreezer
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
-from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, run_tool, unmount_all
+from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, is_mounted, run_tool, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
 from sbx.backends.runsc import (
     DEFAULT_RUNSC,
@@ -356,7 +356,10 @@ class GVisorBackend:
         await self.net.set_policy(sandbox_id, policy)
 
     async def boot(self, spec: BootSpec) -> None:
-        await self._boot(spec, lambda layer: layer.create(spec.image_root, spec.disk_mb, self.layer_pool))
+        await self._boot(
+            spec,
+            lambda layer: layer.create(spec.image_root, spec.disk_mb, self.layer_pool, spec.durable_disk),
+        )
 
     async def boot_from_snapshot(self, spec: BootSpec, disk_image: Path, memory_image: Path | None) -> None:
         """Boot a new sandbox whose writable layer is a copy of ``disk_image`` resized to ``spec.disk_mb``;
@@ -364,7 +367,9 @@ class GVisorBackend:
         booted afresh (the spec's image and resources must then be those of the checkpointed sandbox)."""
         await self._boot(
             spec,
-            lambda layer: layer.create_from_copy(spec.image_root, disk_image, spec.disk_mb),
+            lambda layer: layer.create_from_copy(
+                spec.image_root, disk_image, spec.disk_mb, spec.durable_disk
+            ),
             memory_image,
         )
 
@@ -398,6 +403,58 @@ class GVisorBackend:
             await self.destroy(spec.sandbox_id)
             raise
 
+    # -- stop and start again (persistent sandboxes) ---------------------------------------------------
+
+    async def stop(self, sandbox_id: str) -> None:
+        """End the sandbox's processes (runsc kill and delete), keeping its directory: bundle, writable layer
+        (synced to the host's disk), control directory and network namespace. Idempotent."""
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._doomed:
+                raise BackendError("the sandbox is being deleted")
+            await self._stop_locked(sandbox_id)
+
+    async def _stop_locked(self, sandbox_id: str) -> None:
+        self.freezer.thaw(sandbox_id)  # runsc's kill asks the sentry, which a frozen cgroup cannot answer
+        if self._has_runsc_state(sandbox_id):
+            for args in (("kill", sandbox_id, "KILL"), ("delete", "--force", sandbox_id)):
+                with contextlib.suppress(BackendError):  # kill fails when it already stopped
+                    await run_tool(*self._runsc_for(sandbox_id, *args))
+        self._control_socket(sandbox_id).unlink(missing_ok=True)
+        await WritableLayer(self._dir(sandbox_id) / "layer").sync()
+
+    async def restart(self, spec: BootSpec) -> None:
+        """``runsc run`` the sandbox again on the layer it kept: whatever a crash left of it stopped first, the
+        layer and overlay mounted again where a reboot took them (journal replayed), the bundle written anew
+        for ``spec`` (its volumes' binds), the network namespace made again where it is gone. On failure the
+        sandbox is stopped again; its layer is never removed here."""
+        sandbox_id = spec.sandbox_id
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._doomed:
+                raise BackendError("the sandbox is being deleted")
+            directory = self._dir(sandbox_id)
+            layer = WritableLayer(directory / "layer")
+            ctl_dir, bundle = directory / "ctl", directory / "bundle"
+            if not layer.image_file.is_file() or not bundle.is_dir() or not ctl_dir.is_dir():
+                raise BackendError(f"nothing of sandbox {sandbox_id} is left to start again from")
+            await self._stop_locked(sandbox_id)
+            try:
+                await layer.ensure_mounted(spec.image_root)
+                spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
+                config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
+                if self.net is not None and spec.network.mode != "none":
+                    if not self.net.has_netns(sandbox_id):  # a reboot: made again (its address may change)
+                        await self.net.destroy(sandbox_id)
+                        await self.net.create(sandbox_id, spec.network)
+                    self.net.configure_spec(sandbox_id, config)
+                (bundle / "config.json").write_text(json.dumps(config), encoding="utf-8")
+                if self.net is not None:
+                    # The guest end's address went into the sandbox that stopped; a fresh run needs it back.
+                    await self.prepare_network_for_restore(sandbox_id)
+                await self._start(sandbox_id, bundle, directory / "console.log")
+            except BaseException:
+                await asyncio.shield(self._stop_locked(sandbox_id))
+                raise
+
     def _read_only_binds(self, spec: BootSpec) -> tuple[VolumeBind, ...]:
         """The volumes with each read-only one's source replaced by a read-only bind of it in the sandbox's
         directory (``volumes/<n>``, unmounted by destroy). runsc 20240729 with directfs truncates the host
@@ -407,7 +464,8 @@ class GVisorBackend:
         for index, volume in enumerate(spec.volumes):
             if volume.read_only:
                 target = self._dir(spec.sandbox_id) / "volumes" / str(index)
-                bind_read_only(volume.source, target)
+                if not is_mounted(target):  # a restart of a stopped sandbox finds its binds still there
+                    bind_read_only(volume.source, target)
                 volume = dataclasses.replace(volume, source=target)
             binds.append(volume)
         return tuple(binds)

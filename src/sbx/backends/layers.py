@@ -202,14 +202,18 @@ class WritableLayer:
         self.disk_dir = directory / "disk"
         self.rootfs = directory / "rootfs"
 
-    async def create(self, image_root: Path, disk_mb: int, pool: LayerPool | None = None) -> None:
+    async def create(
+        self, image_root: Path, disk_mb: int, pool: LayerPool | None = None, journal: bool = False
+    ) -> None:
         """Make the ext4 layer of ``disk_mb`` MiB (or take a ready one from ``pool``) and mount the overlay.
+        ``journal``: a layer that must come back whole after a host crash (a persistent sandbox's); the pool's
+        have none, so it is then never used.
 
         On failure, whatever was made is removed again.
         """
         try:
-            if pool is None or not pool.take(disk_mb, self.directory):
-                await self.format_disk(disk_mb)
+            if journal or pool is None or not pool.take(disk_mb, self.directory):
+                await self.format_disk(disk_mb, journal)
             self.rootfs.mkdir(exist_ok=True)
             upper = self.disk_dir / "upper"
             self._prepare_upper(upper, image_root)
@@ -218,8 +222,11 @@ class WritableLayer:
             await self.remove()
             raise
 
-    async def create_from_copy(self, image_root: Path, disk_image: Path, disk_mb: int) -> None:
-        """Like create, but the ext4 layer is a copy of ``disk_image`` (a snapshot's), resized to ``disk_mb``.
+    async def create_from_copy(
+        self, image_root: Path, disk_image: Path, disk_mb: int, journal: bool = False
+    ) -> None:
+        """Like create, but the ext4 layer is a copy of ``disk_image`` (a snapshot's), resized to ``disk_mb``,
+        and given a journal with ``journal`` (snapshots are taken of layers without one).
 
         On failure (files that do not fit, among others) whatever was made is removed again.
         """
@@ -230,6 +237,8 @@ class WritableLayer:
             self.disk_dir.mkdir(exist_ok=True)
             await copy_sparse(disk_image, self.image_file)
             await resize_ext4(self.image_file, disk_mb)
+            if journal:
+                await run_tool("tune2fs", "-q", "-O", "has_journal", str(self.image_file))
             await mount_loop(self.image_file, self.disk_dir)
             self.rootfs.mkdir(exist_ok=True)
             mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
@@ -237,12 +246,13 @@ class WritableLayer:
             await self.remove()
             raise
 
-    async def format_disk(self, disk_mb: int) -> None:
+    async def format_disk(self, disk_mb: int, journal: bool = False) -> None:
         """Make and mount the ext4 file system of the writable layer, with empty upper/ and work/."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.disk_dir.mkdir(exist_ok=True)
-        # No journal: the layer is discarded with the sandbox, so a journal would buy nothing after a crash.
-        await make_ext4_image(self.image_file, disk_mb, journal=False)
+        # No journal unless asked: a sandbox's layer is discarded with it, so a journal would buy nothing after a
+        # crash; a persistent sandbox's is kept, and must then mount whole.
+        await make_ext4_image(self.image_file, disk_mb, journal=journal)
         await mount_loop(self.image_file, self.disk_dir)
         (self.disk_dir / "upper").mkdir(exist_ok=True)
         (self.disk_dir / "work").mkdir(exist_ok=True)
@@ -262,6 +272,50 @@ class WritableLayer:
             (upper / ".sbx" / "agent").touch()
         if not (image_root / "tmp").is_dir():
             os.chmod(upper / "tmp", 0o1777)
+
+    async def ensure_mounted(self, image_root: Path) -> None:
+        """Mount the layer and its overlay again wherever they are not (a host reboot took the mounts), the
+        journal replayed first; nothing when both are mounted. BackendError when the layer's file is gone or
+        its file system cannot be repaired."""
+        if not is_mounted(self.disk_dir):
+            if not self.image_file.is_file():
+                raise BackendError(f"the sandbox's disk {self.image_file} is missing")
+            proc = await asyncio.create_subprocess_exec(
+                "e2fsck", "-p", str(self.image_file),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            out, _ = await proc.communicate()
+            if proc.returncode not in (0, 1):  # 1: errors found and corrected
+                detail = out.decode(errors="replace").strip()[-500:]
+                raise BackendError(
+                    f"the sandbox's disk needs a manual fsck (e2fsck exit {proc.returncode}): {detail}"
+                )
+            self.disk_dir.mkdir(exist_ok=True)
+            await mount_loop(self.image_file, self.disk_dir)
+        if not is_mounted(self.rootfs):
+            self.rootfs.mkdir(exist_ok=True)
+            mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
+
+    async def sync(self) -> None:
+        """Write what the layer holds to its file on the host's disk (syncfs of its file system and the file)."""
+
+        def sync() -> None:
+            if is_mounted(self.disk_dir):
+                fd = os.open(self.disk_dir, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    if _libc.syncfs(fd) != 0:
+                        err = ctypes.get_errno()
+                        raise BackendError(f"syncfs of {self.disk_dir}: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+            if self.image_file.is_file():
+                fd = os.open(self.image_file, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        await asyncio.to_thread(sync)
 
     def used_bytes(self) -> int:
         """Bytes used on the writable layer's file system (0 when not mounted)."""

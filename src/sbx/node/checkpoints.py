@@ -117,7 +117,7 @@ class Checkpoints:
             log.warning("sandbox could not be reconnected", extra={"sandbox": sandbox_id, "error": str(exc)})
         sandbox.processes.paused_reason = None
         if sandbox.record.live:
-            await self.host.terminate_locked(sandbox, "crashed")
+            await self.host.lose_locked(sandbox, "crashed")
 
     # -- suspend and resume -----------------------------------------------------------------------------
 
@@ -125,67 +125,75 @@ class Checkpoints:
         """Save a running sandbox with no process running and stop it (memory given back); 409 otherwise."""
         sandbox = self.host.resolve(ref)
         async with sandbox.lock:
-            record = sandbox.record
-            if record.state is not SandboxState.RUNNING:
-                raise Conflict(
-                    f"sandbox {record.id} is {record.state.value}; only a running sandbox can be suspended"
-                )
-            refusal = checkpoint_refusal(
-                record.id, record.runsc_version, self.runsc_version, "it is not suspended"
+            return await self.suspend_locked(sandbox)
+
+    async def suspend_locked(self, sandbox: Sandbox, reason: str | None = None) -> SandboxRecord:
+        """:meth:`suspend` of ``sandbox`` under its lock (held by the caller); audit ``sandbox.suspended`` with
+        ``reason`` when given (``idle``: a persistent sandbox's idle timeout)."""
+        record = sandbox.record
+        if record.state is not SandboxState.RUNNING:
+            raise Conflict(
+                f"sandbox {record.id} is {record.state.value}; only a running sandbox can be suspended"
             )
-            if refusal is not None:
-                raise refusal
-            running = [p.pid for p in sandbox.processes.records() if p.exit_code is None]
-            if running:
-                raise Conflict(
-                    f"sandbox {record.id} has {len(running)} process(es) running (pid "
-                    f"{', '.join(map(str, running))}); wait for them to exit or signal them, then suspend"
-                )
-            if record.id in self._taking:
-                raise Conflict(
-                    f"a snapshot of sandbox {record.id} is being taken; suspend it when that is done"
-                )
-            image = sandbox.directory / SUSPEND_IMAGE
-            shutil.rmtree(image, ignore_errors=True)
-            await sandbox.wake()  # a parked sandbox's agent answers only once woken
-            await self._quiesce(sandbox, "suspending")
-            try:
-                await self.backend.checkpoint(record.id, image)
-            except BackendError as exc:
-                await self._recover(sandbox)
-                raise Internal(f"the sandbox could not be suspended: {exc}") from exc
-            sandbox.processes.paused_reason = "suspended"
-            record.state = SandboxState.SUSPENDED
-            sandbox.save()
-            self.host.state_changed(sandbox)
-            self.host.audit.record("sandbox.suspended", record.id)
-            return record
+        refusal = checkpoint_refusal(
+            record.id, record.runsc_version, self.runsc_version, "it is not suspended"
+        )
+        if refusal is not None:
+            raise refusal
+        running = [p.pid for p in sandbox.processes.records() if p.exit_code is None]
+        if running:
+            raise Conflict(
+                f"sandbox {record.id} has {len(running)} process(es) running (pid "
+                f"{', '.join(map(str, running))}); wait for them to exit or signal them, then suspend"
+            )
+        if record.id in self._taking:
+            raise Conflict(f"a snapshot of sandbox {record.id} is being taken; suspend it when that is done")
+        image = sandbox.directory / SUSPEND_IMAGE
+        shutil.rmtree(image, ignore_errors=True)
+        await sandbox.wake()  # a parked sandbox's agent answers only once woken
+        await self._quiesce(sandbox, "suspending")
+        try:
+            await self.backend.checkpoint(record.id, image)
+        except BackendError as exc:
+            await self._recover(sandbox)
+            raise Internal(f"the sandbox could not be suspended: {exc}") from exc
+        sandbox.processes.paused_reason = "suspended"
+        record.state = SandboxState.SUSPENDED
+        sandbox.save()
+        self.host.state_changed(sandbox)
+        self.host.audit.record("sandbox.suspended", record.id, **({"reason": reason} if reason else {}))
+        return record
 
     async def resume(self, ref: str) -> SandboxRecord:
         """Bring a suspended sandbox back as it was; 409 when it is not suspended."""
         sandbox = self.host.resolve(ref)
         async with sandbox.lock:
-            record = sandbox.record
-            if record.state is not SandboxState.SUSPENDED:
-                raise Conflict(f"sandbox {record.id} is {record.state.value}, not suspended")
-            refusal = resume_refusal(record.id, record.runsc_version, self.runsc_version)
-            if refusal is not None:
-                raise refusal
-            image = sandbox.directory / SUSPEND_IMAGE
-            try:
-                await self.backend.restore(record.id, image)
-                await self.host.reattach_agent(sandbox)
-            except (BackendError, AgentError, OSError) as exc:
-                # Still suspended, the checkpoint kept: a retry restores from it again.
-                raise Internal(f"the sandbox could not be resumed: {exc}") from exc
-            record.state = SandboxState.RUNNING
-            record.runsc_version = self.runsc_version
-            sandbox.save()
-            self.host.state_changed(sandbox)
-            sandbox.touch()
-            self.host.audit.record("sandbox.resumed", record.id)
-            await asyncio.to_thread(shutil.rmtree, image, True)
-            return record
+            return await self.resume_locked(sandbox)
+
+    async def resume_locked(self, sandbox: Sandbox, reason: str | None = None) -> SandboxRecord:
+        """:meth:`resume` of ``sandbox`` under its lock (held by the caller); audit ``sandbox.resumed`` with
+        ``reason`` when given (``request``: woken by a request that needed it)."""
+        record = sandbox.record
+        if record.state is not SandboxState.SUSPENDED:
+            raise Conflict(f"sandbox {record.id} is {record.state.value}, not suspended")
+        refusal = resume_refusal(record.id, record.runsc_version, self.runsc_version)
+        if refusal is not None:
+            raise refusal
+        image = sandbox.directory / SUSPEND_IMAGE
+        try:
+            await self.backend.restore(record.id, image)
+            await self.host.reattach_agent(sandbox)
+        except (BackendError, AgentError, OSError) as exc:
+            # Still suspended, the checkpoint kept: a retry restores from it again.
+            raise Internal(f"the sandbox could not be resumed: {exc}") from exc
+        record.state = SandboxState.RUNNING
+        record.runsc_version = self.runsc_version
+        sandbox.save()
+        self.host.state_changed(sandbox)
+        sandbox.touch()
+        self.host.audit.record("sandbox.resumed", record.id, **({"reason": reason} if reason else {}))
+        await asyncio.to_thread(shutil.rmtree, image, True)
+        return record
 
     async def take_back_stopped(self, sandbox: Sandbox) -> bool:
         """At start, for a sandbox the record says runs but the backend does not: if sandboxd was killed
@@ -350,7 +358,7 @@ class Checkpoints:
                       extra={"sandbox": sandbox.record.id, "error": str(exc)})  # fmt: skip
             sandbox.processes.paused_reason = None
             if sandbox.record.live:
-                await self.host.terminate_locked(sandbox, "crashed")
+                await self.host.lose_locked(sandbox, "crashed")
 
     async def _track_bytes(self, record: SandboxRecord, staging: Path) -> None:
         while True:

@@ -6,7 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sbx import __version__
-from sbx.api.node import SECRET_ENV, WEBSOCKET_ATTACH, Capabilities, NodeStatus, Resources, SandboxCapacity
+from sbx.api.node import (
+    PERSISTENT,
+    SECRET_ENV,
+    WEBSOCKET_ATTACH,
+    Capabilities,
+    NodeStatus,
+    Resources,
+    SandboxCapacity,
+)
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.capacity import read_host, sandbox_capacity
@@ -58,6 +66,7 @@ class NodeContext:
                 "images": True,
                 WEBSOCKET_ATTACH: True,
                 SECRET_ENV: True,
+                PERSISTENT: self.manager.persistent is not None,
             },
             limits=self.config.limits,
             network=self.config.network,

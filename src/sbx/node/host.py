@@ -46,6 +46,19 @@ class SandboxHost(Protocol):
     async def terminate_locked(self, sandbox: Sandbox, reason: str) -> None:
         """Terminate a live sandbox; the caller holds its lock."""
 
+    async def lose_locked(self, sandbox: Sandbox, reason: str) -> None:
+        """A live sandbox crashed: a persistent one is stopped (disk kept), any other terminated; the caller
+        holds its lock."""
+
+    def forget_parked(self, sandbox: Sandbox) -> None:
+        """The sandbox stops running: it is parked no longer."""
+
+    async def connect_agent(self, sandbox_id: str) -> AgentClient:
+        """A new connection to the sandbox's agent (waiting for it to listen)."""
+
+    def watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
+        """Watch the sandbox's new agent connection (reconnect or lose the sandbox when it closes)."""
+
     async def boot(self, record: SandboxRecord, image: InstalledImage) -> AgentClient:
         """Boot ``record``'s sandbox from ``image`` and connect to its agent; nothing is left on failure."""
 

@@ -19,11 +19,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sbx.agent.client import AgentClient, AgentError
-from sbx.api.errors import Conflict, Internal, NotFound, Refused, SandboxError, Unavailable, Unsupported
+from sbx.api.errors import (
+    Conflict,
+    Internal,
+    InvalidRequest,
+    NotFound,
+    Refused,
+    SandboxError,
+    Unavailable,
+    Unsupported,
+)
 from sbx.api.network_policy import MODE_ORDER
 from sbx.api.node import Resources
 from sbx.api.requests import CreateSpec, PatchSpec
-from sbx.backends.base import Backend, BackendError, CheckpointBackend, VolumeBind
+from sbx.backends.base import Backend, BackendError, CheckpointBackend, PersistentBackend, VolumeBind
 from sbx.images.store import ImageStore, InstalledImage
 from sbx.node.activity import hold_for_request
 from sbx.node.audit import AuditLog
@@ -33,6 +42,7 @@ from sbx.node.host import PoolSource
 from sbx.node.idle import IdleTimers
 from sbx.node.images import ImageService
 from sbx.node.parking import Parking
+from sbx.node.persistent import PersistentSandboxes
 from sbx.node.records import SandboxRecord, SandboxState, new_sandbox_id, utc_now
 from sbx.node.reservations import Reservations
 from sbx.node.runtimes import RuntimeLedger, current_runsc, describe, differs
@@ -90,6 +100,8 @@ class SandboxManager:
         #: The node's capacity and who holds it: the live sandboxes (reported here), the pools.
         self.reservations = reservations
         reservations.add_holder("sandboxes", self._held)
+        # A dormant persistent sandbox holds its disk only, and takes no place among max_sandboxes.
+        reservations.add_holder("dormant", self._held_dormant, counted=False)
         self.node_id = node_id
         #: Volumes (see volumes.py): held by live sandboxes from create to terminate.
         self.volumes = VolumeStore(state_dir / "volumes", backend.volumes)
@@ -97,6 +109,13 @@ class SandboxManager:
         self.checkpoints: Checkpoints | None = (
             Checkpoints(self, backend, SnapshotStore(state_dir / "snapshots"), self.runsc_version)
             if isinstance(backend, CheckpointBackend)
+            else None
+        )
+        #: Stop, start and wake of persistent sandboxes (persistent.py); None when the backend cannot stop a
+        #: sandbox and boot it again from its disk.
+        self.persistent: PersistentSandboxes | None = (
+            PersistentSandboxes(self, backend, self.checkpoints, reservations, self.volumes, images)
+            if self.checkpoints is not None and isinstance(backend, PersistentBackend)
             else None
         )
         self.cordoned = False
@@ -158,7 +177,12 @@ class SandboxManager:
                 log.warning(
                     "sandbox could not be taken back", extra={"sandbox": record.id, "error": str(exc)}
                 )
-                await self._terminate(sandbox, "lost")
+                # A persistent one is stopped (reason crash), its disk as last written: a host crash or reboot
+                # took its processes, never its workspace. (A pending one never answered its create.)
+                if record.state is SandboxState.PENDING:
+                    await self._terminate(sandbox, "lost")
+                else:
+                    await self._lose(sandbox, "lost")
             else:
                 self._state_changed(sandbox)
         self._forget_old_terminated()
@@ -197,11 +221,12 @@ class SandboxManager:
 
     async def _take_back(self, sandbox: Sandbox) -> None:
         record = sandbox.record
-        if record.state is SandboxState.SUSPENDED:
-            # Nothing runs: its checkpoint waits on disk for a resume.
+        if record.state in (SandboxState.SUSPENDED, SandboxState.STOPPED):
+            # Nothing runs: a suspended one's checkpoint waits on disk for a resume, a stopped one's disk for a
+            # start.
             sandbox.processes.load()
-            sandbox.processes.paused_reason = "suspended"
-            log.info("suspended sandbox taken back", extra={"sandbox": record.id})
+            sandbox.processes.paused_reason = record.state.value
+            log.info(f"{record.state.value} sandbox taken back", extra={"sandbox": record.id})
             return
         if record.state is SandboxState.PENDING:
             raise BackendError("the sandbox was still starting when sandboxd stopped")
@@ -295,9 +320,28 @@ class SandboxManager:
             return None
 
     def resolve_running(self, ref: str) -> Sandbox:
-        """Like resolve, but a terminated sandbox is 409."""
+        """Like resolve, but a sandbox that is not running is 409."""
         sandbox = self.resolve(ref)
         if sandbox.record.state is not SandboxState.RUNNING:
+            raise Conflict(f"sandbox {sandbox.record.id} is {sandbox.record.state.value}, not running")
+        return sandbox
+
+    def resolve_guest(self, ref: str) -> Sandbox:
+        """Like :meth:`resolve_running` for a request that needs the guest, but a dormant persistent sandbox
+        (suspended, stopped) passes too: the request parses its input, then calls :meth:`wake_for_guest`, so a bad
+        request never wakes one."""
+        sandbox = self.resolve(ref)
+        record = sandbox.record
+        if record.state is not SandboxState.RUNNING and not (record.dormant and self.persistent is not None):
+            raise Conflict(f"sandbox {record.id} is {record.state.value}, not running")
+        return sandbox
+
+    async def wake_for_guest(self, sandbox: Sandbox, running: bool = True) -> Sandbox:
+        """Wake ``sandbox`` when it is a dormant persistent one (persistent.py), then, with ``running``, 409 when
+        it is not running (a DELETE won a race). The request's hold keeps it awake until the request ends."""
+        if sandbox.record.dormant and self.persistent is not None:
+            await self.persistent.wake(sandbox)
+        if running and sandbox.record.state is not SandboxState.RUNNING:
             raise Conflict(f"sandbox {sandbox.record.id} is {sandbox.record.state.value}, not running")
         return sandbox
 
@@ -327,8 +371,17 @@ class SandboxManager:
         return self.reservations.capacity
 
     def _held(self) -> Iterable[Resources]:
-        """What each live sandbox holds (the reservations' holder ``sandboxes``)."""
-        return (Resources(s.record.cpus, s.record.memory_mb, s.record.disk_mb) for s in self.live())
+        """What each live sandbox that is awake (or waking) holds (the reservations' holder ``sandboxes``)."""
+        return (
+            Resources(s.record.cpus, s.record.memory_mb, s.record.disk_mb)
+            for s in self.live()
+            if s.waking or not s.record.dormant
+        )
+
+    def _held_dormant(self) -> Iterable[Resources]:
+        """The disk each dormant persistent sandbox holds (the holder ``dormant``, not counted among
+        max_sandboxes)."""
+        return (Resources(0, 0, s.record.disk_mb) for s in self.live() if s.record.dormant and not s.waking)
 
     def image_users(self, reference: str) -> int:
         """Live sandboxes (starting or running) whose root is the image ``reference``."""
@@ -356,6 +409,11 @@ class SandboxManager:
             raise Unavailable("this node is cordoned and takes no new sandboxes; uncordon it with "
                               "POST /v1/node/cordon {\"cordoned\": false}")  # fmt: skip
         self.volumes.check("", req.volumes)
+        if req.persistent and self.persistent is None:
+            raise Unsupported(
+                f"the {self.backend.name} backend cannot keep a sandbox's disk while it sleeps (capability "
+                "persistent); omit persistent"
+            )
         if req.snapshot_every_secs:
             if self.checkpoints is None:
                 raise Unsupported(
@@ -396,8 +454,11 @@ class SandboxManager:
         image = await self.image_service.ensure(req.image)
         self._check_create(req)  # again: the install may have taken a while
         check_mount_points(image.rootfs, req.volumes)
+        # A persistent sandbox boots on a journaled disk of its own: never one of the pools' (which have none).
         pooled = (
-            self.pools.take(image.reference, req) if self.pools is not None and snapshot is None else None
+            self.pools.take(image.reference, req)
+            if self.pools is not None and snapshot is None and not req.persistent
+            else None
         )
         if pooled is not None:
             return self.adopt(pooled, req)
@@ -421,6 +482,7 @@ class SandboxManager:
             snapshot_keep=(req.snapshot_keep or 1) if req.snapshot_every_secs else 0,
             secret_env_names=sorted(req.secret_env),
             secret_env=dict(req.secret_env),
+            persistent=req.persistent,
         )
         try:
             sandbox = await self._start(record, image, req, snapshot)
@@ -474,7 +536,8 @@ class SandboxManager:
             name=record.name, image=record.image, labels=record.labels, network=record.network.to_wire(),
             env_names=sorted(record.env), snapshot=record.snapshot_id,
             volumes=[{"name": m.name, "path": m.path, "read_only": m.read_only} for m in record.volumes],
-            **({"secret_env_names": record.secret_env_names} if record.secret_env_names else {}), **extra,
+            **({"secret_env_names": record.secret_env_names} if record.secret_env_names else {}),
+            **({"persistent": True} if record.persistent else {}), **extra,
         )  # fmt: skip
 
     async def boot(
@@ -532,9 +595,16 @@ class SandboxManager:
         """Apply a validated PATCH: all fields or none."""
         sandbox = self.resolve(ref)
         record = sandbox.record
+        if req.network is not None and req.network != record.network and self.persistent is not None:
+            await self.persistent.wake(sandbox)  # a policy is applied to a guest that runs
         async with sandbox.lock:
             if not record.live:
                 raise Conflict(f"sandbox {record.id} is terminated and cannot be changed")
+            if record.persistent and req.name == "":
+                raise InvalidRequest(
+                    f"name: sandbox {record.id} is persistent and keeps a name (it is found again by it); give "
+                    "another name instead of removing it"
+                )
             # The name after the PATCH must be free in the name scope after it (labels may move it).
             new_name = (req.name or None) if req.name is not None else record.name
             new_scope = name_scope(req.labels if req.labels is not None else record.labels)
@@ -592,6 +662,21 @@ class SandboxManager:
         """Terminate ``sandbox`` (live) for ``reason``; the caller holds ``sandbox.lock``."""
         await self._terminate(sandbox, reason)
 
+    async def lose_locked(self, sandbox: Sandbox, reason: str) -> None:
+        """``sandbox`` (live) crashed or cannot be brought back (``reason``, e.g. ``crashed``); the caller holds
+        its lock. A persistent one is stopped (reason ``crash``: its disk is kept), any other terminated."""
+        await self._lose(sandbox, reason)
+
+    async def _lose(self, sandbox: Sandbox, reason: str) -> None:
+        if sandbox.record.persistent and self.persistent is not None:
+            await self.persistent.stop_locked(sandbox, "crash")
+        else:
+            await self._terminate(sandbox, reason)
+
+    def forget_parked(self, sandbox: Sandbox) -> None:
+        """``sandbox`` stops running: it is parked no longer (its backend's stop unparks it)."""
+        self.parking.forget(sandbox)
+
     async def _terminate(self, sandbox: Sandbox, reason: str) -> None:
         record = sandbox.record
         record.state = SandboxState.TERMINATED
@@ -648,6 +733,10 @@ class SandboxManager:
         await sandbox.processes.attach_agent(agent)
         self._watch_agent(sandbox, agent)
 
+    def watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
+        """Watch ``agent``, the sandbox's new connection (see :meth:`_watch_agent`)."""
+        self._watch_agent(sandbox, agent)
+
     def _watch_agent(self, sandbox: Sandbox, agent: AgentClient) -> None:
         """When the agent's channel closes on its own: reconnect if the sandbox still runs, else terminate it."""
 
@@ -671,20 +760,24 @@ class SandboxManager:
                         log.info("agent channel re-established", extra={"sandbox": sandbox_id})
                         return
                 log.warning("sandbox agent went away", extra={"sandbox": sandbox_id})
-                await self._terminate(sandbox, "crashed")
+                await self._lose(sandbox, "crashed")
 
         self._spawn(watch())
 
     # -- idle timeout and parking (idle.py, parking.py) ----------------------------------------------------
 
     def _idle_out(self, sandbox: Sandbox) -> None:
-        """Its timer says the sandbox is idle past its timeout: terminate it (reason ``idle``)."""
+        """Its timer says the sandbox is idle past its timeout: terminate it (reason ``idle``), or suspend it
+        when it is persistent (persistent.py)."""
 
         async def terminate() -> None:
             async with sandbox.lock:
                 # Checked again under the lock: a request may have come meanwhile.
                 if sandbox.record.live and self.timers.idle_now(sandbox):
-                    await self._terminate(sandbox, "idle")
+                    if sandbox.record.persistent and self.persistent is not None:
+                        await self.persistent.idle_out(sandbox)
+                    else:
+                        await self._terminate(sandbox, "idle")
                 elif sandbox.record.live:
                     self.timers.changed(sandbox)
 

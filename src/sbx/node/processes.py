@@ -438,12 +438,15 @@ class ProcessTable:
         assert proc.record.exit_code is not None
         yield OutputExit(proc.record.exit_code, True if proc.log.truncated else UNSET)
 
-    async def kill_all(self) -> None:
-        """Mark every running process as ended and drop all output kept on the host (the sandbox is going
-        away; the records and their exit codes stay)."""
+    async def kill_all(self, drop_output: bool = True) -> None:
+        """Mark every running process as ended (exit code -1) and, with ``drop_output``, drop all output kept on
+        the host (the sandbox is going away; the records and their exit codes stay). Without it (a persistent
+        sandbox stopping) every record and its output stay readable."""
         for proc in list(self._procs.values()):
             if proc.record.exit_code is None:
                 await self._finish(proc, TIMED_OUT_EXIT_CODE)
+        if not drop_output:
+            return
         for proc in self._procs.values():
             proc.log.drop_output()
         self._reclaimable.clear()

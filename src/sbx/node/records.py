@@ -24,6 +24,8 @@ class SandboxState(str, Enum):
     PENDING = "pending"
     RUNNING = "running"
     SUSPENDED = "suspended"
+    #: A persistent sandbox's disk without its memory (POST .../stop, or a crash): started again on its next wake.
+    STOPPED = "stopped"
     TERMINATED = "terminated"
 
 
@@ -100,6 +102,18 @@ class SandboxRecord:
     #: Their values, in memory only: never on disk, on the wire or in a log. A restart of sandboxd reads the
     #: record back without them (``secret_env_lost``); processes started since do not get them.
     secret_env: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: Suspended, not terminated, at its idle timeout; woken by the next request that needs its guest (and it has
+    #: a name). Fixed at create.
+    persistent: bool = False
+    #: Why a persistent sandbox is stopped (``request``, ``restore_failed``, ``crash``, ``suspend_failed``); None
+    #: in every other state.
+    stopped_reason: str | None = None
+
+    @property
+    def dormant(self) -> bool:
+        """A persistent sandbox that sleeps (suspended or stopped): it holds its disk, not its cpus and memory,
+        and the next request that needs its guest wakes it."""
+        return self.persistent and self.state in (SandboxState.SUSPENDED, SandboxState.STOPPED)
 
     @property
     def secret_env_lost(self) -> bool:
@@ -116,7 +130,7 @@ class SandboxRecord:
         """What the backend needs to boot this sandbox on ``image_root`` with ``volumes`` bound in."""
         return BootSpec(
             sandbox_id=self.id, image_root=image_root, cpus=self.cpus, memory_mb=self.memory_mb,
-            disk_mb=self.disk_mb, network=self.network, volumes=volumes,
+            disk_mb=self.disk_mb, network=self.network, volumes=volumes, durable_disk=self.persistent,
         )  # fmt: skip
 
     def wire(self) -> Sandbox:
@@ -132,6 +146,10 @@ class SandboxRecord:
             terminated_reason=self.terminated_reason if self.terminated_reason is not None else UNSET,
             secret_env_names=list(self.secret_env_names) if self.secret_env_names else UNSET,
             secret_env_lost=self.secret_env_lost if self.secret_env_names else UNSET,
+            persistent=self.persistent,
+            stopped_reason=(
+                self.stopped_reason or "request" if self.state is SandboxState.STOPPED else UNSET
+            ),
         )  # fmt: skip
 
     def to_disk(self) -> dict[str, Any]:

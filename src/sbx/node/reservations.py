@@ -36,10 +36,15 @@ class Reservations:
         self.max_sandboxes = max_sandboxes
         self.host_check = host_check
         self._holders: dict[str, Holder] = {}
+        #: Holders whose sandboxes take no place among ``max_sandboxes`` (dormant persistent ones).
+        self._uncounted: set[str] = set()
 
-    def add_holder(self, name: str, holder: Holder) -> None:
-        """Count what ``holder`` reports under ``name`` (the pools, the manager's live sandboxes)."""
+    def add_holder(self, name: str, holder: Holder, counted: bool = True) -> None:
+        """Count what ``holder`` reports under ``name`` (the pools, the manager's live sandboxes); its sandboxes
+        count among ``max_sandboxes`` unless ``counted`` is False."""
         self._holders[name] = holder
+        if not counted:
+            self._uncounted.add(name)
 
     def used(self) -> Resources:
         """What every holder holds."""
@@ -51,10 +56,11 @@ class Reservations:
 
     def _count(self) -> tuple[Resources, int]:
         cpus = memory = disk = count = 0
-        for holder in self._holders.values():
+        for name, holder in self._holders.items():
+            counted = name not in self._uncounted
             for held in holder():
                 cpus, memory, disk = cpus + held.cpus, memory + held.memory_mb, disk + held.disk_mb
-                count += 1
+                count += counted
         return Resources(cpus, memory, disk), count
 
     def free(self) -> Resources:

@@ -39,6 +39,8 @@ class Sandbox:
         self.holds = 0
         #: Parked: its processes are stopped on the host (sbx.node.parking); the API still says running.
         self.parked = False
+        #: A dormant persistent sandbox being woken (sbx.node.persistent): its cpus and memory count as held.
+        self.waking = False
         #: Held while it is being parked or woken (one at a time).
         self.park_lock = asyncio.Lock()
         #: No park is tried before this (time.monotonic seconds) after one found the guest busy or failed,

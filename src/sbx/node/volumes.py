@@ -328,6 +328,14 @@ class VolumeStore:
             binds.append(VolumeBind(source=source, path=mount.path, read_only=mount.read_only))
         return tuple(binds)
 
+    async def flush_of(self, sandbox_id: str) -> None:
+        """Write what ``sandbox_id`` wrote to its volumes to their storage (it stopped, and keeps them)."""
+        for name in self.holders_of(sandbox_id):
+            directory = self._dir(name)
+            async with self._lock(name):
+                if self.disks.is_attached(directory):
+                    await self.disks.flush(directory)
+
     def drop_holder(self, sandbox_id: str) -> None:
         """The sandbox is terminated: it no longer holds its volumes (it stays a user until ``release``)."""
         for holders in self._holders.values():

@@ -99,6 +99,7 @@ def table(gw: Gateway) -> list[Route]:
         ("GET", "/v1/sandboxes/{ref}/metrics", "none"),
         ("POST", "/v1/sandboxes/{ref}/suspend", "json"),
         ("POST", "/v1/sandboxes/{ref}/resume", "json"),
+        ("POST", "/v1/sandboxes/{ref}/stop", "json"),
         ("POST", "/v1/sandboxes/{ref}/snapshots", "json"),
         ("PUT", "/v1/sandboxes/{ref}/snapshot-schedule", "json"),
         ("GET", "/v1/snapshots", snap.list),

@@ -41,6 +41,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def attach(request: web.Request) -> web.StreamResponse:
         sandbox, pid = attached_process(request)
         check_upgrade(request, frames.PROTOCOL)
+        await ctx.manager.wake_for_guest(
+            sandbox, running=False
+        )  # a dormant persistent sandbox wakes for its terminal
         with holding(ctx.streams.attaches, sandbox.record.id, "attaches"):
             stream = await upgrade(request, frames.PROTOCOL)
             try:
@@ -52,6 +55,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def attach_websocket(request: web.Request) -> web.StreamResponse:
         sandbox, pid = attached_process(request)
         websocket.check_websocket(request)
+        await ctx.manager.wake_for_guest(sandbox, running=False)
         with holding(ctx.streams.attaches, sandbox.record.id, "attaches"):
             ws = await websocket.accept(request)
             try:

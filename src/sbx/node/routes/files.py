@@ -51,9 +51,11 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     uid, gid = ctx.backend.guest.uid, ctx.backend.guest.gid
 
     async def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
-        """The running sandbox (woken if parked), the checked guest path, and the agent that will act on it."""
-        sandbox = ctx.manager.resolve_running(request.match_info["ref"])
+        """The running sandbox (woken if parked, or if a dormant persistent one), the checked guest path, and the
+        agent that will act on it."""
+        sandbox = ctx.manager.resolve_guest(request.match_info["ref"])
         path = validate_guest_path(query_one(request, "path"))
+        await ctx.manager.wake_for_guest(sandbox)
         await sandbox.wake()
         return sandbox, path, sandbox.processes.require_agent()
 

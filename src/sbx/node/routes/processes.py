@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from sbx.agent.client import AgentConnectionLost
 from sbx.api.codec import encode
-from sbx.api.errors import InvalidRequest
+from sbx.api.errors import Conflict, InvalidRequest
 from sbx.api.processes import ProcessList
 from sbx.api.requests import parse_process, parse_run, parse_signal
 from sbx.node.context import NodeContext
 from sbx.node.processes import base_env
+from sbx.node.records import SandboxState
 from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, read_json_body, stream_body
 
@@ -45,22 +47,32 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     manager = ctx.manager
 
     async def run(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
+        sandbox = manager.resolve_guest(request.match_info["ref"])
         req = parse_run(await read_json_body(request))
-        result = await sandbox.processes.run(
-            list(req.argv),
-            process_env(sandbox, dict(req.env)),
-            sorted(req.env),
-            process_cwd(sandbox, req.cwd),
-            req.stdin,
-            req.timeout_secs,
-        )
+        await manager.wake_for_guest(sandbox)
+        try:
+            result = await sandbox.processes.run(
+                list(req.argv),
+                process_env(sandbox, dict(req.env)),
+                sorted(req.env),
+                process_cwd(sandbox, req.cwd),
+                req.stdin,
+                req.timeout_secs,
+            )
+        except AgentConnectionLost:
+            if sandbox.record.state is SandboxState.RUNNING:
+                raise
+            # Not a fault of the node: a DELETE or stop ended the sandbox while the command ran.
+            raise Conflict(
+                f"sandbox {sandbox.record.id} became {sandbox.record.state.value} while the command ran"
+            ) from None
         sandbox.touch()
         return json_response(result)
 
     async def start(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
+        sandbox = manager.resolve_guest(request.match_info["ref"])
         req = parse_process(await read_json_body(request))
+        await manager.wake_for_guest(sandbox)
         env = process_env(sandbox, dict(req.env))
         tty = (req.rows, req.cols) if req.tty else None
         if tty is not None:
@@ -91,19 +103,21 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return response
 
     async def stdin(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
+        sandbox = manager.resolve_guest(request.match_info["ref"])
         pid = parse_pid(request)
         close = request.query.get("close", "0")
         if close not in ("0", "1"):
             raise InvalidRequest("query parameter close must be 0 or 1")
         sandbox.processes.get(pid)
+        await manager.wake_for_guest(sandbox)
         await sandbox.processes.write_stdin(pid, stream_body(request, FILE_BODY_CAP), close == "1")
         return web.Response(status=204)
 
     async def signal(request: web.Request) -> web.Response:
-        sandbox = manager.resolve_running(request.match_info["ref"])
+        sandbox = manager.resolve_guest(request.match_info["ref"])
         pid = parse_pid(request)
         signum = parse_signal(await read_json_body(request))
+        await manager.wake_for_guest(sandbox)
         await sandbox.processes.signal(pid, signum)
         return web.Response(status=204)
 

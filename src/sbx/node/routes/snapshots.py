@@ -27,14 +27,32 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         return json_response(record.wire())
 
     async def resume(request: web.Request) -> web.Response:
-        record = await checkpoints("resume sandboxes").resume(request.match_info["ref"])
+        service = checkpoints("resume sandboxes")
+        sandbox = manager.resolve(request.match_info["ref"])
+        if sandbox.record.dormant and manager.persistent is not None:
+            # Suspended or stopped persistent: resumed, or booted from its disk (also when its memory image
+            # cannot be restored); answered as it is now.
+            await manager.persistent.wake(sandbox, reason=None)
+            return json_response(sandbox.record.wire())
+        record = await service.resume(request.match_info["ref"])
+        return json_response(record.wire())
+
+    async def stop(request: web.Request) -> web.Response:
+        if manager.persistent is None:
+            raise Unsupported(
+                f"the {ctx.backend.name} backend cannot keep a stopped sandbox's disk (capability persistent)"
+            )
+        record = await manager.persistent.stop(request.match_info["ref"])
         return json_response(record.wire())
 
     async def take(request: web.Request) -> web.Response:
         service = checkpoints("take snapshots")
         ref = request.match_info["ref"]
-        manager.resolve(ref)  # 404 before parsing, so a typo in the ref is named first
+        sandbox = manager.resolve(ref)  # 404 before parsing, so a typo in the ref is named first
         kind = parse_snapshot_create(await read_json_body(request))
+        await manager.wake_for_guest(
+            sandbox, running=False
+        )  # a dormant persistent sandbox is snapshotted awake
         snapshot = await service.snapshot(ref, kind)
         return json_response(snapshot.wire(), status=201)
 
@@ -48,8 +66,9 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
 
     async def schedule(request: web.Request) -> web.Response:
         ref = request.match_info["ref"]
-        manager.resolve(ref)
+        sandbox = manager.resolve(ref)
         req = parse_schedule(await read_json_body(request), ctx.config)
+        await manager.wake_for_guest(sandbox, running=False)
         # Rule 4: a node that takes no snapshots answers 501, after the request is known to be well-formed.
         record = checkpoints("take snapshots, so it keeps no schedule").set_schedule(
             ref, req.every_secs, req.keep
@@ -59,6 +78,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
     return [
         web.post("/v1/sandboxes/{ref}/suspend", suspend),
         web.post("/v1/sandboxes/{ref}/resume", resume),
+        web.post("/v1/sandboxes/{ref}/stop", stop),
         web.post("/v1/sandboxes/{ref}/snapshots", take),
         web.put("/v1/sandboxes/{ref}/snapshot-schedule", schedule),
         web.get("/v1/snapshots", list_snapshots),

@@ -39,9 +39,10 @@ def parse_port(raw: str) -> int:
 
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
     async def tunnel(request: web.Request) -> web.StreamResponse:
-        sandbox = ctx.manager.resolve_running(request.match_info["ref"])
+        sandbox = ctx.manager.resolve_guest(request.match_info["ref"])
         port = parse_port(query_one(request, "port"))
         check_upgrade(request, PROTOCOL)
+        await ctx.manager.wake_for_guest(sandbox)
         await sandbox.wake()
         agent = sandbox.processes.require_agent()
         with holding(ctx.streams.tunnels, sandbox.record.id, "tunnels"):
