@@ -280,9 +280,10 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
 
 
 def test_a_persistent_sandbox_sleeps_stops_and_resumes_on_the_page(browser: Any, fleet: Fleet) -> None:
-    """A persistent sandbox created from the form (idle timeout 3 s): its badge, its idle suspend shown on the open
-    page without a reload, Stop (confirmed) shown as stopped, Resume shown as running, then suspended again. On the
-    list: the badge, Stop only for a persistent one, and a run through the API waking a stopped one shown live."""
+    """A persistent sandbox created from the form: its badge, its idle suspend shown on the open page without a
+    reload, Stop (confirmed) shown as stopped, Resume shown as running, then suspended again. On the list: the badge,
+    Stop only for a persistent one, and a run through the API waking a stopped one shown live. Its idle timeout (8 s)
+    is longer than the page's look (every 5 s), so a page whose look counted as activity would fail here."""
     key = fleet.keys["admin"]
     tab = Tab(browser, fleet.url, wait_ms=WAIT_MS)
     plain = fleet.gw.create(key, name="plain1")
@@ -294,14 +295,14 @@ def test_a_persistent_sandbox_sleeps_stops_and_resumes_on_the_page(browser: Any,
         page = tab.page
         page.click("button:has-text('Create sandbox')")
         page.fill("dialog input[name=name]", "keeper")
-        page.fill("dialog input[name=idle_timeout_secs]", "3")
+        page.fill("dialog input[name=idle_timeout_secs]", "8")
         page.check("dialog input[name=persistent]")
         page.click("dialog button:has-text('Create')")
         page.wait_for_selector("h1:has-text('keeper') .badge.persistent")
         ref = _sandbox_id(fleet, "keeper")
         made.append(ref)
         record = fleet.gw.request("GET", f"/v1/sandboxes/{ref}", key=key).json()
-        assert (record["persistent"], record["idle_timeout_secs"]) == (True, 3), record
+        assert (record["persistent"], record["idle_timeout_secs"]) == (True, 8), record
         page.wait_for_selector("dd >> text=/^yes: suspended, not terminated/")
         # A mark in the page's window: a reload would wipe it.
         page.evaluate("window.__same_page = true")
@@ -321,7 +322,7 @@ def test_a_persistent_sandbox_sleeps_stops_and_resumes_on_the_page(browser: Any,
         tab.shot("sandbox-persistent-stopped")
         head.locator("button", has_text="Resume").click()
         page.wait_for_selector(".sandbox-head .state.running")
-        # Idle 3 s again: suspended again, on the same page.
+        # Idle 8 s again: suspended again, on the same page.
         page.wait_for_selector(".sandbox-head .state.suspended")
         assert page.evaluate("window.__same_page") is True, "the page was reloaded"
 
