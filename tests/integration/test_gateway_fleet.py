@@ -141,7 +141,9 @@ def test_cordon_and_drain(clean: Fleet) -> None:
     running_on_b = [s for s in fleet.nodes["b"].request("GET", "/v1/sandboxes").json()["sandboxes"]
                     if s["state"] != "terminated"]  # fmt: skip
     drained = fleet.gw.request("POST", "/v1/admin/nodes/b/drain", {"terminate": False}, key=admin).json()
-    assert drained == {"node": "b", "cordoned": True, "remaining": len(running_on_b), "terminated": []}
+    assert drained == {
+        "node": "b", "cordoned": True, "remaining": len(running_on_b), "terminated": [], "suspended": []
+    }  # fmt: skip
     # Drain with terminate ends the sandboxes still there, each audited.
     drained = fleet.gw.request("POST", "/v1/admin/nodes/a/drain", {"terminate": True}, key=admin).json()
     assert drained["remaining"] == 0 and placed["id"] in drained["terminated"]

@@ -3,6 +3,7 @@ wake on request, stop and start from the disk, restarts and crashes, capacity, r
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -447,10 +448,12 @@ def test_a_sandboxd_restart_changes_nothing(sandboxd_factory: Callable[..., Sand
     wait_count_above(server, suspended, before)
 
 
+@pytest.mark.parametrize("reboot", [False, True], ids=["crash", "reboot"])
 def test_a_host_crash_leaves_a_running_one_stopped_and_a_suspended_one_suspended(
-    sandboxd_factory: Callable[..., Sandboxd],
+    sandboxd_factory: Callable[..., Sandboxd], reboot: bool
 ) -> None:
-    """SIGKILL of sandboxd and of every runsc process of the sandboxes: what a host crash leaves."""
+    """SIGKILL of sandboxd and of every runsc process of the sandboxes: what a host crash leaves. With
+    ``reboot``, their mounts (the overlay root, the layer's loop mount) are taken away too, as a reboot does."""
     server = sandboxd_factory(CONFIG)
     running = persistent(server, "c-running")["id"]
     suspended = persistent(server, "c-suspended")["id"]
@@ -465,6 +468,12 @@ def test_a_host_crash_leaves_a_running_one_stopped_and_a_suspended_one_suspended
     while subprocess.run(["pgrep", "-f", running], capture_output=True, check=False).returncode == 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    if reboot:
+        for ref in (running, suspended):
+            layer = server.state_dir / "gvisor" / ref / "layer"
+            for mount_point in (layer / "rootfs", layer / "disk"):
+                subprocess.run(["umount", "-l", str(mount_point)], check=True)
+            assert not os.path.ismount(layer / "disk")
     server.start()
     after = get(server, running)
     assert (after["state"], after["stopped_reason"]) == ("stopped", "crash")
@@ -499,4 +508,35 @@ def test_the_disk_is_journaled_and_not_from_the_layer_pool(server: Sandboxd) -> 
     image = server.state_dir / "gvisor" / ref / "layer" / "disk.img"
     out = subprocess.run(["dumpe2fs", "-h", str(image)], capture_output=True, text=True, check=False).stdout
     assert "has_journal" in out
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+# ---- the listening ports a gateway builds port URLs from ------------------------------------------------------
+
+
+def test_listening_ports_on_any_address_and_none_of_a_sleeping_one(server: Sandboxd) -> None:
+    assert server.request("GET", "/v1/capabilities").json()["capabilities"]["listening_ports"] is True
+    ref = persistent(server, "listener")["id"]
+    script = (
+        "import socket, time\n"
+        "a = socket.create_server(('0.0.0.0', 8000)); b = socket.create_server(('127.0.0.1', 8002))\n"
+        "c = socket.socket(socket.AF_INET6); c.bind(('::', 8001)); c.listen()\n"
+        "time.sleep(3600)\n"
+    )
+    text(server, ref, "sh", "-c", f'nohup python3 -c "{script}" >/dev/null 2>&1 &')
+    deadline = time.monotonic() + 10
+    while (got := server.request("GET", f"/v1/sandboxes/{ref}/listening").json())["ports"] != [
+        8000,
+        8001,
+        8002,
+    ]:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert got["awake"] is True
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    assert server.request("GET", f"/v1/sandboxes/{ref}/listening").json() == {"ports": [], "awake": False}
+    assert get(server, ref)["state"] == "suspended"
+    expect_error(
+        server.request("GET", "/v1/sandboxes/sbx_0000000000000000/listening"), 404, "not_found", "no sandbox"
+    )
     server.request("DELETE", f"/v1/sandboxes/{ref}")

@@ -24,14 +24,25 @@ from wire_samples import capabilities_body, node_status_body, sandbox_body
 from sbx.cli.main import main
 
 SANDBOX: dict[str, Any] = sandbox_body(
-    id="sbx_0123456789abcdef", name="web", image="python:3.12", labels={"team": "a"}, idle_timeout_secs=300
-)
+    id="sbx_0123456789abcdef", name="web", image="python:3.12", labels={"team": "a"}, idle_timeout_secs=300,
+    persistent=False,
+)  # fmt: skip
 OTHER: dict[str, Any] = {
     **SANDBOX,
     "id": "sbx_fedcba9876543210",
     "name": "",
     "labels": {"team": "b"},
     "state": "terminated",
+}
+#: A persistent sandbox, stopped by a request (tests/unit/test_cli_persistent.py).
+KEEP: dict[str, Any] = {
+    **SANDBOX,
+    "id": "sbx_00000000000000aa",
+    "name": "keep",
+    "labels": {"team": "c"},
+    "persistent": True,
+    "state": "stopped",
+    "stopped_reason": "request",
 }
 
 
@@ -44,6 +55,8 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str, Any, dict[str, str]]] = []
+        #: Whether the capabilities offer persistent sandboxes.
+        self.persistent = True
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._remember])
@@ -53,6 +66,8 @@ class FakeNode:
         app.router.add_get("/v1/sandboxes/{ref}", self.get)
         app.router.add_delete("/v1/sandboxes/{ref}", self.delete)
         app.router.add_post("/v1/sandboxes/{ref}/run", self.run)
+        app.router.add_post("/v1/sandboxes/{ref}/stop", self.stop)
+        app.router.add_post("/v1/sandboxes/{ref}/resume", self.resume)
         app.router.add_get("/v1/node", self.node)
         app.router.add_post("/v1/node/cordon", self.cordon)
         return app
@@ -66,7 +81,9 @@ class FakeNode:
 
     async def capabilities(self, request: web.Request) -> web.Response:
         body = capabilities_body(audit=True, suspend=False, network_policy_update=False)
-        body["capabilities"] = {"audit": True, "suspend": False, "network_policy_update": False}
+        body["capabilities"] = {
+            "audit": True, "suspend": False, "network_policy_update": False, "persistent": self.persistent
+        }  # fmt: skip
         return web.json_response(body)
 
     async def create(self, request: web.Request) -> web.Response:
@@ -81,13 +98,25 @@ class FakeNode:
 
     async def list(self, request: web.Request) -> web.Response:
         wanted = [label.split("=", 1) for label in request.query.getall("label", [])]
-        found = [s for s in (SANDBOX, OTHER) if all(s["labels"].get(k) == v for k, v in wanted)]
+        found = [s for s in (SANDBOX, OTHER, KEEP) if all(s["labels"].get(k) == v for k, v in wanted)]
         return web.json_response({"sandboxes": found})
 
     async def get(self, request: web.Request) -> web.Response:
-        if request.match_info["ref"] in (SANDBOX["id"], SANDBOX["name"]):
-            return web.json_response(SANDBOX)
+        for box in (SANDBOX, KEEP):
+            if request.match_info["ref"] in (box["id"], box["name"]):
+                return web.json_response(box)
         return _error(404, "not_found", f"no sandbox {request.match_info['ref']!r}")
+
+    async def stop(self, request: web.Request) -> web.Response:
+        if request.match_info["ref"] == KEEP["id"]:
+            return web.json_response(KEEP)
+        return _error(
+            409, "conflict", f"sandbox {request.match_info['ref']} is not persistent; delete it instead"
+        )
+
+    async def resume(self, request: web.Request) -> web.Response:
+        running = {k: v for k, v in KEEP.items() if k != "stopped_reason"}
+        return web.json_response({**running, "state": "running"})
 
     async def delete(self, request: web.Request) -> web.Response:
         if request.match_info["ref"] == "broken":
@@ -232,8 +261,10 @@ def test_ls_table_and_label_filter(fake: tuple[FakeNode, str]) -> None:
     result = _invoke(url, "ls")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["ID", "NAME", "STATE", "IMAGE", "CPUS", "MEMORY_MB", "DISK_MB", "CREATED_AT"]
-    assert lines[1].split()[:3] == ["sbx_0123456789abcdef", "web", "running"]
+    assert lines[0].split() == [
+        "ID", "NAME", "STATE", "PERSISTENT", "IMAGE", "CPUS", "MEMORY_MB", "DISK_MB", "CREATED_AT"
+    ]  # fmt: skip
+    assert lines[1].split()[:4] == ["sbx_0123456789abcdef", "web", "running", "false"]
     # Columns line up: every row has its STATE where the header has it.
     assert lines[2].index("terminated") == lines[0].index("STATE")
     result = _invoke(url, "ls", "--label", "team=b")
@@ -244,7 +275,7 @@ def test_ls_table_and_label_filter(fake: tuple[FakeNode, str]) -> None:
 @pytest.mark.parametrize(
     ("args", "check"),
     [
-        (["ls"], lambda out: [s["id"] for s in out["sandboxes"]] == [SANDBOX["id"], OTHER["id"]]),
+        (["ls"], lambda out: [s["id"] for s in out["sandboxes"]] == [SANDBOX["id"], OTHER["id"], KEEP["id"]]),
         (["get", "web"], lambda out: out == SANDBOX),
         (["create"], lambda out: out["id"] == SANDBOX["id"]),
         (["node"], lambda out: out["capacity"]["cpus"] == 8),
@@ -282,7 +313,7 @@ def test_node_and_capabilities_for_people(fake: tuple[FakeNode, str]) -> None:
     assert "capacity: cpus=8, memory_mb=16384, disk_mb=100000" in result.stdout
     assert "cordoned: false" in result.stdout
     caps = _invoke(url, "capabilities")
-    assert "capabilities: audit\n" in caps.stdout
+    assert "capabilities: audit, persistent\n" in caps.stdout
 
 
 def test_url_and_token_from_the_environment(fake: tuple[FakeNode, str]) -> None:

@@ -348,6 +348,82 @@ async def test_state_calls_build_the_spec_requests() -> None:
     ]
 
 
+async def test_persistent_create_stop_and_resume_build_the_requests() -> None:
+    """A node's answers for one persistent sandbox, from create through stop to resume; each call keeps the
+    answer in ``info``, so the properties follow the sandbox's life."""
+    seen: list[tuple[str, str, Any]] = []
+    answers = {
+        ("POST", "/v1/sandboxes"): (201, sandbox_body(name="keep", persistent=True)),
+        ("POST", "/v1/sandboxes/sbx_1/stop"): (
+            200,
+            sandbox_body(name="keep", persistent=True, state="stopped", stopped_reason="request"),
+        ),
+        ("POST", "/v1/sandboxes/sbx_1/resume"): (200, sandbox_body(name="keep", persistent=True)),
+    }
+
+    def handler(method: str, path: str, body: Any, params: Params | None) -> tuple[int, Any]:
+        seen.append((method, path, body))
+        return answers[(method, path)]
+
+    async with AsyncClient(transport=HandlerTransport(handler)) as client:
+        box = await client.sandboxes.create(name="keep", persistent=True)
+        assert (box.state, box.persistent, box.stopped_reason) == ("running", True, None)
+        assert await box.stop() is box
+        assert (box.state, box.persistent, box.stopped_reason) == ("stopped", True, "request")
+        await box.resume()
+        assert (box.state, box.stopped_reason) == ("running", None)
+    assert seen == [
+        ("POST", "/v1/sandboxes", {"name": "keep", "persistent": True}),
+        ("POST", "/v1/sandboxes/sbx_1/stop", None),
+        ("POST", "/v1/sandboxes/sbx_1/resume", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "state", "persistent", "reason"),
+    [
+        ({}, "running", False, None),  # a server before persistent sandboxes: the field's default
+        ({"persistent": False}, "running", False, None),
+        ({"persistent": True, "state": "suspended"}, "suspended", True, None),
+        ({"persistent": True, "state": "stopped", "stopped_reason": "request"}, "stopped", True, "request"),
+        ({"persistent": True, "state": "stopped", "stopped_reason": "crash"}, "stopped", True, "crash"),
+        ({"persistent": True, "state": "stopped", "stopped_reason": "restore_failed"}, "stopped", True,
+         "restore_failed"),
+    ],
+)  # fmt: skip
+def test_persistent_and_stopped_reason_read_the_answer(
+    overrides: dict[str, Any], state: str, persistent: bool, reason: str | None
+) -> None:
+    box = Sandbox(AsyncClient(transport=HandlerTransport(lambda *_: (500, None))), sandbox(**overrides))
+    assert (box.state, box.persistent, box.stopped_reason) == (state, persistent, reason)
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "code", "message", "error"),
+    [
+        (lambda c, b: c.sandboxes.create(persistent=True), 400, "invalid_request",
+         "persistent: a persistent sandbox needs a name (it is found again by it after every sleep); add name",
+         InvalidRequest),
+        (lambda c, b: b.stop(), 409, "conflict", "sandbox sbx_1 is not persistent: only a persistent one stops",
+         Conflict),
+        (lambda c, b: b.resume(), 503, "unavailable", "no room for 1 cpus and 512 MiB now", Unavailable),
+    ],
+)  # fmt: skip
+async def test_a_refused_persistent_call_raises_the_servers_error_and_keeps_info(
+    call: Any, status: int, code: str, message: str, error: type[SandboxError]
+) -> None:
+    body = {"error": {"code": code, "message": message}}
+    async with AsyncClient(transport=HandlerTransport(lambda *_: (status, body))) as client:
+        box = Sandbox(
+            client, sandbox(name="keep", persistent=True, state="stopped", stopped_reason="request")
+        )
+        with pytest.raises(error) as caught:
+            await call(client, box)
+    assert (caught.value.code, caught.value.message) == (code, message)
+    # The held answer is the last one the server gave, not a guess at what the failed call would have made.
+    assert (box.state, box.stopped_reason) == ("stopped", "request")
+
+
 @pytest.mark.parametrize(
     "body",
     [{"stdout": ""}, {"exit_code": 0, "stdout": "not base64!"}, ["not", "an", "object"]],
@@ -371,6 +447,7 @@ _BOX = sandbox()
         ),
         (lambda c: Sandbox(c, _BOX).update(name="n"), "x", "malformed Sandbox"),
         (lambda c: Sandbox(c, _BOX).suspend(), [], "malformed Sandbox"),
+        (lambda c: Sandbox(c, _BOX).stop(), {"id": "sbx_1"}, "malformed Sandbox"),
         (lambda c: Sandbox(c, _BOX).set_snapshot_schedule(60), 1, "malformed Sandbox"),
         (lambda c: Sandbox(c, _BOX).snapshot(), [], "malformed Snapshot"),
         (lambda c: Sandbox(c, _BOX).events(), [], "malformed EventList"),

@@ -133,6 +133,10 @@ def test_command_argv(command: Any, argv: Any, expected: list[str] | str) -> Non
         ({}, 900, {"labels": {"mcp.session": "s1"}, "idle_timeout_secs": 900}),
         ({}, None, {"labels": {"mcp.session": "s1"}}),
         ({"idle_timeout_secs": 30}, 900, {"labels": {"mcp.session": "s1"}, "idle_timeout_secs": 30}),
+        # Persistent: passed on with its name (the node refuses it without one); idle means suspended then.
+        ({"name": "keep", "persistent": True}, 900,
+         {"name": "keep", "persistent": True, "labels": {"mcp.session": "s1"}, "idle_timeout_secs": 900}),
+        ({"persistent": False}, None, {"persistent": False, "labels": {"mcp.session": "s1"}}),
         (
             {"image": "python:3.12", "cpus": 1, "labels": {"team": "a"}, "network": {"mode": "allowlist",
              "allow": ["pypi.org"]}, "env": {"A": "1"}},
@@ -191,6 +195,8 @@ BAD_ARGUMENTS = [
     ("write_file", {"sandbox": "x", "path": "/a", "content": "", "encoding": "latin-1"},
      "encoding: expected one of utf-8, base64, got 'latin-1'"),
     ("list_sandboxes", {"scope": "mine"}, "scope: expected one of session, all, got 'mine'"),
+    ("create_sandbox", {"name": "keep", "persistent": "yes"}, "persistent: expected a boolean, got a string"),
+    ("fork_sandbox", {"snapshot_id": "snap_1", "persistent": True}, "unknown field 'persistent'"),
 ]  # fmt: skip
 
 

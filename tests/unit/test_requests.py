@@ -142,6 +142,15 @@ def test_create_full_request() -> None:
     assert "cpus" in req.fields_given and "snapshot_id" not in req.fields_given
 
 
+@pytest.mark.parametrize(
+    ("body", "persistent"),
+    [(b"{}", False), (b'{"persistent": false}', False), (b'{"persistent": true, "name": "work"}', True),
+     (b'{"persistent": false, "name": "work"}', False)],
+)  # fmt: skip
+def test_create_persistent(body: bytes, persistent: bool) -> None:
+    assert m.parse_create(body, CONFIG).persistent is persistent
+
+
 def test_create_secret_env_is_kept_apart_from_env() -> None:
     req = m.parse_create(body({"env": {"A": "1"}, "secret_env": {"TOKEN": "s3cret", "EMPTY": ""}}), CONFIG)
     assert (req.env, req.secret_env) == ({"A": "1"}, {"TOKEN": "s3cret", "EMPTY": ""})
@@ -212,6 +221,8 @@ def test_create_idle_timeout(idle: int, config: NodeConfig, expected: int) -> No
         pytest.param({"secret_env": {"LD_PRELOAD": "/x.so"}}, Refused, "secret_env: LD_PRELOAD is reserved (it controls sandbox start-up, the loader or the shell); remove it from secret_env", id="secret-env-reserved"),
         pytest.param({"env": {"B": "1", "A": "1"}, "secret_env": {"A": "2", "B": "2"}}, InvalidRequest, "secret_env: A, B also in env; give each variable in one of env and secret_env", id="secret-env-also-in-env"),
         pytest.param({"secret_env": {"BASH_ENV": "x"}, "labels": {"K": "v"}}, InvalidRequest, "lowercase", id="400-before-403-secret-env"),
+        pytest.param({"persistent": True}, InvalidRequest, "persistent: a persistent sandbox needs a name (it is found again by it after every sleep); add name", id="persistent-without-name"),
+        pytest.param({"persistent": 1, "name": "w"}, InvalidRequest, "persistent: expected a boolean", id="persistent-type"),
         pytest.param({"labels": {"K": "v"}}, InvalidRequest, "lowercase", id="label-key"),
         pytest.param({"labels": {"k": 1}}, InvalidRequest, "labels.k: expected a string", id="label-value-type"),
         pytest.param({"labels": {f"k{i}": "v" for i in range(33)}}, InvalidRequest, "at most 32", id="33-labels"),

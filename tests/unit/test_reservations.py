@@ -59,6 +59,18 @@ def test_max_sandboxes_counts_every_holder_and_refuses_the_next() -> None:
     assert Reservations(Resources(100, 100_000, 1_000_000)).fits(Resources(1, 1, 1))  # 0: no cap
 
 
+def test_an_uncounted_holder_takes_capacity_but_no_place_among_max_sandboxes() -> None:
+    """Dormant persistent sandboxes: their disk is held, their place among max_sandboxes is not."""
+    reservations = Reservations(Resources(4, 4096, 10_000), max_sandboxes=1)
+    reservations.add_holder("sandboxes", list)
+    reservations.add_holder("dormant", lambda: [Resources(0, 0, 2048)] * 3, counted=False)
+    assert reservations.sandboxes() == 0
+    assert reservations.free() == Resources(4, 4096, 10_000 - 3 * 2048)
+    reservations.check(Resources(4, 4096, 0))  # a wake: cpus and memory, its disk already held
+    with pytest.raises(Unavailable, match="disk_mb"):
+        reservations.check(Resources(1, 512, 4096))
+
+
 def test_the_host_check_refuses_after_the_accounting() -> None:
     why: list[str | None] = ["the host has 100 MiB of memory available ..."]
     reservations = Reservations(Resources(8, 8192, 10_000), host_check=lambda: why[0])

@@ -9,6 +9,8 @@ import random
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from sbx.api.codec import encode
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import GuestUser
@@ -82,3 +84,29 @@ def test_timestamps_are_written_as_datetime_writes_them() -> None:
         assert iso_utc(t) == datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace(
             "+00:00", "Z"
         )
+
+
+@pytest.mark.parametrize(
+    ("persistent", "state", "dormant"),
+    [
+        (True, SandboxState.RUNNING, False), (True, SandboxState.SUSPENDED, True), (True, SandboxState.STOPPED, True),
+        (True, SandboxState.TERMINATED, False), (True, SandboxState.PENDING, False),
+        (False, SandboxState.SUSPENDED, False), (False, SandboxState.RUNNING, False),
+    ],
+)  # fmt: skip
+def test_dormant_is_a_persistent_sandbox_asleep(persistent: bool, state: SandboxState, dormant: bool) -> None:
+    assert record(persistent=persistent, state=state).dormant is dormant
+
+
+def test_persistent_and_stopped_reason_on_the_wire_and_on_disk() -> None:
+    plain = json.loads(encode(record().wire()))
+    assert plain["persistent"] is False and "stopped_reason" not in plain
+    stopped = record(persistent=True, state=SandboxState.STOPPED, stopped_reason="crash", name="w")
+    wire = json.loads(encode(stopped.wire()))
+    assert (wire["persistent"], wire["state"], wire["stopped_reason"]) == (True, "stopped", "crash")
+    back = SandboxRecord.from_disk(json.loads(json.dumps(stopped.to_disk())))
+    assert back == stopped
+    # A record written before persistent sandboxes existed reads back as not persistent.
+    old = stopped.to_disk()
+    del old["persistent"], old["stopped_reason"]
+    assert SandboxRecord.from_disk({**old, "state": "running"}).persistent is False

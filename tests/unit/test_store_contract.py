@@ -681,8 +681,8 @@ def _payload_rows(ops: list[Any]) -> list[list[Any]]:
 
 
 SB = {"id": "sb1", "user": "u", "tenant": "", "node": "n1", "name": None, "cpus": 1, "memory_mb": 512,
-      "created": T0}  # fmt: skip
-SB_ROW = ["sb1", "u", "", "n1", None, 1, 512, T0]
+      "created": T0, "persistent": 0, "asleep": 0}  # fmt: skip
+SB_ROW = ["sb1", "u", "", "n1", None, 1, 512, T0, 0, 0]
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ from sbx.api.orgs import (
     OrgCreateRequest,
     OwnOrgList,
 )
+from sbx.api.ports import ListeningPorts
 from sbx.api.processes import Process, ProcessList, ProcessRequest, RunRequest, RunResult, SignalRequest
 from sbx.api.sandboxes import CreateRequest, PatchRequest, Sandbox, SandboxList
 from sbx.api.services import ScaleRequest, SecretList, SecretRequest, Service, ServiceList, ServiceSpec
@@ -186,6 +187,10 @@ ENDPOINTS: Final[tuple[Endpoint, ...]] = (
              capability="audit", errors=_REF | _errs(e.Unsupported)),
     Endpoint("GET", _SBX + "/metrics", "The last hour of host-side samples", BOTH, (READ,),
              answer=SandboxMetrics, capability="metrics", errors=_REF | _errs(e.Unsupported)),
+    # -- ports (an addition: listening_ports on a node; docs/ports.md) ------------------------------------
+    Endpoint("GET", _SBX + "/listening", "TCP ports the guest listens on", NODE, (READ,), answer=ListeningPorts,
+             capability="listening_ports", errors=_REF,
+             notes="Never wakes a sandbox: a suspended or stopped one answers awake false and no ports."),
     # -- suspend, snapshots -------------------------------------------------------------------------
     Endpoint("POST", _SBX + "/suspend", "Suspend", BOTH, (CREATE,), answer=Sandbox, capability="suspend",
              errors=_REF | _errs(e.Unsupported, e.Internal)),

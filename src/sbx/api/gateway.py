@@ -121,13 +121,16 @@ class DrainFailure(msgspec.Struct):
 
 
 class DrainResult(msgspec.Struct, kw_only=True):
-    """What a drain left: sandboxes still running, those it terminated, and those it failed to."""
+    """What a drain left: sandboxes still running, those it terminated, and those it failed to. ``suspended``
+    (an addition, capability ``persistent``): the persistent sandboxes it suspended (without ``terminate``); those
+    asleep do not count in ``remaining``."""
 
     node: str
     cordoned: bool
     remaining: int
     terminated: list[str]
     failed: list[DrainFailure] | UnsetType = UNSET
+    suspended: list[str] = msgspec.field(default_factory=list)
 
 
 class LostSandbox(msgspec.Struct, kw_only=True):

@@ -442,9 +442,7 @@ class GVisorBackend:
                 spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
                 config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
                 if self.net is not None and spec.network.mode != "none":
-                    if not self.net.has_netns(sandbox_id):  # a reboot: made again (its address may change)
-                        await self.net.destroy(sandbox_id)
-                        await self.net.create(sandbox_id, spec.network)
+                    await self.net.ensure(sandbox_id, spec.network)  # a reboot took it: made again
                     self.net.configure_spec(sandbox_id, config)
                 (bundle / "config.json").write_text(json.dumps(config), encoding="utf-8")
                 if self.net is not None:
@@ -585,6 +583,10 @@ class GVisorBackend:
             if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
             self._control_socket(sandbox_id).unlink(missing_ok=True)
+            # After a host reboot the mounts and the network namespace are gone: made again first.
+            await WritableLayer(directory / "layer").ensure_mounted()
+            if self.net is not None:
+                await self.net.ensure(sandbox_id)
             touch_regular(directory / "ctl", WAKE_FILE_NAME)
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
 

@@ -225,6 +225,20 @@ class SandboxNetworks:
             netns=name,
         )
 
+    async def ensure(self, sandbox_id: str, policy: NetworkPolicy | None = None) -> None:
+        """Make the sandbox's namespace again when a reboot took it (under ``policy``, default the one last
+        saved; its address may change); nothing when it exists or the sandbox never had one."""
+        if self.has_netns(sandbox_id):
+            return
+        if policy is None:
+            try:
+                data = json.loads(self._file(sandbox_id).read_text(encoding="utf-8"))
+                policy = NetworkPolicy.from_wire(data["policy"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return  # mode none: no namespace to make
+        await self.destroy(sandbox_id)
+        await self.create(sandbox_id, policy)
+
     @staticmethod
     def _guest_addresses(slot: Slot) -> str:
         return (

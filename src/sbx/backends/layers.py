@@ -201,6 +201,8 @@ class WritableLayer:
         self.image_file = directory / "disk.img"
         self.disk_dir = directory / "disk"
         self.rootfs = directory / "rootfs"
+        #: Names the image root the overlay lies on, so that it can be mounted again after a reboot.
+        self.lower_file = directory / "lower"
 
     async def create(
         self, image_root: Path, disk_mb: int, pool: LayerPool | None = None, journal: bool = False
@@ -217,6 +219,7 @@ class WritableLayer:
             self.rootfs.mkdir(exist_ok=True)
             upper = self.disk_dir / "upper"
             self._prepare_upper(upper, image_root)
+            self.lower_file.write_text(str(image_root), encoding="utf-8")
             mount_overlay(image_root, upper, self.disk_dir / "work", self.rootfs)
         except BaseException:
             await self.remove()
@@ -241,6 +244,7 @@ class WritableLayer:
                 await run_tool("tune2fs", "-q", "-O", "has_journal", str(self.image_file))
             await mount_loop(self.image_file, self.disk_dir)
             self.rootfs.mkdir(exist_ok=True)
+            self.lower_file.write_text(str(image_root), encoding="utf-8")
             mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
         except BaseException:
             await self.remove()
@@ -273,10 +277,10 @@ class WritableLayer:
         if not (image_root / "tmp").is_dir():
             os.chmod(upper / "tmp", 0o1777)
 
-    async def ensure_mounted(self, image_root: Path) -> None:
-        """Mount the layer and its overlay again wherever they are not (a host reboot took the mounts), the
-        journal replayed first; nothing when both are mounted. BackendError when the layer's file is gone or
-        its file system cannot be repaired."""
+    async def ensure_mounted(self, image_root: Path | None = None) -> None:
+        """Mount the layer and its overlay on ``image_root`` (default: the one it was made on) again wherever
+        they are not (a host reboot took the mounts), the journal replayed first; nothing when both are
+        mounted. BackendError when the layer's file is gone or its file system cannot be repaired."""
         if not is_mounted(self.disk_dir):
             if not self.image_file.is_file():
                 raise BackendError(f"the sandbox's disk {self.image_file} is missing")
@@ -293,6 +297,11 @@ class WritableLayer:
             self.disk_dir.mkdir(exist_ok=True)
             await mount_loop(self.image_file, self.disk_dir)
         if not is_mounted(self.rootfs):
+            if image_root is None:
+                try:
+                    image_root = Path(self.lower_file.read_text(encoding="utf-8"))
+                except OSError as exc:
+                    raise BackendError(f"the image root of {self.rootfs} is not recorded: {exc}") from exc
             self.rootfs.mkdir(exist_ok=True)
             mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
 

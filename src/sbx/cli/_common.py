@@ -16,7 +16,8 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from sbx.api.codec import to_builtins
-from sbx.api.errors import SandboxError
+from sbx.api.errors import SandboxError, Unsupported
+from sbx.api.sandboxes import Sandbox as SandboxInfo
 from sbx.client import AsyncClient
 from sbx.client._endpoint import Endpoint
 from sbx.client._transport import AiohttpTransport
@@ -60,6 +61,22 @@ def fail(exc: SandboxError) -> NoReturn:
     """Print ``code: message`` on stderr and exit 1."""
     click.echo(f"{exc.code}: {exc.message}", err=True)
     raise click.exceptions.Exit(EXIT_FAILED)
+
+
+async def require_capability(client: AsyncClient, flag: str, offer: str, instead: str) -> None:
+    """``Unsupported`` unless the server's capabilities have ``flag`` on, before anything else is sent: a
+    server that does not offer ``offer`` (e.g. "persistent sandboxes") would otherwise answer with a less
+    telling error; ``instead`` says what the user can do then."""
+    caps = await client.capabilities()
+    if not caps.capabilities.get(flag):
+        raise Unsupported(f"this server does not offer {offer} (capability {flag!r} is off): {instead}")
+
+
+def state_text(info: SandboxInfo) -> str:
+    """A sandbox's state for people: ``running``, or ``stopped (crash)`` with why a stopped one stopped."""
+    if isinstance(info.stopped_reason, str):
+        return f"{info.state} ({info.stopped_reason})"
+    return info.state
 
 
 def pairs(values: Sequence[str], option: str) -> dict[str, str]:

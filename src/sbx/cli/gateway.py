@@ -91,8 +91,11 @@ def drain(opts: Options, node: str, terminate: bool) -> None:
     click.echo(f"{node}: cordoned; {answer.remaining} sandboxes still running")
     if answer.terminated:
         click.echo(f"terminated: {len(answer.terminated)}")
+    if answer.suspended:
+        click.echo(f"persistent sandboxes suspended: {len(answer.suspended)}")
     for failure in answer.failed or []:
-        click.echo(f"failed to terminate {failure.id}: {failure.error}", err=True)
+        what = "terminate" if terminate else "suspend"
+        click.echo(f"failed to {what} {failure.id}: {failure.error}", err=True)
 
 
 @gateway.command()

@@ -2,7 +2,7 @@
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
 ``shell``, ``ssh`` (through a gateway's SSH server), ``files`` (cp), ``forward``, ``node`` (node, capabilities,
-events), ``images``, ``state`` (suspend, resume, snapshot, snapshots, volumes), ``gateway``, ``mcp`` (an MCP
+events), ``images``, ``state`` (suspend, resume, stop, snapshot, snapshots, volumes), ``gateway``, ``mcp`` (an MCP
 server over the SDK, ``sbx.mcp``).
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
@@ -74,6 +74,7 @@ for command in (
     images.images,
     state.suspend,
     state.resume,
+    state.stop,
     state.snapshot,
     state.snapshots,
     state.volumes,

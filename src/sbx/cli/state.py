@@ -1,5 +1,6 @@
-"""``suspend``, ``resume``, ``snapshot``, ``snapshots ls|rm`` and ``volumes ls|create|rm``: state that outlives
-a run (see docs/snapshots.md and docs/volumes.md). Forks: ``create --from-snapshot ID``."""
+"""``suspend``, ``resume``, ``stop``, ``snapshot``, ``snapshots ls|rm`` and ``volumes ls|create|rm``: state that
+outlives a run (see docs/snapshots.md and docs/volumes.md). Forks: ``create --from-snapshot ID``; persistent
+sandboxes: ``create --persistent --name N``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,19 @@ from collections.abc import Awaitable, Callable, Sequence
 import click
 
 from sbx.api.codec import to_builtins
+from sbx.api.node import PERSISTENT
 from sbx.api.snapshots import Snapshot
-from sbx.cli._common import Options, call, cell, pass_options, print_fields, print_json, print_table
+from sbx.cli._common import (
+    Options,
+    call,
+    cell,
+    pass_options,
+    print_fields,
+    print_json,
+    print_table,
+    require_capability,
+    state_text,
+)
 from sbx.client import AsyncClient, Sandbox
 
 SNAPSHOT_COLUMNS = ("id", "sandbox", "kind", "bytes", "created_at", "scheduled")
@@ -50,7 +62,7 @@ def _show_sandbox(opts: Options, sandbox: Sandbox) -> None:
     if opts.as_json:
         print_json(sandbox.info)
     else:
-        click.echo(f"{sandbox.id}: {sandbox.info.state}")
+        click.echo(f"{sandbox.id}: {state_text(sandbox.info)}")
 
 
 @click.command()
@@ -72,10 +84,29 @@ def suspend(opts: Options, ref: str) -> None:
 @click.argument("ref")
 @pass_options
 def resume(opts: Options, ref: str) -> None:
-    """Bring suspended sandbox REF back as it was."""
+    """Bring suspended sandbox REF back as it was, or start stopped persistent sandbox REF from its disk."""
 
     async def go(client: AsyncClient) -> Sandbox:
         return await (await client.sandboxes.get(ref)).resume()
+
+    _show_sandbox(opts, call(opts, go))
+
+
+@click.command()
+@click.argument("ref")
+@pass_options
+def stop(opts: Options, ref: str) -> None:
+    """Stop persistent sandbox REF: its processes end and its memory is freed, its disk, volumes, name and
+    labels are kept. `resume`, or any command that needs it (run, exec, cp, ...), starts it again.
+
+    Refused for a sandbox created without --persistent (`rm` terminates that one).
+    """
+
+    async def go(client: AsyncClient) -> Sandbox:
+        await require_capability(
+            client, PERSISTENT, "persistent sandboxes", "`suspend` or `rm` the sandbox instead"
+        )
+        return await (await client.sandboxes.get(ref)).stop()
 
     _show_sandbox(opts, call(opts, go))
 

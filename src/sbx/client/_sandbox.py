@@ -53,7 +53,9 @@ class Sandboxes:
         """``POST /v1/sandboxes`` with a ``CreateRequest`` or the spec's create fields as keywords (all
         optional): ``name``, ``image``, ``cpus``, ``memory_mb``, ``disk_mb``, ``env``, ``secret_env`` (environment
         the node keeps in memory only; capability ``secret_env``), ``network``, ``labels``, ``idle_timeout_secs``,
-        ...; an unknown field or a wrong type is ``InvalidRequest``."""
+        ``persistent`` (capability ``persistent``: suspended instead of terminated after ``idle_timeout_secs``
+        seconds idle, woken by the next call that needs it, stoppable with ``stop()``; needs ``name``, else the
+        server answers ``InvalidRequest``), ...; an unknown field or a wrong type is ``InvalidRequest``."""
         body = request if request is not None else convert_request(fields, CreateRequest)
         return Sandbox(self._client, await self._client.call("POST", "/v1/sandboxes", SandboxInfo, json=body))
 
@@ -81,7 +83,7 @@ class Sandbox:
     """One sandbox. ``async with`` deletes it on the way out.
 
     Attributes: ``id``, ``info`` (the Sandbox object as last answered), ``files`` (``Files``);
-    properties ``name``, ``state``, ``image``, ``labels`` read ``info``.
+    properties ``name``, ``state``, ``image``, ``labels``, ``persistent`` and ``stopped_reason`` read ``info``.
     """
 
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
@@ -102,8 +104,21 @@ class Sandbox:
 
     @property
     def state(self) -> str:
-        """``pending``, ``running``, ``terminated`` (``suspended`` where supported), as last read."""
+        """``pending``, ``running``, ``terminated`` (``suspended`` where supported; ``stopped`` for a persistent
+        sandbox stopped by ``stop()`` or by a failure, see ``stopped_reason``), as last read."""
         return self.info.state
+
+    @property
+    def persistent(self) -> bool:
+        """Whether it was created with ``persistent=True``: suspended, not terminated, when idle."""
+        return self.info.persistent
+
+    @property
+    def stopped_reason(self) -> str | None:
+        """Why it is ``stopped`` (``request``, ``restore_failed``, ``crash``, ``suspend_failed``); ``None``
+        unless its state is ``stopped``, as last read."""
+        reason = self.info.stopped_reason
+        return reason if isinstance(reason, str) else None
 
     @property
     def image(self) -> str:
@@ -154,8 +169,17 @@ class Sandbox:
         return await self._call("POST", "/suspend")
 
     async def resume(self) -> Self:
-        """Bring a suspended sandbox back as it was. Returns itself with ``info`` updated."""
+        """Bring a suspended sandbox back as it was, or start a stopped persistent one from its disk (new
+        processes, every file kept; ``Unavailable`` when the node has no room for it now). Returns itself with
+        ``info`` updated."""
         return await self._call("POST", "/resume")
+
+    async def stop(self) -> Self:
+        """Stop a persistent sandbox (capability ``persistent``): its processes end and its memory is freed;
+        disk, volumes, name, labels and network are kept, state ``stopped``. ``Conflict`` for a sandbox that
+        is not persistent; stopping a stopped one is fine. ``resume()``, or any call that needs the guest
+        (``run``, files, processes, ...), starts it again. Returns itself with ``info`` updated."""
+        return await self._call("POST", "/stop")
 
     async def snapshot(self, kind: str = "memory") -> Snapshot:
         """Take a ``memory`` (everything, processes running) or ``disk`` (files only) snapshot; returns the

@@ -7,7 +7,8 @@ keeping five old generations (``FILE.1`` newest .. ``FILE.5`` oldest). Entries::
      "target"?, "node"?, "result"?}
 
 ``kind`` is ``api``, ``revocation``, ``drain`` or ``org``; ``type`` is ``api.request``, ``api.revoked``,
-``drain.terminate``, ``org.created``, ``org.member_added``, ``org.member_role``, ``org.member_removed``.
+``drain.terminate``, ``drain.suspend`` (a persistent sandbox a drain suspended), ``org.created``,
+``org.member_added``, ``org.member_role``, ``org.member_removed``.
 ``route`` is the path's shape (``/v1/sandboxes/{ref}/run``), never the query string; a credential is named by
 its key id only. Best-effort: a failed write is logged, never raised.
 

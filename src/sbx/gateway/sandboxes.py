@@ -13,9 +13,10 @@ Create (spec: On create through a gateway):
 3. under the owner's lock a name must be free among their live sandboxes (409), and under the tenant's lock
    the quota must hold for what the node will really give: the request's resources, else the snapshot's (a
    fork), else the node's own defaults as it reports them (403);
-4. placement picks a node; one refusing for capacity (503) or not answering (502) is skipped; the node gets
-   the request with the resources made explicit, so what was counted is exactly what it gives; any other
-   refusal is the caller's, as the node sent it.
+4. placement picks a node, among those offering what the request needs (``secret_env``, ``persistent``: 503
+   naming the capability when none answering does); one refusing for capacity (503) or not answering (502) is
+   skipped; the node gets the request with the resources made explicit, so what was counted is exactly what it
+   gives; any other refusal is the caller's, as the node sent it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from msgspec import UNSET
 from msgspec.structs import replace
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
-from sbx.api.node import SECRET_ENV, Resources
+from sbx.api.node import PERSISTENT, SECRET_ENV, Resources
 from sbx.api.requests import check_create
 from sbx.api.sandboxes import CreateRequest, Sandbox
 from sbx.api.snapshots import Snapshot
@@ -209,6 +210,7 @@ class Sandboxes:
         avoid: frozenset[str] = frozenset(),
     ) -> tuple[Sandbox, Node, Resources]:  # fmt: skip
         gw = self.gw
+        needs = _capabilities_needed(req)
         tried: set[str] = set()
         over_quota: Refused | None = None
         lacking: set[str] = set()
@@ -217,13 +219,14 @@ class Sandboxes:
             candidates = gw.registry.candidates()
             if pinned is not None:
                 candidates = [c for c in candidates if c.name == pinned]
-            if req.secret_env:
-                # Only a node that keeps secret environment off its disk gets it (an older one would write it
-                # into its sandbox record).
+            if needs:
+                # Only a node offering what the request needs gets it: one keeping secret environment off its
+                # disk (an older one would write it into its sandbox record), one that lets a persistent sandbox
+                # sleep (an older one would refuse the field, or terminate it at its idle timeout).
                 lacking = {
                     c.name
                     for c in candidates
-                    if c.taking_new and not gw.registry.nodes[c.name].offers(SECRET_ENV)
+                    if c.taking_new and not all(gw.registry.nodes[c.name].offers(n) for n in needs)
                 }
                 candidates = [c for c in candidates if c.name not in lacking]
             # Nodes to avoid are asked only once every other node has been.
@@ -255,10 +258,7 @@ class Sandboxes:
             raise over_quota
         gw.metrics.refused.labels("capacity").inc()
         if lacking and not tried:
-            raise Unavailable(
-                f"no node can take secret environment now: {', '.join(sorted(lacking))} cannot keep it off their "
-                f"disk (capability {SECRET_ENV}); upgrade sandboxd there"
-            )
+            raise Unavailable(_lacking_message(needs, sorted(lacking)))
         where = f"node {pinned}" if pinned else "any node"
         said = f"; {'; '.join(refusals)}" if refusals else ""
         raise Unavailable(f"no node can take this now ({where}: none answering with free capacity and not cordoned"
@@ -281,6 +281,29 @@ class Sandboxes:
             raise Conflict(f"the volumes and snapshot named are on different nodes ({', '.join(sorted(nodes))}): "
                            "a sandbox can use only what one node holds")  # fmt: skip
         return (nodes.pop() if nodes else None), snapshot
+
+
+def _capabilities_needed(req: CreateRequest) -> tuple[str, ...]:
+    """The capability flags a node must offer to take ``req`` (additions the request uses)."""
+    needs = []
+    if req.secret_env:
+        needs.append(SECRET_ENV)
+    if req.persistent is True:
+        needs.append(PERSISTENT)
+    return tuple(needs)
+
+
+def _lacking_message(needs: tuple[str, ...], lacking: list[str]) -> str:
+    """The 503's message when every node answering lacks a capability in ``needs``."""
+    nodes = ", ".join(lacking)
+    if needs == (SECRET_ENV,):
+        return (f"no node can take secret environment now: {nodes} cannot keep it off their disk (capability "
+                f"{SECRET_ENV}); upgrade sandboxd there")  # fmt: skip
+    if needs == (PERSISTENT,):
+        return (f"no node can take a persistent sandbox now: {nodes} lack the capability {PERSISTENT}; upgrade "
+                "sandboxd there, or create it without persistent")  # fmt: skip
+    return (f"no node can take this now: {nodes} lack one of the capabilities {', '.join(needs)} it needs; "
+            "upgrade sandboxd there")  # fmt: skip
 
 
 def _requested(req: CreateRequest, snapshot: Snapshot | None) -> Requested:

@@ -1,6 +1,6 @@
 """The core of a serving gateway: its state (store, node registry, audit log, metrics, open requests), the loops
-(node poller, ownership forget sweep, revocation recheck), reconcile of records with the nodes' listings, and the
-ownership look-ups and quota usage every route uses.
+(node poller, ownership forget sweep, revocation recheck), reconcile of records with the nodes' listings (their
+owners, and whether a persistent sandbox is asleep), and the ownership look-ups and quota usage every route uses.
 
 The request pipeline is in ``middlewares.py``; the one route table is ``routes.table`` (handlers in ``routes/``
 and ``orgs.py``); sandboxes and snapshots are services (``sandboxes.py``, ``snapshots.py``) the routes and the
@@ -30,6 +30,7 @@ from sbx.gateway.jobs.controller import CANCEL_SIGNAL, JobController, JobOptions
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
+from sbx.gateway.persistent import Wakes, is_asleep
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.secrets import SecretBox, Secrets
@@ -121,6 +122,8 @@ class Gateway:
         self.catch_up = CatchUp(lambda: store.caught_up(CATCH_UP_SECS), CATCH_UP_SECS)
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
+        #: Persistent sandboxes' sleep as the records know it, and the quota check before one is woken.
+        self.wakes = Wakes(self)
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
         self.watchers: list[AccessWatcher] = []
         #: The SSH server, while one is served (``--ssh-listen``).
@@ -416,7 +419,12 @@ class Gateway:
             )
         for sandbox_id, wire in live.items():
             labels = wire.labels
-            if sandbox_id in self.store.sandboxes or OWNER_LABEL not in labels:
+            known = self.store.sandboxes.get(sandbox_id)
+            if known is not None and known.node == node.name:
+                # Asleep or awake since (an idle timeout, a wake); a call failing now leaves it to the next one.
+                with contextlib.suppress(SandboxError):
+                    await self.wakes.learnt(known, wire)
+            if known is not None or OWNER_LABEL not in labels:
                 continue
             await self.write(self.store.put_sandbox, self.record_from(wire, node.name, labels[OWNER_LABEL],
                                                                       labels.get(TENANT_LABEL, "")))  # fmt: skip
@@ -433,7 +441,8 @@ class Gateway:
     def record_from(self, wire: Sandbox, node: str, user: str, tenant: str) -> SandboxRecord:
         return SandboxRecord(
             id=wire.id, user=user, tenant=tenant, node=node, name=wire.name or None, cpus=wire.cpus,
-            memory_mb=wire.memory_mb, created=wire.created_at or now_rfc3339(),
+            memory_mb=wire.memory_mb, created=wire.created_at or now_rfc3339(), persistent=wire.persistent,
+            asleep=is_asleep(wire),
         )  # fmt: skip
 
     # -- revocation ----------------------------------------------------------------------------
@@ -487,13 +496,16 @@ class Gateway:
         return node
 
     def tenant_usage(self, tenant: str) -> tuple[int, int, int]:
-        """(sandboxes, cpus, memory_mb) counted against ``tenant``'s quota: records not on lost nodes."""
+        """(sandboxes, cpus, memory_mb) counted against ``tenant``'s quota: records not on lost nodes. A persistent
+        sandbox asleep (suspended or stopped) counts as a sandbox but not its cpus and memory: its node holds only
+        its disk, and waking it is checked against the quota first (``sbx.gateway.persistent``)."""
         count = cpus = memory = 0
         for r in list(self.store.sandboxes.values()):
             if r.tenant == tenant and not self.is_lost_node(r.node):
                 count += 1
-                cpus += r.cpus
-                memory += r.memory_mb
+                if not r.asleep:
+                    cpus += r.cpus
+                    memory += r.memory_mb
         return count, cpus, memory
 
 

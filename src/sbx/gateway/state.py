@@ -6,7 +6,7 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
     keys        id, user, tenant ('' = default), scopes (JSON), secret_sha256, created, revoked
     nodes       admin-added nodes: name, endpoint, token_file, ca_file, cert_file, key_file, added
     node_flags  name, cordoned, drained   (kept for node-file nodes too; restored on each poll)
-    sandboxes   ownership records: id, user, tenant, node, name, cpus, memory_mb, created
+    sandboxes   ownership records: id, user, tenant, node, name, cpus, memory_mb, created, persistent, asleep
     volumes     name (one namespace), user, tenant, node, created
     snapshots   id, user, tenant, node, sandbox, created
     orgs        name, created, created_by, created_by_tenant
@@ -100,7 +100,11 @@ class NodeDef:
 
 @dataclass(frozen=True)
 class SandboxRecord:
-    """Who owns a sandbox, and where it runs. ``tenant`` is ``''`` for the default tenant."""
+    """Who owns a sandbox, and where it runs. ``tenant`` is ``''`` for the default tenant.
+
+    ``persistent``: made with ``persistent`` (capability ``persistent``). ``asleep``: such a sandbox is, as the
+    gateway last learnt, suspended or stopped; its cpus and memory then do not count against its tenant's quota,
+    and a request that would wake it is checked against the quota first (``sbx.gateway.persistent``)."""
 
     id: str
     user: str
@@ -110,6 +114,8 @@ class SandboxRecord:
     cpus: int
     memory_mb: int
     created: str
+    persistent: bool = False
+    asleep: bool = False
 
 
 @dataclass(frozen=True)

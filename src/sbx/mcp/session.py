@@ -4,7 +4,8 @@ A session is one run of ``sandbox-cli mcp`` (one host connection over stdio; eve
 streamable HTTP server shares it). It has a random id; every sandbox it creates or forks carries the label
 ``mcp.session=<id>`` and the session's idle timeout, so its sandboxes can be listed (``list_sandboxes``) and
 are reaped by the server even if the session dies without cleaning up. When the session ends it terminates
-its sandboxes and deletes the snapshots it took, unless started with ``--keep`` (docs/mcp.md).
+its sandboxes and deletes the snapshots it took, unless started with ``--keep`` (docs/mcp.md); a persistent
+sandbox is never terminated then (it was asked for to outlive the session), only by ``terminate_sandbox``.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class Session:
         self.id = secrets.token_hex(6)
         self.client = client or AsyncClient(transport=AiohttpTransport(config.endpoint))
         self.sandboxes: set[str] = set()
+        #: The persistent ones among ``sandboxes``: the end of the session leaves them.
+        self.persistent: set[str] = set()
         self.snapshots: set[str] = set()
         self.followers: OrderedDict[tuple[str, int], Follower] = OrderedDict()
         self._handles: OrderedDict[str, Sandbox] = OrderedDict()
@@ -121,8 +124,8 @@ class Session:
 
     async def close(self) -> None:
         """End the session: stop following, and (unless ``keep``) terminate its sandboxes (those it knows of
-        and any carrying its label) and delete its snapshots, all at once; then close the client. Failures are
-        logged, never raised: the idle timeout reaps what could not be removed."""
+        and any carrying its label) but the persistent ones, and delete its snapshots, all at once; then close
+        the client. Failures are logged, never raised: the idle timeout reaps what could not be removed."""
         for follower in list(self.followers.values()):
             await follower.stop()
         self.followers.clear()
@@ -134,14 +137,18 @@ class Session:
 
     async def _remove_everything(self) -> None:
         known = set(self.sandboxes)
+        # What this session made persistent, and what the server says is: persistent can only be set at
+        # create, so either one knowing it is enough to leave the sandbox alone.
+        kept = set(self.persistent)
         try:
             labelled = await self.client.sandboxes.list(labels={t.SESSION_LABEL: self.id})
             known |= {s.id for s in labelled if s.state != "terminated"}
+            kept |= {s.id for s in labelled if s.persistent}
         except SandboxError as exc:
             log.warning(
                 "listing the session's sandboxes failed", extra={"code": exc.code, "error": exc.message}
             )
-        ids = sorted(known)
+        ids = sorted(known - kept)
         results = await asyncio.gather(
             *(self.client.sandboxes.delete(i) for i in ids), return_exceptions=True
         )
@@ -161,7 +168,15 @@ class Session:
                     "deleting a snapshot at the end failed",
                     extra={"snapshot": snapshot_id, "error": str(result)},
                 )
-        log.info("session ended", extra={"session": self.id, "sandboxes": len(ids), "snapshots": len(snaps)})
+        log.info(
+            "session ended",
+            extra={
+                "session": self.id,
+                "sandboxes": len(ids),
+                "kept": len(kept & known),
+                "snapshots": len(snaps),
+            },
+        )
 
     # -- sandboxes -----------------------------------------------------------------------------------------
 
@@ -190,7 +205,8 @@ class Session:
             id=info.id, name=info.name, state=info.state, image=info.image, cpus=info.cpus,
             memory_mb=info.memory_mb, disk_mb=info.disk_mb, network=to_builtins(info.network),
             labels=dict(info.labels), idle_timeout_secs=info.idle_timeout_secs, created_at=info.created_at,
-            this_session=info.labels.get(t.SESSION_LABEL) == self.id,
+            this_session=info.labels.get(t.SESSION_LABEL) == self.id, persistent=info.persistent,
+            stopped_reason=info.stopped_reason,
         )  # fmt: skip
 
     async def _idle_timeout(self) -> int | None:
@@ -206,6 +222,8 @@ class Session:
         fields = t.create_fields(args, self.id, await self._idle_timeout())
         sandbox = await self.client.sandboxes.create(**fields)
         self.sandboxes.add(sandbox.id)
+        if sandbox.persistent:
+            self.persistent.add(sandbox.id)
         self._hold(sandbox)
         return self.summary(sandbox.info)
 
@@ -235,6 +253,7 @@ class Session:
         for key in [k for k in self.followers if k[0] == sandbox_id]:
             await self.followers.pop(key).stop()
         self.sandboxes.discard(sandbox_id)
+        self.persistent.discard(sandbox_id)
         self._handles.pop(sandbox_id, None)
         return t.Terminated(sandbox=args.sandbox, terminated=True)
 

@@ -94,7 +94,13 @@ class CreateSandboxArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     ) = UNSET
     idle_timeout_secs: (
         Annotated[int, Meta(ge=1, description="Seconds without any request or running process before the "
-              "sandbox is terminated. Default: the MCP server's idle timeout.")]
+              "sandbox is terminated (suspended if persistent). Default: the MCP server's idle timeout.")]
+        | UnsetType
+    ) = UNSET  # fmt: skip
+    persistent: (
+        Annotated[bool, Meta(description="Keep the sandbox beyond this session: when idle it is suspended "
+              "instead of terminated, and the next call that needs it wakes it with its files, so it lasts "
+              "until terminate_sandbox. Needs name (find it again by it, e.g. in a later session).")]
         | UnsetType
     ) = UNSET  # fmt: skip
 
@@ -249,7 +255,8 @@ class SnapshotArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class SandboxSummary(msgspec.Struct, kw_only=True):
-    """A sandbox as the tools show it."""
+    """A sandbox as the tools show it; ``persistent``: suspended, not terminated, when idle and left alone at
+    the session's end; ``stopped_reason`` only while it is ``stopped``."""
 
     id: str
     name: str | None
@@ -263,6 +270,8 @@ class SandboxSummary(msgspec.Struct, kw_only=True):
     idle_timeout_secs: int
     created_at: str
     this_session: bool
+    persistent: bool
+    stopped_reason: str | UnsetType = UNSET
 
 
 class SandboxList(msgspec.Struct, kw_only=True):
@@ -516,8 +525,10 @@ TOOLS: tuple[ToolSpec, ...] = (
         "create_sandbox", "Create a sandbox",
         "Create an isolated Linux sandbox (gVisor) and return it. Commands run as an unprivileged user with home "
         "/sandbox/home. The sandbox is labelled with this MCP session, terminated after idle_timeout_secs without "
-        "use, and terminated when the session ends unless the server runs with --keep. Network is the server's "
-        "default unless network is given.",
+        "use, and terminated when the session ends unless the server runs with --keep. With persistent true (it "
+        "needs a name) it outlives the session instead: suspended when idle, woken with its files by the next "
+        "call that needs it, never removed when the session ends; terminate_sandbox removes it. Network is the "
+        "server's default unless network is given.",
         CreateSandboxArgs, SandboxSummary,
     ),
     ToolSpec(

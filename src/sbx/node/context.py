@@ -15,6 +15,7 @@ from sbx.api.node import (
     Resources,
     SandboxCapacity,
 )
+from sbx.api.ports import LISTENING_PORTS
 from sbx.backends.base import Backend
 from sbx.node.audit import AuditLog
 from sbx.node.capacity import read_host, sandbox_capacity
@@ -67,6 +68,7 @@ class NodeContext:
                 WEBSOCKET_ATTACH: True,
                 SECRET_ENV: True,
                 PERSISTENT: self.manager.persistent is not None,
+                LISTENING_PORTS: True,
             },
             limits=self.config.limits,
             network=self.config.network,

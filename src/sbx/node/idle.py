@@ -11,7 +11,8 @@ nothing until its idle timeout, a single timer.
 What is decided is one pure function, :func:`decide`, of what is known of the sandbox at that moment
 (:class:`IdleView`), so its rules are tested as tables (tests/unit/test_idle.py):
 
-- **terminate** (reason ``idle``): running, no process running, no request in progress (``holds``), and
+- **terminate** (reason ``idle``; a persistent sandbox is suspended instead, sbx.node.persistent): running, no
+  process running, no request in progress (``holds``), and
   ``idle_timeout_secs`` (> 0) since the last activity (spec: no request naming it and no process running for
   that long; a request names it for as long as it lasts, so a tunnel in use for an hour is an hour of
   activity, and the idle time counts from its end). Parked or not: a parked sandbox is destroyed like any

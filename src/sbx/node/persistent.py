@@ -120,7 +120,7 @@ class PersistentSandboxes:
         asleep again before the request is served): a suspended one is resumed, a stopped one booted from its
         disk; a suspended one whose memory image cannot be restored is stopped (``restore_failed``) and booted.
         Nothing for a sandbox that is not dormant (another wake got there first, or it was deleted).
-        ``reason``: of the ``sandbox.resumed`` event (None for ``POST .../resume``, which names no reason).
+        ``reason``: of the ``sandbox.resumed`` event.
 
         503 ``unavailable`` when the node has no room for its cpus and memory now, and 500 when its disk cannot
         be booted: either way it stays as it was, and a retry may succeed."""

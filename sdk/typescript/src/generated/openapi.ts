@@ -613,6 +613,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{ref}/listening": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * TCP ports the guest listens on
+         * @description Never wakes a sandbox: a suspended or stopped one answers awake false and no ports.
+         */
+        get: operations["getSandboxesRefListening"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes/{ref}/metrics": {
         parameters: {
             query?: never;
@@ -1372,7 +1392,9 @@ export interface components {
         };
         /**
          * DrainResult
-         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to.
+         * @description What a drain left: sandboxes still running, those it terminated, and those it failed to. ``suspended``
+         *     (an addition, capability ``persistent``): the persistent sandboxes it suspended (without ``terminate``); those
+         *     asleep do not count in ``remaining``.
          */
         DrainResult: {
             node: string;
@@ -1380,6 +1402,8 @@ export interface components {
             remaining: number;
             terminated: string[];
             failed?: components["schemas"]["DrainFailure"][];
+            /** @default [] */
+            suspended: string[];
         };
         /** DrainFailure */
         DrainFailure: {
@@ -1706,6 +1730,16 @@ export interface components {
             scopes: string[];
             created: string;
             revoked?: string;
+        };
+        /**
+         * ListeningPorts
+         * @description ``GET /v1/sandboxes/{ref}/listening`` on a node: the TCP ports the guest listens on (any address, IPv4 or
+         *     IPv6), ascending. ``awake`` false: the sandbox is not running (suspended, stopped, pending), so nothing is
+         *     listed and it was not woken to look.
+         */
+        ListeningPorts: {
+            ports: number[];
+            awake: boolean;
         };
         /** LostList */
         LostList: {
@@ -6215,6 +6249,100 @@ export interface operations {
                 };
             };
             /** @description error: forbidden_origin, refused */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: conflict */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: invalid_request */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            500: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: internal */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: unavailable */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getSandboxesRefListening: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                ref: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description TCP ports the guest listens on */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ListeningPorts"];
+                };
+            };
+            /** @description error: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description error: forbidden_origin */
             403: {
                 headers: {
                     [name: string]: unknown;

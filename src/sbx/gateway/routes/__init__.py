@@ -6,7 +6,8 @@ no row matches is answered 404 after authentication, never served.
 Relay policies: ``local`` (the gateway answers), ``none`` (passed to the sandbox's node without a body),
 ``json`` (a JSON body of at most 1 MiB passed on as sent), ``raw`` (a body streamed, at most 64 MiB). An
 endpoint the catalogue marks as upgrading (attach, tunnel) is switched on both sides when the client asks.
-Answers are passed on as the node sent them, streams chunk by chunk.
+Answers are passed on as the node sent them, streams chunk by chunk. A call that needs the guest
+(``persistent.WAKING_ROUTES``) first wakes a persistent sandbox asleep, once its tenant's quota has room.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from sbx.api.endpoints import Endpoint, find, served_by
 from sbx.gateway.orgs import OrgRoutes
+from sbx.gateway.persistent import WAKING_ROUTES
 from sbx.gateway.routes.admin import AdminRoutes
 from sbx.gateway.routes.jobs import JobRoutes
 from sbx.gateway.routes.meta import MetaRoutes
@@ -98,7 +100,7 @@ def table(gw: Gateway) -> list[Route]:
         ("GET", "/v1/sandboxes/{ref}/events", "none"),
         ("GET", "/v1/sandboxes/{ref}/metrics", "none"),
         ("POST", "/v1/sandboxes/{ref}/suspend", "json"),
-        ("POST", "/v1/sandboxes/{ref}/resume", "json"),
+        ("POST", "/v1/sandboxes/{ref}/resume", sbx.resume),
         ("POST", "/v1/sandboxes/{ref}/stop", "json"),
         ("POST", "/v1/sandboxes/{ref}/snapshots", "json"),
         ("PUT", "/v1/sandboxes/{ref}/snapshot-schedule", "json"),
@@ -157,12 +159,18 @@ def table(gw: Gateway) -> list[Route]:
     after = {
         ("DELETE", "/v1/sandboxes/{ref}"): sbx.deleted,
         ("POST", "/v1/sandboxes/{ref}/snapshots"): sbx.snapshot_taken,
+        # Whether a persistent sandbox is asleep, as its node says (sbx.gateway.persistent).
+        ("GET", "/v1/sandboxes/{ref}"): sbx.learnt,
+        ("POST", "/v1/sandboxes/{ref}/suspend"): sbx.learnt,
+        ("POST", "/v1/sandboxes/{ref}/stop"): sbx.learnt,
     }
     routes = []
     for method, path, target in rows:
         endpoint = find(method, path)
         if isinstance(target, str):
-            routes.append(Route(endpoint, sbx.relay(endpoint, target, after.get((method, path))), target))
+            wakes = (method, path) in WAKING_ROUTES
+            handler = sbx.relay(endpoint, target, after.get((method, path)), wakes)
+            routes.append(Route(endpoint, handler, target))
         else:
             routes.append(Route(endpoint, target))
     return routes

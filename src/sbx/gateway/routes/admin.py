@@ -41,9 +41,11 @@ from sbx.api.gateway import (
     TenantQuota,
 )
 from sbx.api.node import CordonRequest
+from sbx.api.sandboxes import Sandbox
 from sbx.gateway import auth, keys
 from sbx.gateway.nodeclient import parse_endpoint
 from sbx.gateway.nodes import Node, connect_node
+from sbx.gateway.persistent import is_asleep
 from sbx.gateway.state import NodeDef, NodeFlags, Quota
 from sbx.web.http import json_response, read_json_body
 
@@ -176,10 +178,47 @@ class AdminRoutes:
                     await self.gw.sandboxes.terminated(rec)
                 else:
                     self.gw.metrics.terminated.inc()
+            remaining = len(live) - len(terminated)
+        else:
+            suspended, asleep = await self._suspend_persistent(node, live, failed)
+            remaining = len(live) - asleep
         return json_response(DrainResult(
-            node=name, cordoned=True, remaining=len(live) - len(terminated), terminated=terminated,
-            failed=failed or UNSET,
+            node=name, cordoned=True, remaining=remaining, terminated=terminated, failed=failed or UNSET,
+            suspended=[] if terminate else suspended,
         ))  # fmt: skip
+
+    async def _suspend_persistent(
+        self, node: Node, live: list[Sandbox], failed: list[DrainFailure]
+    ) -> tuple[list[str], int]:
+        """A drain without ``terminate``: suspend ``node``'s running persistent sandboxes (audit
+        ``drain.suspend`` each), which then wait on its disk instead of holding the drain up; one the node
+        refuses (a process running) goes in ``failed``. Returns those suspended, and how many of ``live`` are
+        asleep now (those and the ones that were)."""
+        suspended: list[str] = []
+        asleep = 0
+        for s in live:
+            if not s.persistent:
+                continue
+            if is_asleep(s):
+                asleep += 1
+                continue
+            if s.state != "running":
+                continue  # still starting: the next drain suspends it
+            try:
+                answer = await node.client.call("POST", f"/v1/sandboxes/{s.id}/suspend", Sandbox)
+            except SandboxError as exc:
+                failed.append(DrainFailure(s.id, exc.message))
+                continue
+            assert answer is not None
+            suspended.append(s.id)
+            asleep += 1
+            self.gw.record_audit(
+                kind="drain", type="drain.suspend", target=s.id, node=node.name, result="suspended"
+            )
+            rec = self.store.sandboxes.get(s.id)
+            if rec is not None:
+                await self.gw.wakes.learnt(rec, answer)
+        return suspended, asleep
 
     async def lost(self, request: web.Request) -> web.Response:
         found = []

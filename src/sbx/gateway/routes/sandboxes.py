@@ -67,6 +67,8 @@ class SandboxRoutes:
         names = (
             [self.gw.name_lock("sandbox", principal.user, principal.tenant)] if req.name is not UNSET else []
         )
+        if req.network is not UNSET:  # a network change needs the guest: a persistent one asleep is woken
+            await self.gw.wakes.wake(rec)
         async with self.gw.reservation(*names):
             body = encode(patch_request(self.gw, principal, rec, req, stamped))
             response = await self._relay(request, principal, rec, body)
@@ -79,31 +81,42 @@ class SandboxRoutes:
         return response
 
     def relay(
-        self, endpoint: Endpoint, policy: str, after: After | None = None
+        self, endpoint: Endpoint, policy: str, after: After | None = None, wakes: bool = False
     ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         """The handler passing a call on one sandbox to its node: without a body (``none``), with a JSON body
-        (``json``) or a streamed one (``raw``); switched to a raw stream where ``endpoint`` upgrades."""
+        (``json``) or a streamed one (``raw``); switched to a raw stream where ``endpoint`` upgrades. Where the
+        call ``wakes`` a persistent sandbox asleep, the tenant's quota is checked and the sandbox woken first
+        (``sbx.gateway.persistent``)."""
 
         async def handler(request: web.Request) -> web.StreamResponse:
             principal = principal_of(request)
             rec = await self._target(request)
+            if wakes:
+                await self.gw.wakes.wake(rec)
             body: Body = None
             if policy == "raw":
                 body = CappedBody(request, FILE_BODY_CAP)
             elif policy == "json":
                 body = await read_json_body(request)
-            response = await self._relay(request, principal, rec, body, endpoint.upgrade)
-            if after is not None and isinstance(response, web.Response) and response.status < 300:
-                await after(request, principal, rec, response)
-            return response
+            return await self._pass_on(request, principal, rec, body, endpoint.upgrade, after)
 
         return handler
+
+    async def _pass_on(
+        self, request: web.Request, principal: auth.Principal, rec: SandboxRecord, body: Body,
+        upgrade: str | None, after: After | None,
+    ) -> web.StreamResponse:  # fmt: skip
+        response = await self._relay(request, principal, rec, body, upgrade)
+        if after is not None and isinstance(response, web.Response) and response.status < 300:
+            await after(request, principal, rec, response)
+        return response
 
     async def attach_websocket(self, request: web.Request) -> web.StreamResponse:
         """The WebSocket form of attach, served here over the node's plain attach (``relay_websocket``)."""
         principal = principal_of(request)
         rec = await self._target(request)
         check_websocket(request)
+        await self.gw.wakes.wake(rec)
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}").client
         attach_path = relayed_path(request, rec.id).split("?", 1)[0].removesuffix("/websocket")
         op = self._open_request(request, principal, rec, node.name)
@@ -137,7 +150,26 @@ class SandboxRoutes:
             request, op, self.gw.open, forward(request, node, request.method, target, body, op)
         )
 
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """``POST .../resume``: a persistent sandbox asleep is woken here, once its tenant's quota has room for its
+        cpus and memory (403 otherwise, the node asked nothing); any other is relayed to its node as it is."""
+        principal = principal_of(request)
+        rec = await self._target(request)
+        body = await read_json_body(request)
+        woke = await self.gw.wakes.wake(rec)
+        if woke is not None:
+            return json_response(woke)
+        return await self._pass_on(request, principal, rec, body, None, self.learnt)
+
     # -- what the records learn from a node's answer -------------------------------------------------------
+
+    async def learnt(
+        self, request: web.Request, principal: auth.Principal, rec: SandboxRecord, response: web.Response
+    ) -> None:
+        """A sandbox's state as its node answered (GET, suspend, resume, stop): whether it is asleep."""
+        if response.body:
+            answer = decode_answer(bytes(response.body), Sandbox, "Sandbox")  # type: ignore[arg-type]
+            await self.gw.wakes.learnt(rec, answer)
 
     async def deleted(
         self, request: web.Request, principal: auth.Principal, rec: SandboxRecord, response: web.Response

@@ -291,7 +291,7 @@ class Store(ABC):
         simple: list[tuple[str, dict[Any, Any], Callable[[Row], Any]]] = [
             ("nodes", self.nodes, lambda r: NodeDef(*r[:6])),
             ("node_flags", self.node_flags, lambda r: NodeFlags(bool(r[1]), bool(r[2]))),
-            ("sandboxes", self.sandboxes, lambda r: SandboxRecord(*r)),
+            ("sandboxes", self.sandboxes, _sandbox_record),
             ("volumes", self.volumes, lambda r: VolumeRecord(*r)),
             ("snapshots", self.snapshots, lambda r: SnapshotRecord(*r)),
             ("orgs", self.orgs, lambda r: OrgRecord(*r)),
@@ -364,6 +364,7 @@ class Store(ABC):
         self._write(Upsert("sandboxes", {
             "id": rec.id, "user": rec.user, "tenant": rec.tenant, "node": rec.node, "name": rec.name,
             "cpus": rec.cpus, "memory_mb": rec.memory_mb, "created": rec.created,
+            "persistent": int(rec.persistent), "asleep": int(rec.asleep),
         }), full=False)  # fmt: skip
         self.sandboxes[rec.id] = rec
 
@@ -588,3 +589,10 @@ def _dict_mirror(
         memory.pop(key[0], None)
 
     return put, drop, memory.clear
+
+
+def _sandbox_record(r: Row) -> SandboxRecord:
+    """A ``sandboxes`` row (booleans kept as 0/1) as its record. A replica of the version before v8 (mid-upgrade)
+    notifies rows without ``persistent`` and ``asleep``: neither, as it made them."""
+    persistent, asleep = (bool(r[8]), bool(r[9])) if len(r) >= 10 else (False, False)
+    return SandboxRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], persistent, asleep)

@@ -30,7 +30,10 @@ TABLES: dict[str, Table] = {
         ("name", "endpoint", "token_file", "ca_file", "cert_file", "key_file", "added"), ("name",)
     ),
     "node_flags": Table(("name", "cordoned", "drained"), ("name",)),
-    "sandboxes": Table(("id", "user", "tenant", "node", "name", "cpus", "memory_mb", "created"), ("id",)),
+    "sandboxes": Table(
+        ("id", "user", "tenant", "node", "name", "cpus", "memory_mb", "created", "persistent", "asleep"),
+        ("id",),
+    ),
     "volumes": Table(("name", "user", "tenant", "node", "created"), ("name",)),
     "snapshots": Table(("id", "user", "tenant", "node", "sandbox", "created"), ("id",)),
     "orgs": Table(("name", "created", "created_by", "created_by_tenant"), ("name",)),
@@ -224,6 +227,12 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE commit_counter (id INTEGER PRIMARY KEY, n INTEGER NOT NULL);
     """,
+    # v8: persistent sandboxes (issue 32): whether a sandbox is persistent, and whether it is asleep (suspended
+    # or stopped) as the gateway last learnt; a record from before is neither.
+    """
+    ALTER TABLE sandboxes ADD COLUMN persistent INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN asleep INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -328,6 +337,11 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
     # v7
     """
     CREATE TABLE commit_counter (id INTEGER PRIMARY KEY, n BIGINT NOT NULL);
+    """,
+    # v8
+    """
+    ALTER TABLE sandboxes ADD COLUMN persistent BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN asleep BIGINT NOT NULL DEFAULT 0;
     """,
 )
 

@@ -32,7 +32,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         if sandbox.record.dormant and manager.persistent is not None:
             # Suspended or stopped persistent: resumed, or booted from its disk (also when its memory image
             # cannot be restored); answered as it is now.
-            await manager.persistent.wake(sandbox, reason=None)
+            await manager.persistent.wake(sandbox)
             return json_response(sandbox.record.wire())
         record = await service.resume(request.match_info["ref"])
         return json_response(record.wire())
