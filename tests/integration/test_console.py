@@ -1,7 +1,7 @@
 """The web console in a real browser (Debian's Chromium driven by Playwright) against a real sandbox-gateway in
 front of a real sandboxd: sign in, create a sandbox, a terminal (echo hi), files (drag-and-drop upload, download,
-delete), processes, a metrics chart, events, snapshots, the admin pages (cordon a node, create and revoke a key)
-and a revoked key's terminal cut. A screenshot of each page goes to test-artifacts/console/ (1280x800, and phone
+delete), processes, a metrics chart, events, snapshots, a persistent sandbox (its idle suspend shown live, stop,
+resume), the admin pages (cordon a node, create and revoke a key) and a revoked key's terminal cut. A screenshot of each page goes to test-artifacts/console/ (1280x800, and phone
 width for two pages). Also, without a browser: the console's security headers, and the gateway's Origin guard
 still refusing a foreign Origin on the console and the API."""
 
@@ -277,6 +277,79 @@ def test_a_revoked_keys_terminal_is_cut(admin_tab: Tab, browser: Any, fleet: Fle
         eve.close()
         if made is not None:
             fleet.gw.request("DELETE", f"/v1/sandboxes/{made['id']}", key=fleet.keys["admin"])
+
+
+def test_a_persistent_sandbox_sleeps_stops_and_resumes_on_the_page(browser: Any, fleet: Fleet) -> None:
+    """A persistent sandbox created from the form: its badge, its idle suspend shown on the open page without a
+    reload, Stop (confirmed) shown as stopped, Resume shown as running, then suspended again. On the list: the badge,
+    Stop only for a persistent one, and a run through the API waking a stopped one shown live. Its idle timeout (8 s)
+    is longer than the page's look (every 5 s), so a page whose look counted as activity would fail here."""
+    key = fleet.keys["admin"]
+    tab = Tab(browser, fleet.url, wait_ms=WAIT_MS)
+    plain = fleet.gw.create(key, name="plain1")
+    # The default idle timeout: it stays running while the test looks at it.
+    other = fleet.gw.create(key, name="keeper2", persistent=True)
+    made: list[str] = [plain["id"], other["id"]]
+    try:
+        tab.sign_in(key)
+        page = tab.page
+        page.click("button:has-text('Create sandbox')")
+        page.fill("dialog input[name=name]", "keeper")
+        page.fill("dialog input[name=idle_timeout_secs]", "8")
+        page.check("dialog input[name=persistent]")
+        page.click("dialog button:has-text('Create')")
+        page.wait_for_selector("h1:has-text('keeper') .badge.persistent")
+        ref = _sandbox_id(fleet, "keeper")
+        made.append(ref)
+        record = fleet.gw.request("GET", f"/v1/sandboxes/{ref}", key=key).json()
+        assert (record["persistent"], record["idle_timeout_secs"]) == (True, 8), record
+        page.wait_for_selector("dd >> text=/^yes: suspended, not terminated/")
+        # A mark in the page's window: a reload would wipe it.
+        page.evaluate("window.__same_page = true")
+        page.wait_for_selector(".sandbox-head .state.suspended")
+        page.wait_for_selector('dd >> text="suspended"')  # the overview follows the state too
+        assert fleet.gw.request("GET", f"/v1/sandboxes/{ref}", key=key).json()["state"] == "suspended"
+        tab.shot("sandbox-persistent-suspended")
+        head = page.locator(".sandbox-head")
+        assert head.locator("button", has_text="Suspend").count() == 0
+        head.locator("button", has_text="Stop").click()
+        page.click("dialog button:has-text('Stop')")
+        page.wait_for_selector(".sandbox-head .state.stopped")
+        page.wait_for_selector(".sandbox-head >> text=(request)")
+        assert head.locator("button", has_text="Stop").count() == 0
+        stopped = fleet.gw.request("GET", f"/v1/sandboxes/{ref}", key=key).json()
+        assert (stopped["state"], stopped["stopped_reason"]) == ("stopped", "request"), stopped
+        tab.shot("sandbox-persistent-stopped")
+        head.locator("button", has_text="Resume").click()
+        page.wait_for_selector(".sandbox-head .state.running")
+        # Idle 8 s again: suspended again, on the same page.
+        page.wait_for_selector(".sandbox-head .state.suspended")
+        assert page.evaluate("window.__same_page") is True, "the page was reloaded"
+
+        page.click("header nav >> text=Sandboxes")
+        row = page.locator("tr", has=page.locator("a", has_text="keeper2"))
+        row.locator(".badge.persistent").wait_for()
+        row.locator(".state.running").wait_for()
+        plain_row = page.locator("tr", has=page.locator("a", has_text="plain1"))
+        plain_row.locator(".state.running").wait_for()
+        assert plain_row.locator(".badge").count() == 0
+        assert plain_row.locator("button", has_text="Stop").count() == 0
+        row.locator("button", has_text="Stop").click()
+        page.click("dialog button:has-text('Stop')")
+        row.locator(".state.stopped").wait_for()
+        assert row.locator("button", has_text="Resume").count() == 1
+        assert fleet.gw.request("GET", f"/v1/sandboxes/{other['id']}", key=key).json()["state"] == "stopped"
+        tab.shot("sandboxes-persistent")
+        # A command through the API wakes it; the list shows it running at its next refresh, without a reload.
+        page.evaluate("window.__same_page = true")
+        woken = fleet.gw.request("POST", f"/v1/sandboxes/{other['id']}/run", {"argv": ["true"]}, key=key)
+        assert (woken.status, woken.json()["exit_code"]) == (200, 0), woken.body
+        row.locator(".state.running").wait_for()
+        assert page.evaluate("window.__same_page") is True, "the page was reloaded"
+    finally:
+        tab.close()
+        for sandbox_id in made:
+            fleet.gw.request("DELETE", f"/v1/sandboxes/{sandbox_id}", key=key)
 
 
 def test_readable_at_phone_width(browser: Any, fleet: Fleet) -> None:

@@ -110,8 +110,9 @@ def https_node() -> Iterator[tuple[str, str, Path]]:
 
 
 def test_against_sandboxd(built: Path, sandboxd: Sandboxd, https_node: tuple[str, str, Path]) -> None:
-    """Sandboxes, run, processes, files, attach (a cut stream included), suspend, snapshots, forks, volumes,
-    metrics, events, images and their errors, over the unix socket and over HTTPS with a token."""
+    """Sandboxes, run, processes, files, attach (a cut stream included), suspend, persistent sandboxes (created
+    with a name, stopped, resumed, woken by a run and a file read, suspended by their idle timeout), snapshots,
+    forks, volumes, metrics, events, images and their errors, over the unix socket and over HTTPS with a token."""
     url, token, ca = https_node
     run_node_tests(["test/node.test.js"], {
         "SBX_TEST_URL": f"unix://{sandboxd.socket_path}",

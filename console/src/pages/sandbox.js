@@ -1,16 +1,19 @@
-// One sandbox: overview and actions, a terminal (a new shell, or attached to a running process with replay),
-// files (list, drag-and-drop upload, download, delete), processes with followed output, the last hour of
-// metrics, its audit events, and its snapshots with their forks.
+// One sandbox: overview and actions (its state followed live), a terminal (a new shell, or attached to a running
+// process with replay), files (list, drag-and-drop upload, download, delete), processes with followed output, the
+// last hour of metrics, its audit events, and its snapshots with their forks.
 
 import { base64Bytes, call, enc, get, ndjson, post, query } from "../api.js";
 import { chart } from "../chart.js";
 import { AttachedTerminal } from "../terminal.js";
-import { action, clear, confirm, dialog, errorBox, fmtBytes, fmtTime, h, table, toast } from "../ui.js";
-import { createSandbox, sandboxActions, takeSnapshot } from "./sandboxes.js";
+import { action, clear, confirm, dialog, errorBox, every, fmtBytes, fmtTime, h, table, toast } from "../ui.js";
+import { createSandbox, persistentBadge, sandboxActions, takeSnapshot } from "./sandboxes.js";
 
 const TABS = ["overview", "terminal", "files", "processes", "metrics", "events", "snapshots"];
 const TITLES = { overview: "Overview", terminal: "Terminal", files: "Files", processes: "Processes",
   metrics: "Metrics", events: "Events", snapshots: "Snapshots" };
+
+/** How often the page looks for a change of the sandbox (its state after an idle suspend, a stop elsewhere). */
+const WATCH_MS = 5000;
 
 export function renderSandbox(main, id, tab = "overview", arg = "") {
   if (!TABS.includes(tab)) tab = "overview";
@@ -21,36 +24,76 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
       TITLES[t])));
   clear(main, h("p", h("a", { href: "#/sandboxes" }, "← Sandboxes")), head, nav, body);
   const cleanups = [];
+  let left = false;
+  let shown = "";
+  // Each look is numbered when it is asked: an answer older than the one shown (a poll answered after an action's
+  // own reading) is dropped.
+  let asked = 0;
+  let drawn = 0;
+  // Redrawn only when the sandbox changed, so a button is not replaced under the pointer.
+  const show = (s, ticket) => {
+    if (left || ticket < drawn) return;
+    drawn = ticket;
+    const text = JSON.stringify(s);
+    if (text === shown) return;
+    shown = text;
+    const focused = document.activeElement?.dataset?.focus;
+    clear(head,
+      h("div.bar", h("h1", s.name || s.id, persistentBadge(s)),
+        h("span.sandbox-state", h(`span.state.${s.state}`, s.state),
+          s.stopped_reason ? h("span.muted", ` (${s.stopped_reason})`) : null)),
+      h("div.row-actions", sandboxActions(s, () => loadHead()),
+        s.state !== "terminated" ? h("a.button", { href: `#/ssh/${enc(s.id)}` }, "SSH") : null));
+    if (focused) head.querySelector(`[data-focus="${CSS.escape(focused)}"]`)?.focus();
+    if (tab === "overview") overview(body, id, s);
+  };
   const loadHead = async () => {
+    const ticket = ++asked;
     try {
       const s = await get(`/v1/sandboxes/${enc(id)}`);
-      clear(head,
-        h("div.bar", h("h1", s.name || s.id), h(`span.state.${s.state}`, s.state)),
-        h("div.row-actions", sandboxActions(s, () => loadHead()),
-          s.state !== "terminated" ? h("a.button", { href: `#/ssh/${enc(s.id)}` }, "SSH") : null));
+      show(s, ticket);
       return s;
     } catch (error) {
+      shown = "";
       clear(head, h("h1", id), errorBox(error));
       return null;
     }
   };
   loadHead().then((s) => {
+    if (left) return;
     const render = { overview, terminal, files, processes, metrics, events, snapshots }[tab];
     const cleanup = render(body, id, s, arg);
     if (cleanup) cleanups.push(cleanup);
+    if (!s) return;
+    // The list, not GET of this sandbox: reading one sandbox counts as activity for its idle timer (it would never
+    // be suspended while the page is open), the list names none. Neither wakes a suspended or stopped one.
+    cleanups.push(every(WATCH_MS, async () => {
+      const ticket = ++asked;
+      try {
+        const now = (await get("/v1/sandboxes")).sandboxes.find((x) => x.id === s.id);
+        if (now) show(now, ticket);
+      } catch {
+        // a failed look is tried again at the next tick; the page keeps what it showed
+      }
+    }));
   });
-  return () => cleanups.forEach((c) => c());
+  return () => {
+    left = true;
+    cleanups.forEach((c) => c());
+  };
 }
 
 function overview(body, id, s) {
   if (!s) return;
   const rows = [
-    ["Id", s.id], ["Name", s.name || "—"], ["State", s.state], ["Image", s.image],
+    ["Id", s.id], ["Name", s.name || "—"], ["State", s.stopped_reason ? `${s.state} (${s.stopped_reason})` : s.state],
+    ["Persistent", s.persistent ? "yes: suspended, not terminated, at its idle timeout; can be stopped and resumed" : "no"],
+    ["Image", s.image],
     ["CPUs", s.cpus], ["Memory", `${s.memory_mb} MiB`], ["Disk", `${s.disk_mb} MiB`],
     ["Network", `${s.network.mode}${s.network.allow ? ` (allow ${s.network.allow.join(", ")})` : ""}${s.network.deny?.length ? ` (deny ${s.network.deny.join(", ")})` : ""}`],
     ["Labels", Object.entries(s.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "—"],
     ["Environment names", s.env_names.join(", ") || "—"],
-    ["Idle timeout", `${s.idle_timeout_secs} s`],
+    ["Idle timeout", `${s.idle_timeout_secs} s${s.persistent ? " (then suspended)" : ""}`],
     ["Snapshot schedule", s.snapshot_every_secs ? `every ${s.snapshot_every_secs} s, keep ${s.snapshot_keep}` : "none"],
     ["Created", fmtTime(s.created_at)],
   ];

@@ -1,5 +1,5 @@
 // Sandboxes: the live list (filters by label), create, and the actions on one sandbox (rename, labels, network,
-// suspend, resume, snapshot, terminate) shared with the sandbox's own page. Errors are the server's, as sent.
+// suspend, resume, stop, snapshot, terminate) shared with the sandbox's own page. Errors are the server's, as sent.
 
 import { enc, get, patch, post, del, query } from "../api.js";
 import { action, clear, confirm, dialog, errorBox, fmtAge, h, labelText, parseLabels, table, toast } from "../ui.js";
@@ -12,12 +12,19 @@ export function renderSandboxes(main) {
   const status = h("p.muted", { "aria-live": "polite" });
   let shown = "";
   let stopped = false;
+  // Each listing is numbered when asked: one answered after a newer one (a poll overtaken by an action's own
+  // refresh) is dropped rather than drawn over it.
+  let asked = 0;
+  let drawn = 0;
 
   async function refresh() {
     let labels;
+    const ticket = ++asked;
     try {
       labels = filter.value.split(",").map((s) => s.trim()).filter(Boolean);
       const answer = await get(`/v1/sandboxes${query({ label: labels })}`);
+      if (ticket < drawn) return;
+      drawn = ticket;
       const text = JSON.stringify(answer.sandboxes);
       if (text !== shown) {
         shown = text;
@@ -54,7 +61,7 @@ export function renderSandboxes(main) {
 function renderList(list, sandboxes, refresh) {
   const focused = document.activeElement?.dataset?.focus;
   clear(list, table([
-    { label: "Sandbox", cell: (s) => h("a", { href: `#/sandboxes/${enc(s.id)}/overview` }, s.name || s.id) },
+    { label: "Sandbox", cell: (s) => [h("a", { href: `#/sandboxes/${enc(s.id)}/overview` }, s.name || s.id), persistentBadge(s)] },
     { label: "State", cell: (s) => h(`span.state.${s.state}`, s.state) },
     { label: "Image", cell: (s) => s.image },
     { label: "Resources", cell: (s) => `${s.cpus} CPU · ${s.memory_mb} MiB · ${s.disk_mb} MiB disk` },
@@ -63,6 +70,13 @@ function renderList(list, sandboxes, refresh) {
     { label: "Actions", cell: (s) => h("div.row-actions", sandboxActions(s, refresh, { compact: true })) },
   ], sandboxes, "No sandboxes yet: create one."));
   if (focused) list.querySelector(`[data-focus="${CSS.escape(focused)}"]`)?.focus();
+}
+
+/** The "persistent" badge of a persistent sandbox (capability `persistent`), else nothing. */
+export function persistentBadge(s) {
+  if (!s.persistent) return null;
+  return h("span.badge.persistent", { title: "Persistent: suspended, not terminated, when idle; Stop keeps its disk" },
+    "persistent");
 }
 
 /** The buttons acting on sandbox `s`; `after(result)` runs once one has changed it. */
@@ -81,7 +95,14 @@ export function sandboxActions(s, after, { compact = false } = {}) {
   if (s.state === "running") {
     buttons.push(action("Suspend", async () => after(await post(`/v1/sandboxes/${enc(s.id)}/suspend`, {})), key("suspend")));
   }
-  if (s.state === "suspended") {
+  if (s.persistent && (s.state === "running" || s.state === "suspended")) {
+    buttons.push(action("Stop", async () => {
+      if (!(await confirm("Stop sandbox", `Stop ${s.name || s.id}? Its processes end and its memory is freed; its disk, `
+        + "volumes, name, labels and network are kept. Resume, or any command, starts it again.", "Stop"))) return;
+      after(await post(`/v1/sandboxes/${enc(s.id)}/stop`, {}));
+    }, key("stop")));
+  }
+  if (s.state === "suspended" || s.state === "stopped") {
     buttons.push(action("Resume", async () => after(await post(`/v1/sandboxes/${enc(s.id)}/resume`, {})), key("resume")));
   }
   if (live) {
@@ -199,6 +220,9 @@ export async function createSandbox(snapshot = "") {
       { name: "snapshot_id", label: "Fork from snapshot", type: "select", value: snapshot,
         options: [["", "none"], ...snapshots.map((s) => [s.id, `${s.id} (${s.kind}, of ${s.sandbox})`])] },
       { name: "idle_timeout_secs", label: `Idle timeout, seconds (at most ${l.max_idle_timeout_secs || "no limit"})`, type: "number" },
+      ...(c.capabilities.persistent ? [{ name: "persistent", label: "Persistent", type: "checkbox",
+        hint: "Suspended, not terminated, at its idle timeout, and woken by the next command; it can be stopped "
+          + "(disk kept, memory freed) and resumed. Needs a name." }] : []),
     ],
     ok: "Create",
     submit: (v) => post("/v1/sandboxes", createRequest(v)),
@@ -217,6 +241,7 @@ function createRequest(v) {
     if (v[name] !== "") request[name] = Number(v[name]);
   }
   request.network = networkRequest(v);
+  if (v.persistent) request.persistent = true;
   const labels = parseLabels(v.labels);
   if (v.snapshot_id) {
     request.snapshot_id = v.snapshot_id;

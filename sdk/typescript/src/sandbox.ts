@@ -26,7 +26,9 @@ import type {
   RunResult,
   SandboxInfo,
   SandboxMetrics,
+  SandboxState,
   Snapshot,
+  StoppedReason,
 } from "./types.js";
 
 /** `/v1/sandboxes/{ref}` with `ref` quoted, so a name never reaches another route. */
@@ -65,7 +67,8 @@ export class Sandboxes {
   /**
    * `POST /v1/sandboxes` with the spec's create fields, all optional: `name`, `image`, `cpus`, `memory_mb`,
    * `disk_mb`, `env`, `secret_env`, `network`, `labels`, `idle_timeout_secs`, `volumes`, `snapshot_id` (a fork),
-   * ...; an unknown field or a wrong type is `InvalidRequest`.
+   * `persistent` (capability `persistent`: suspended rather than terminated at its idle timeout, and `stop()`able;
+   * needs a `name`), ...; an unknown field or a wrong type is `InvalidRequest`.
    */
   async create(request: CreateRequest = {}): Promise<Sandbox> {
     return new Sandbox(this.client, await this.client.call<SandboxInfo>("POST", "/v1/sandboxes", { json: request }));
@@ -117,9 +120,19 @@ export class Sandbox {
     return this.info.name ?? "";
   }
 
-  /** `pending`, `running`, `suspended`, `terminated`, as last read. */
-  get state(): SandboxInfo["state"] {
+  /** `pending`, `running`, `suspended`, `stopped` (a persistent sandbox), `terminated`, as last read. */
+  get state(): SandboxState {
     return this.info.state;
+  }
+
+  /** Created with `persistent: true`: its idle timeout suspends it rather than terminating it. */
+  get persistent(): boolean {
+    return this.info.persistent === true;
+  }
+
+  /** Why it is stopped (`request`, `restore_failed`, `crash`, `suspend_failed`) while `state` is `stopped`, else `null`. */
+  get stoppedReason(): StoppedReason | null {
+    return this.info.stopped_reason ?? null;
   }
 
   private get path(): string {
@@ -151,9 +164,22 @@ export class Sandbox {
     return this.update_("POST", "/suspend");
   }
 
-  /** Bring a suspended sandbox back as it was. */
+  /**
+   * Bring a suspended sandbox back as it was, or start a stopped persistent one from its disk (new processes, every
+   * file kept; `Unavailable` when the node has no room for it now, and it stays stopped).
+   */
   resume(): Promise<this> {
     return this.update_("POST", "/resume");
+  }
+
+  /**
+   * Stop a persistent sandbox (capability `persistent`): its processes end and its memory is freed; its disk,
+   * volumes, name, labels and network are kept, and `state` is `stopped`. Idempotent. `resume()`, or any call that
+   * needs the guest (run, processes, files, attach, tunnel), starts it again. `Conflict` for a sandbox that is not
+   * persistent.
+   */
+  stop(): Promise<this> {
+    return this.update_("POST", "/stop");
   }
 
   /** Take a `memory` (everything, processes running) or `disk` (files only) snapshot. Fork it with `sandboxes.create({ snapshot_id })`. */

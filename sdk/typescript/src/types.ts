@@ -10,6 +10,13 @@ export type { components, paths };
 export type Schemas = components["schemas"];
 
 export type SandboxInfo = Schemas["Sandbox"];
+/** `pending`, `running`, `suspended`, `stopped` (persistent sandboxes only), `terminated`. */
+export type SandboxState = SandboxInfo["state"];
+/**
+ * Why a persistent sandbox is `stopped` (`SandboxInfo.stopped_reason`, present only then): `request` (`stop()`),
+ * `restore_failed`, `crash`, `suspend_failed` (the node's own reasons); a newer server may name others.
+ */
+export type StoppedReason = "request" | "restore_failed" | "crash" | "suspend_failed" | (string & {});
 export type CreateRequest = Schemas["CreateRequest"];
 export type PatchRequest = Schemas["PatchRequest"];
 export type ProcessInfo = Schemas["Process"];

@@ -1,6 +1,6 @@
 // The SDK against a real sandboxd (gVisor sandboxes) over its unix socket, and a second one over HTTPS with a
-// token: every call of sandboxes, processes, files, attach, suspend/resume, snapshots, forks, volumes, metrics,
-// events and images, and the errors each can give.
+// token: every call of sandboxes, processes, files, attach, suspend/resume, persistent sandboxes (stop, wake),
+// snapshots, forks, volumes, metrics, events and images, and the errors each can give.
 import assert from "node:assert/strict";
 import { once } from "node:events";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
@@ -387,6 +387,60 @@ describe("suspend, resume, snapshots, forks", () => {
   });
 });
 
+describe("persistent sandboxes", () => {
+  test("create needs a name; stop ends processes and keeps the disk; GET does not wake; resume and a run do", T, async () => {
+    assert.equal((await client.capabilities()).capabilities["persistent"], true);
+    await rejectsWith(client.sandboxes.create({ labels: LABEL, persistent: true }), InvalidRequest, "name");
+    assert.equal(box.persistent, false);
+    await rejectsWith(box.stop(), Conflict, "");
+    assert.equal((await box.refresh()).state, "running");
+    const s = await client.sandboxes.create({ name: "ts-keeper", labels: LABEL, persistent: true });
+    try {
+      assert.deepEqual([s.state, s.persistent, s.stoppedReason], ["running", true, null]);
+      await s.files.write("/sandbox/home/kept.txt", "kept across a stop");
+      const sleeper = await s.startProcess(["sleep", "600"]);
+      assert.equal(await s.stop(), s);
+      assert.deepEqual([s.state, s.stoppedReason], ["stopped", "request"]);
+      // Reading it (by name too) and listing it leave it stopped.
+      const read = await client.sandboxes.get("ts-keeper");
+      assert.deepEqual([read.id, read.state, read.persistent, read.stoppedReason], [s.id, "stopped", true, "request"]);
+      assert.equal((await client.sandboxes.list(LABEL)).find((x) => x.id === s.id)!.state, "stopped");
+      assert.equal((await s.stop()).state, "stopped", "stop is idempotent");
+      assert.deepEqual([(await s.resume()).state, s.stoppedReason], ["running", null]);
+      assert.equal(await s.files.readText("/sandbox/home/kept.txt"), "kept across a stop");
+      const after = await s.processes();
+      assert.ok(!after.some((p) => p.pid === sleeper.pid && p.info.state === "running"), JSON.stringify(after.map((p) => p.info)));
+      // A stopped one is started by the next call that needs its guest.
+      assert.equal((await s.stop()).state, "stopped");
+      const woken = await s.run(["cat", "/sandbox/home/kept.txt"]);
+      assert.deepEqual([woken.exitCode, decode(woken.stdout)], [0, "kept across a stop"]);
+      assert.equal((await s.refresh()).state, "running");
+    } finally {
+      await s.terminate();
+    }
+    assert.equal((await s.refresh()).state, "terminated");
+  });
+
+  test("the idle timeout suspends a persistent sandbox rather than terminating it; stop, then a file read wakes it", T, async () => {
+    const s = await client.sandboxes.create({ name: "ts-idler", labels: { ...LABEL, kind: "idle" }, persistent: true, idle_timeout_secs: 3 });
+    try {
+      await s.files.write("/sandbox/home/note.txt", "before the nap");
+      // The list names no sandbox, so polling it is no activity that would keep it awake.
+      const state = async (): Promise<string> => (await client.sandboxes.list({ kind: "idle" })).find((x) => x.id === s.id)!.state;
+      const seen = await waitFor(async () => {
+        const now = await state();
+        return now === "running" ? null : now;
+      }, "the idle persistent sandbox leaving running", 120_000);
+      assert.equal(seen, "suspended");
+      assert.equal((await s.stop()).state, "stopped");
+      assert.equal(await s.files.readText("/sandbox/home/note.txt"), "before the nap");
+      assert.equal(await state(), "running");
+    } finally {
+      await s.terminate();
+    }
+  });
+});
+
 describe("volumes, metrics, events, images", () => {
   test("volumes: create, mount, list, Conflict while mounted, delete", T, async () => {
     const volume = await client.volumes.create("ts-vol", 16);
@@ -499,6 +553,10 @@ describe("the examples of docs/sdk-typescript.md", () => {
 
   test("tunnel", T, async () => {
     assert.equal(await runExample("tunnel", local()), "200 <h1>inside the sandbox</h1>\nHTTP/1.0 200 OK\n");
+  });
+
+  test("persistent", T, async () => {
+    assert.equal(await runExample("persistent", local()), "stopped request\nstopped\nkept across a stop running\n");
   });
 
   test("errors", T, async () => {

@@ -216,3 +216,46 @@ for (const [name, transport] of [
     }
   });
 }
+
+test("persistent sandboxes: create sends persistent, stop() and resume() post to their paths and keep the answer", async () => {
+  const seen: Array<{ method: string; url: string; body: unknown }> = [];
+  const base = { id: "sbx_p1", name: "keeper", image: "default", persistent: true };
+  const server = createServer((req, res) => {
+    let raw = "";
+    req.on("data", (chunk: Buffer) => (raw += chunk.toString("utf8")));
+    req.on("end", () => {
+      seen.push({ method: req.method ?? "", url: req.url ?? "", body: raw ? JSON.parse(raw) : null });
+      if (req.method === "POST" && req.url === "/v1/sandboxes") sendJson(res, 201, { ...base, state: "running" });
+      else if (req.url === "/v1/sandboxes/sbx_p1/stop") sendJson(res, 200, { ...base, state: "stopped", stopped_reason: "request" });
+      else if (req.url === "/v1/sandboxes/sbx_p1/resume") sendJson(res, 200, { ...base, state: "running" });
+      else if (req.url === "/v1/sandboxes/sbx_plain/stop") {
+        sendJson(res, 409, { error: { code: "conflict", message: "sandbox sbx_plain is not persistent" } });
+      } else sendJson(res, 404, { error: { code: "not_found", message: `no route ${req.url}` } });
+    });
+  });
+  server.listen(0, "127.0.0.1");
+  await once(server, "listening");
+  const client = new sdk.Client({ url: `http://127.0.0.1:${(server.address() as AddressInfo).port}` });
+  try {
+    const box = await client.sandboxes.create({ name: "keeper", persistent: true });
+    assert.deepEqual(seen.at(-1), { method: "POST", url: "/v1/sandboxes", body: { name: "keeper", persistent: true } });
+    assert.deepEqual([box.state, box.persistent, box.stoppedReason], ["running", true, null]);
+    const same = await box.stop();
+    assert.equal(same, box, "stop() answers the sandbox itself, updated");
+    assert.deepEqual(seen.at(-1), { method: "POST", url: "/v1/sandboxes/sbx_p1/stop", body: null });
+    assert.deepEqual([box.state, box.persistent, box.stoppedReason], ["stopped", true, "request"]);
+    await box.resume();
+    assert.deepEqual(seen.at(-1), { method: "POST", url: "/v1/sandboxes/sbx_p1/resume", body: null });
+    assert.deepEqual([box.state, box.stoppedReason], ["running", null]);
+    const plain = new sdk.Sandbox(client, { ...base, id: "sbx_plain", state: "running", persistent: false } as sdk.SandboxInfo);
+    assert.equal(plain.persistent, false);
+    const refused = await plain.stop().catch((e: unknown) => e);
+    assert.ok(refused instanceof sdk.Conflict, String(refused));
+    assert.equal(refused.message, "sandbox sbx_plain is not persistent");
+    assert.equal(plain.state, "running", "a refused stop leaves info as it was");
+  } finally {
+    await client.close();
+    server.closeAllConnections();
+    server.close();
+  }
+});
