@@ -86,10 +86,13 @@ def persistent(server: Sandboxd, name: str, **fields: Any) -> dict[str, Any]:
     return server.create(name=name, persistent=True, **fields)
 
 
-def count(server: Sandboxd, ref: str) -> int:
+def count(server: Sandboxd, ref: str, timeout_secs: float = 10) -> int:
+    """The daemon's counter; a read between its truncate and its write is retried, for ``timeout_secs`` at most."""
+    deadline = time.monotonic() + timeout_secs
     while not (
         value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()
     ):
+        assert time.monotonic() < deadline, f"the counter file of {ref} stayed empty: no daemon writes it"
         time.sleep(0.005)
     return int(value)
 

@@ -47,11 +47,14 @@ def text(server: Sandboxd, ref: str, *argv: str) -> str:
     return str(result["stdout"].decode())
 
 
-def count(server: Sandboxd, ref: str) -> int:
-    """The daemon's counter (0 before it wrote one); a read between its truncate and its write is retried."""
+def count(server: Sandboxd, ref: str, timeout_secs: float = 10) -> int:
+    """The daemon's counter (0 before it wrote one); a read between its truncate and its write is retried (for a
+    running daemon: an empty file that stays empty fails after ``timeout_secs``)."""
+    deadline = time.monotonic() + timeout_secs
     while not (
         value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()
     ):
+        assert time.monotonic() < deadline, f"the counter file of {ref} stayed empty: no daemon writes it"
         time.sleep(0.005)
     return int(value)
 
@@ -261,10 +264,15 @@ def test_disk_fork_boots_afresh_with_the_files(server: Sandboxd) -> None:
     fork = server.create(snapshot_id=snap["id"], memory_mb=384, disk_mb=1024)
     assert (fork["cpus"], fork["memory_mb"], fork["disk_mb"]) == (1, 384, 1024)  # request's, else original's
     assert text(server, fork["id"], "cat", "/sandbox/home/file") == "kept\n"
-    # Booted afresh: the daemon of the original does not run here.
-    n = count(server, fork["id"])
+
+    # Booted afresh: the daemon of the original does not run here, so its file stays as the copy caught it
+    # (which may be between the daemon's truncate and its write: empty, and never written again).
+    def counter_file() -> str:
+        return text(server, fork["id"], "sh", "-c", "cat /sandbox/home/count 2>/dev/null; echo .")
+
+    caught = counter_file()
     time.sleep(0.2)
-    assert count(server, fork["id"]) == n
+    assert counter_file() == caught
     free_mb = int(text(server, fork["id"], "python3", "-c",
                        "import os; s = os.statvfs('/sandbox/home'); print(s.f_blocks * s.f_frsize >> 20)"))  # fmt: skip
     assert 900 < free_mb <= 1024  # the copied layer was grown to the asked disk
