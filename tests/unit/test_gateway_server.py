@@ -327,7 +327,12 @@ def test_capabilities_are_the_intersection() -> None:
         "metrics": False,
         "images": False,
         "websocket_attach": True,
+        "exposed_ports": False,
     }
+    # Exposed ports are the gateway's own (--ports-domain), whatever a node says.
+    a.capabilities["exposed_ports"] = True
+    assert intersect_capabilities([a, b], exposed_ports=True).capabilities["exposed_ports"] is True
+    assert intersect_capabilities([a], exposed_ports=False).capabilities["exposed_ports"] is False
     assert (merged.limits.max_cpus, merged.limits.max_memory_mb) == (4, 4096)
     assert to_builtins(merged.network) == {
         "default": {"mode": "none", "deny": []},
