@@ -29,6 +29,7 @@ from typing import Any, Self
 
 from sbx.client._client import AsyncClient
 from sbx.client._images import Images
+from sbx.client._ports import Ports
 from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
 from sbx.client._ssh import Ssh
@@ -49,6 +50,7 @@ _WRAPPED: tuple[type, ...] = (
     Ssh,
     Sandbox,
     Files,
+    Ports,
     Process,
     Attachment,
     Tunnel,
