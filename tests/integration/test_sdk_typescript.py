@@ -81,8 +81,9 @@ def run_node_tests(files: list[str], env: dict[str, str]) -> str:
 
 
 def test_unit(built: Path) -> None:
-    """What needs no server: the generated types are fresh, the error tree, frames, endpoints."""
-    run_node_tests(["test/unit.test.js"], {})
+    """What needs no server: the generated types are fresh, the error tree, frames, endpoints, and `sandbox.ports`
+    against a local HTTP server answering the ports endpoints."""
+    run_node_tests(["test/unit.test.js", "test/ports.test.js"], {})
 
 
 @pytest.fixture(scope="module")
