@@ -20,6 +20,7 @@ from sbx.api.services import ServiceSpec
 from sbx.gateway import keys
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.main import main
+from sbx.gateway.ports.store import PortStore, PortTokenRecord
 from sbx.gateway.services.store import ReplicaRecord, ServiceRecord, ServiceStore
 from sbx.gateway.state import (
     MemberRecord,
@@ -84,6 +85,11 @@ def fill(store: Store) -> None:
     store.output_put("job_1", 1, "stdout", 0, b"out")
     store.output_replace("job_1", 1, "file/0", [b"ke", b"pt"])
     store.file_put_new("ssh_host_ed25519_key", os.urandom(12), os.urandom(40))
+    ports = PortStore(store, _write)
+    asyncio.run(ports.set_public("sbx_1", 8080, True, T0))
+    asyncio.run(
+        ports.add_token(PortTokenRecord("b" * 64, "sbx_1", 8080, "key_1", "alice", "acme", 1767225600.5, T0))
+    )
 
 
 def dump(store: Store) -> dict[str, list[tuple[Any, ...]]]:

@@ -26,6 +26,7 @@ from sbx.api.jobs import JobSpec, KeptFile
 from sbx.api.services import ServiceSpec
 from sbx.gateway import keys
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
+from sbx.gateway.ports.store import PortStore, PortTokenRecord
 from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
 from sbx.gateway.state import (
     MemberRecord,
@@ -932,6 +933,31 @@ async def test_services_tables_round_trip(backend: Backend, store: Store) -> Non
     store = reopened(backend, store)
     empty = ServiceStore(store, _write)
     assert (empty.services, empty.revisions, empty.replicas) == ({}, {}, {})
+    store.close()
+
+
+async def test_ports_tables_round_trip(backend: Backend, store: Store) -> None:
+    db = PortStore(store, _write)
+    await db.set_public("sbx_a", 8080, True, T0)
+    await db.set_public("sbx_a", 3000, True, T0)
+    await db.set_public("sbx_b", 8080, True, T0)
+    await db.set_public("sbx_a", 3000, False, T0)
+    await db.set_public("sbx_a", 3000, False, T0)  # already private: nothing to write
+    live = PortTokenRecord("a" * 64, "sbx_a", 8080, "key_1", "alice", "acme", 1767225600.5, T0)
+    expired = PortTokenRecord("b" * 64, "sbx_a", 8080, "key_1", "alice", "acme", 10.0, T0)
+    of_b = PortTokenRecord("c" * 64, "sbx_b", 8080, "key_2", "bob", "", 1767225600.5, T0)
+    for token in (live, expired, of_b):
+        await db.add_token(token)
+    store = reopened(backend, store)
+    again = PortStore(store, _write)
+    assert again.public == {("sbx_a", 8080): T0, ("sbx_b", 8080): T0}
+    assert again.tokens == {t.token_sha256: t for t in (live, expired, of_b)}
+    assert again.public_of("sbx_a") == [8080] and again.is_public("sbx_b", 8080)
+    # A sandbox ended: its flags and tokens go, and expired tokens with them; the others stay.
+    await again.forget({"sbx_b"}, now=1000.0)
+    store = reopened(backend, store)
+    last = PortStore(store, _write)
+    assert last.public == {("sbx_a", 8080): T0} and last.tokens == {live.token_sha256: live}
     store.close()
 
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from sbx.api.network_policy import NetworkConfig, mode_rank
 from sbx.api.node import WEBSOCKET_ATTACH, Capabilities, Limits
+from sbx.api.ports import EXPOSED_PORTS
 
 
-def intersect_capabilities(caps: list[Capabilities]) -> Capabilities:
+def intersect_capabilities(caps: list[Capabilities], exposed_ports: bool = False) -> Capabilities:
     """What every answering node offers: a flag only if all have it, the smallest limits, the strictest
     network ceiling and default, the ``may_allow`` patterns all share. Images are never offered; the WebSocket
-    form of attach always is (the gateway serves it itself, over each node's plain attach)."""
+    form of attach always is (the gateway serves it itself, over each node's plain attach); ``exposed_ports``
+    is the gateway's own (``--ports-domain``), never a node's."""
     flags: dict[str, bool] = {}
     for name in set().union(*(c.capabilities.keys() for c in caps)):
         flags[name] = all(c.capabilities.get(name, False) for c in caps)
     flags["images"] = False
     flags[WEBSOCKET_ATTACH] = True
+    flags[EXPOSED_PORTS] = exposed_ports
     limits = Limits(**{
         name: min(getattr(c.limits, name) for c in caps) for name in Limits.__struct_fields__
     })  # fmt: skip

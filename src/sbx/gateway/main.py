@@ -43,6 +43,7 @@ from sbx.gateway.nodes import (
     DEFAULT_POLL_INTERVAL_SECS,
     Registry,
 )
+from sbx.gateway.ports.front import DEFAULT_MAX_PER_SANDBOX as DEFAULT_MAX_PUBLIC_PER_SANDBOX
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS
 from sbx.gateway.routes import install
 from sbx.gateway.routes.admin import node_def_from
@@ -67,6 +68,8 @@ from sbx.web.serve import parse_host_port as serve_address
 DEFAULT_LISTEN = "127.0.0.1:7443"
 log = logging.getLogger("sbx.gateway")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
+#: One label of a DNS name (``--ports-domain``).
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
 
 def parse_duration(value: str, flag: str) -> float:
@@ -224,6 +227,13 @@ def offline_store(location: StoreLocation) -> Iterator[Store]:
 @click.option("--services-domain", default=None,
               help="Serve service traffic on <service>[--<tenant>].DOMAIN (wildcard DNS to the gateway); "
                    "/svc/<label>/ on the gateway's address always works.")  # fmt: skip
+@click.option("--ports-domain", default=None,
+              help="Serve each sandbox's TCP ports on <port>-<sandbox>.DOMAIN (wildcard DNS *.DOMAIN to the gateway; "
+                   "it may carry a port: ports.example.com:8443); without it the ports endpoints are 501 "
+                   "(docs/ports.md).")  # fmt: skip
+@click.option("--max-public-connections-per-sandbox", default=DEFAULT_MAX_PUBLIC_PER_SANDBOX, show_default=True,
+              type=click.IntRange(min=1), envvar="SANDBOX_GATEWAY_MAX_PUBLIC_CONNECTIONS_PER_SANDBOX",
+              help="TCP connections without a key to one sandbox's public ports kept at most.")  # fmt: skip
 @click.option("--jobs-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where jobs' output and kept files are stored. Default: jobs/ beside the state file.")  # fmt: skip
 @click.option("--job-retention", default="7d", show_default=True,
@@ -246,7 +256,8 @@ def serve(
     ssh_source_failures: int, ssh_source_window: str, max_orgs_per_user: int,
     idle_timeout: str, drain: str, max_unauthenticated: int, max_public_connections: int, max_public_connections_per_service: int,
     secrets_key_file: Path | None, agents_file: Path | None, notify_allow_private: bool, no_notify: bool,
-    rollout_timeout: str, services_domain: str | None, jobs_dir: Path | None, job_retention: str,
+    rollout_timeout: str, services_domain: str | None, ports_domain: str | None,
+    max_public_connections_per_sandbox: int, jobs_dir: Path | None, job_retention: str,
     serve_console: bool, poll_interval: str, failures_unhealthy: int, forget_interval: str, recheck_interval: str,
     log_level: str,
 ) -> None:  # fmt: skip
@@ -319,6 +330,8 @@ def serve(
         jobs=jobs,
         rollout_timeout_secs=parse_duration(rollout_timeout, "--rollout-timeout"),
         services_domain=services_domain,
+        ports_domain=check_ports_domain(ports_domain, services_domain),
+        max_public_connections_per_sandbox=max_public_connections_per_sandbox,
         max_public_connections=max_public_connections,
         max_public_connections_per_service=max_public_connections_per_service,
         cors_origins=frozenset(cors_origin),
@@ -400,6 +413,23 @@ def serve(
         sys.exit(1)
 
 
+def check_ports_domain(domain: str | None, services_domain: str | None) -> str | None:
+    """``--ports-domain`` as given (None: not served), refused when it is no host name (an optional ``:PORT``
+    after it) or is the services' domain (each wildcard name belongs to one front)."""
+    if domain is None:
+        return None
+    name = domain.lower().strip(".")
+    host, _, port = name.partition(":")
+    labels = host.split(".")
+    if not host or (port and not port.isdigit()) or not all(_DNS_LABEL.fullmatch(x) for x in labels):
+        raise click.BadParameter(f"{domain!r} is no DNS name: give one such as ports.example.com, with :PORT if "
+                                 "clients reach the gateway on another port", param_hint="--ports-domain")  # fmt: skip
+    if services_domain is not None and host == services_domain.lower().strip(".").partition(":")[0]:
+        raise click.BadParameter("it is also --services-domain: give each a wildcard name of its own",
+                                 param_hint="--ports-domain")  # fmt: skip
+    return name
+
+
 def parse_host_port(value: str, flag: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[V6]:PORT``; raises click.BadParameter naming the flag."""
     try:
@@ -451,9 +481,9 @@ def build_app(
     at a stop, open relays (followed streams, attach, tunnel) are cut before the server waits for handlers to
     end. ``console``: the web console served at /console/ (None: not served)."""
     front = gateway.service_front
-    app = web.Application(
-        middlewares=make_middlewares(gateway, front.middleware), client_max_size=JSON_BODY_CAP
-    )
+    ports = gateway.ports
+    fronts = [front.middleware, *([ports.middleware] if ports is not None else [])]
+    app = web.Application(middlewares=make_middlewares(gateway, *fronts), client_max_size=JSON_BODY_CAP)
     install_cors(app, gateway)
     install(app, gateway)
     if console is not None:
@@ -471,7 +501,7 @@ def build_app(
         # The work done once starts here on the leader (at once with SQLite; on PostgreSQL once this replica is
         # elected, which may be later: docs/ha.md).
         await gateway.lead()
-        gateway.watchers += [gateway.services, front, gateway.jobs]
+        gateway.watchers += [gateway.services, front, gateway.jobs, *([ports] if ports is not None else [])]
         yield
         await gateway.jobs.close()
         await gateway.services.close()
@@ -479,6 +509,8 @@ def build_app(
     async def cut_open_relays(app: web.Application) -> None:
         gateway.open.cancel_all()
         await front.close()
+        if ports is not None:
+            await ports.close()
 
     app.cleanup_ctx.append(run_gateway)
     app.cleanup_ctx.append(run_workloads)

@@ -54,10 +54,10 @@ def install_cors(app: web.Application, gw: Gateway) -> None:
     app.on_response_prepare.append(allow)
 
 
-def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
-    """The pipeline; ``front`` (the services' traffic front) runs after the error middleware and before
-    authentication: it answers what it recognises by itself (its own keys, no Origin check) and passes the rest
-    on."""
+def make_middlewares(gw: Gateway, *fronts: Any) -> list[Any]:
+    """The pipeline; ``fronts`` (the services' and the exposed ports' traffic fronts) run after the error
+    middleware and before authentication: each answers what it recognises by itself (its own credentials, no
+    Origin check) and passes the rest on."""
 
     @web.middleware
     async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -113,4 +113,4 @@ def make_middlewares(gw: Gateway, front: Any = None) -> list[Any]:
         auth.check_scopes(principal, row.scope or ())
         return await handler(request)
 
-    return [record, error_middleware, *([front] if front is not None else []), authenticate]
+    return [record, error_middleware, *fronts, authenticate]

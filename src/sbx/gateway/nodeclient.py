@@ -25,6 +25,7 @@ from sbx.api import frames
 from sbx.api.codec import decode_answer, encode
 from sbx.api.errors import BadGateway, InvalidRequest, SandboxError, error_from_answer
 from sbx.api.node import CordonRequest, NodeStatus
+from sbx.api.ports import ListeningPorts
 from sbx.api.processes import (
     OutputChunk,
     OutputExit,
@@ -221,6 +222,11 @@ class NodeClient:
     async def sandbox(self, sandbox_id: str) -> Sandbox:
         """``GET /v1/sandboxes/{id}``."""
         return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}", Sandbox)
+
+    async def listening(self, sandbox_id: str) -> ListeningPorts:
+        """``GET /v1/sandboxes/{id}/listening`` (capability ``listening_ports``): the TCP ports its guest listens
+        on; a sleeping sandbox is not woken (``awake`` false, no ports)."""
+        return await self._expect("GET", f"/v1/sandboxes/{sandbox_id}/listening", ListeningPorts)
 
     async def run(
         self, sandbox_id: str, request: RunRequest, timeout_secs: float = CALL_TIMEOUT_SECS

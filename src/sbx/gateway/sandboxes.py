@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from msgspec import UNSET
@@ -55,6 +55,8 @@ class Sandboxes:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        #: Told the id of each sandbox terminated through the gateway (the exposed ports forget its own).
+        self.on_terminated: list[Callable[[str], Awaitable[None]]] = []
 
     # -- lookups -------------------------------------------------------------------------------------
 
@@ -146,6 +148,11 @@ class Sandboxes:
         self.gw.metrics.terminated.inc()
         if rec.name is not None:
             await self.gw.write(self.gw.store.put_sandbox, dataclasses.replace(rec, name=None))
+        for told in list(self.on_terminated):
+            try:
+                await told(rec.id)
+            except Exception:  # the sandbox is gone all the same; the 30 s sweep forgets what this could not
+                log.exception("a follow-up of a termination failed", extra={"sandbox": rec.id})
 
     async def end_orphan(self, node: Node, sandbox_id: str, why: str) -> None:
         """Terminate a sandbox the gateway made for a workload (a service replica, a job run) that nothing owns

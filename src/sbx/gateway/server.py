@@ -31,6 +31,8 @@ from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL
 from sbx.gateway.metrics import GatewayMetrics, GatewaySnapshot, NodeGauges
 from sbx.gateway.nodes import Node, Registry, connect_node
 from sbx.gateway.persistent import Wakes, is_asleep
+from sbx.gateway.ports.front import DEFAULT_MAX_PER_SANDBOX, PortFront
+from sbx.gateway.ports.store import PortStore
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.secrets import SecretBox, Secrets
@@ -82,6 +84,10 @@ class GatewayOptions:
     #: Connections without a key to public services: per service and all together (``services/public.py``).
     max_public_connections_per_service: int = DEFAULT_MAX_PER_SERVICE
     max_public_connections: int = DEFAULT_MAX_TOTAL
+    #: Exposed ports (docs/ports.md): ``--ports-domain`` (None: not served, the endpoints 501) and the cap on
+    #: connections without a key to one sandbox's public ports.
+    ports_domain: str | None = None
+    max_public_connections_per_sandbox: int = DEFAULT_MAX_PER_SANDBOX
 
 
 class AccessWatcher(Protocol):
@@ -135,6 +141,13 @@ class Gateway:
         self.services = ServiceController(self, options.rollout_timeout_secs)
         public = PublicConnections(options.max_public_connections_per_service, options.max_public_connections)
         self.service_front = ServiceFront(self, self.services, options.services_domain, public)
+        #: The exposed ports' traffic front, with ``--ports-domain`` (it shares the public caps with services).
+        self.ports: PortFront | None = None
+        if options.ports_domain:
+            ports = PortStore(store, self.write)
+            self.ports = PortFront(self, ports, options.ports_domain, public,
+                                   options.max_public_connections_per_sandbox)  # fmt: skip
+            self.sandboxes.on_terminated.append(self.ports.ended)
         if options.jobs is None:
             # The store may be a database with no directory beside it: where jobs' output goes is always said.
             raise ValueError(

@@ -20,6 +20,7 @@ Tables (schema version in ``schema_version``; each migration is applied once, in
     services, service_revisions, service_replicas     (gateway/services/store.py)
     jobs, job_runs, notifications                     (gateway/jobs/store.py)
     secrets     tenant, name, nonce, ciphertext (AES-GCM), updated   (gateway/secrets.py)
+    public_ports, port_tokens                         (gateway/ports/store.py)
 
 Later issues add tables through new migrations (``sbx.gateway.store.schema``, one per dialect).
 """

@@ -24,6 +24,7 @@ from sbx.gateway.persistent import WAKING_ROUTES
 from sbx.gateway.routes.admin import AdminRoutes
 from sbx.gateway.routes.jobs import JobRoutes
 from sbx.gateway.routes.meta import MetaRoutes
+from sbx.gateway.routes.ports import PortRoutes
 from sbx.gateway.routes.sandboxes import SandboxRoutes
 from sbx.gateway.routes.secrets import SecretRoutes
 from sbx.gateway.routes.services import ServiceRoutes
@@ -66,6 +67,7 @@ def table(gw: Gateway) -> list[Route]:
     meta, sbx, vol, snap = MetaRoutes(gw), SandboxRoutes(gw), VolumeRoutes(gw), SnapshotRoutes(gw)
     admin, orgs, ssh = AdminRoutes(gw), OrgRoutes(gw), SshRoutes(gw)
     svc, jobs, secrets = ServiceRoutes(gw), JobRoutes(gw), SecretRoutes(gw)
+    ports = PortRoutes(gw, gw.ports) if gw.ports is not None else None
     rows: list[tuple[str, str, Handler | RelayPolicy]] = [
         ("GET", "/openapi.json", meta.openapi),
         ("GET", "/v1/health", meta.health),
@@ -98,10 +100,10 @@ def table(gw: Gateway) -> list[Route]:
         ("DELETE", "/v1/sandboxes/{ref}/files", "none"),
         ("GET", "/v1/sandboxes/{ref}/dirs", "none"),
         # Exposed ports (docs/ports.md): 501 without --ports-domain.
-        ("GET", "/v1/sandboxes/{ref}/ports", meta.no_ports),
-        ("GET", "/v1/sandboxes/{ref}/ports/{port}", meta.no_ports),
-        ("PUT", "/v1/sandboxes/{ref}/ports/{port}", meta.no_ports),
-        ("POST", "/v1/sandboxes/{ref}/ports/{port}/tokens", meta.no_ports),
+        ("GET", "/v1/sandboxes/{ref}/ports", ports.list if ports else meta.no_ports),
+        ("GET", "/v1/sandboxes/{ref}/ports/{port}", ports.get if ports else meta.no_ports),
+        ("PUT", "/v1/sandboxes/{ref}/ports/{port}", ports.put if ports else meta.no_ports),
+        ("POST", "/v1/sandboxes/{ref}/ports/{port}/tokens", ports.create_token if ports else meta.no_ports),
         ("GET", "/v1/sandboxes/{ref}/events", "none"),
         ("GET", "/v1/sandboxes/{ref}/metrics", "none"),
         ("POST", "/v1/sandboxes/{ref}/suspend", "json"),

@@ -80,7 +80,7 @@ class MetaRoutes:
         caps = [n.status.capabilities for n in self.gw.registry.healthy() if n.status is not None]
         if not caps:
             raise Unavailable("no node is answering: the gateway cannot say what it offers now")
-        return json_response(intersect_capabilities(caps))
+        return json_response(intersect_capabilities(caps, exposed_ports=self.gw.ports is not None))
 
     async def not_node(self, request: web.Request) -> web.Response:
         raise NotFound("a gateway does not serve /v1/node: use GET /v1/admin/nodes with an admin key")

@@ -23,7 +23,7 @@ tried last by this gateway for a while, whatever the checks say yet.
 
 How: each request goes to the next healthy replica in turn, through its node's tunnel to the replica's ``port``
 (``sbx-tunnel/1``), as HTTP/1.1 (``h11``), over connections kept alive per replica (at most
-:data:`IDLE_PER_REPLICA` idle, closed after :data:`IDLE_SECS`). A replica that cannot be reached is skipped for
+``proxying.IDLE_PER_TARGET`` idle, closed after ``proxying.IDLE_SECS``). A replica that cannot be reached is skipped for
 the next one, as long as nothing of the request was sent. Hop-by-hop headers are dropped and
 ``X-Forwarded-For``, ``-Host`` and ``-Proto`` added. An upgrade answered 101 switches both sides and copies
 bytes until both ends close. Request bodies are capped at 64 MiB. A replica has the service's
@@ -32,98 +32,64 @@ bytes until both ends close. Request bodies are capped at 64 MiB. A replica has 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import h11
 from aiohttp import web
 from msgspec import UNSET
 
-from sbx.api.errors import (
-    BadGateway,
-    GatewayTimeout,
-    NotFound,
-    PayloadTooLarge,
-    SandboxError,
-    Unauthorized,
-    Unavailable,
-)
+from sbx.api.errors import BadGateway, NotFound, SandboxError, Unauthorized, Unavailable
 from sbx.gateway import auth
 from sbx.gateway.http import ROUTE_LABEL
-from sbx.gateway.nodeclient import NodeClient, Refusal
-from sbx.gateway.relay import copy_stream
+from sbx.gateway.nodeclient import Refusal
+from sbx.gateway.proxying import (
+    Destination,
+    NothingSent,
+    Proxied,
+    UpstreamPool,
+    check_length,
+    end_where,
+    exchange,
+    request_head,
+    serve_proxied,
+)
 from sbx.gateway.services.public import PublicConnections
 from sbx.gateway.services.spec import answer_timeout_secs
 from sbx.gateway.services.store import ServiceRecord
 from sbx.net.loopback import host_header_name
 from sbx.web.connections import anonymous_connection, mark_authenticated
-from sbx.web.http import FILE_BODY_CAP, Handler, error_response
-from sbx.web.upgrade import finished_response, take_over
+from sbx.web.http import Handler, error_response
 
 if TYPE_CHECKING:
     from sbx.gateway.server import Gateway
     from sbx.gateway.services.controller import ReplicaRuntime, ServiceController
 
-log = logging.getLogger(__name__)
-
 #: The route label of service traffic in metrics and the audit log (never a service's name).
 ROUTE = "/svc/{service}"
 PATH_PREFIX = "/svc/"
-IDLE_PER_REPLICA = 8
-IDLE_SECS = 30.0
-READ_CHUNK = 64 * 1024
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "expect",
-})  # fmt: skip
-
-
-@dataclass
-class _Upstream:
-    """One HTTP/1.1 connection to a replica's port, through its node's tunnel."""
-
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    conn: h11.Connection = field(default_factory=lambda: h11.Connection(h11.CLIENT))
-    idle_since: float = 0.0
-
-    def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof() and self.conn.our_state is h11.IDLE
-
-    def close(self) -> None:
-        self.writer.close()
-
-    async def send(self, event: Any) -> None:
-        data = self.conn.send(event)
-        if data:
-            self.writer.write(data)
-            await self.writer.drain()
-
-    async def next_event(self) -> Any:
-        while True:
-            event = self.conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            self.conn.receive_data(await self.reader.read(READ_CHUNK))
 
 
 @dataclass(eq=False)
-class _Open:
-    """A request being proxied: whose, to which service, and how to end it."""
+class _Open(Proxied):
+    """A request being proxied: whose, to which service."""
 
-    service_id: str
-    key_id: str | None
-    user: str
-    tenant: str
-    key_tenant: str
-    task: asyncio.Task[Any] | None = None
-    answered: bool = False
-    why: SandboxError | None = None
-    closers: list[Any] = field(default_factory=list)
+    service_id: str = ""
+    key_id: str | None = None
+    user: str = ""
+    tenant: str = ""
+    key_tenant: str = ""
+
+
+def keep_for_replica(lowered: str, value: str) -> str | None:
+    """What of a request header reaches a replica: the gateway's own key never does, however it is spelled, nor
+    the organisation header."""
+    if lowered == "authorization" and auth.carries_gateway_key(value):
+        return None
+    if lowered == auth.ORG_HEADER.lower():
+        return None
+    return value
 
 
 class ServiceFront:
@@ -143,7 +109,7 @@ class ServiceFront:
         controller.metrics.public = self.public
         self.domain = domain.lower().strip(".") if domain else None
         self._domain_host = host_header_name(self.domain) if self.domain else ""
-        self._idle: dict[str, list[_Upstream]] = {}
+        self.pool = UpstreamPool()
         self._open: set[_Open] = set()
         controller.on_access_lost.append(self.end_service)
 
@@ -206,25 +172,11 @@ class ServiceFront:
             raise Unavailable(
                 "this service's owner holds no active key in its tenant: its traffic is stopped"
             )
-        op = _Open(svc.id, who.key_id if who else None, who.user if who else "", who.tenant if who else "",
-                   who.key_tenant if who else "")  # fmt: skip
-        task = asyncio.current_task()
-        assert task is not None
-        op.task = task
-        self._open.add(op)
-        try:
-            response = await self._forward(request, svc, target, prefix, op)
-        except asyncio.CancelledError:
-            if op.why is None or task.cancelling() != 1:
-                raise
-            task.uncancel()
-            if not op.answered:
-                raise op.why from None
-            if request.transport is not None:
-                request.transport.close()
-            return finished_response()
-        finally:
-            self._open.discard(op)
+        op = _Open(service_id=svc.id, key_id=who.key_id if who else None, user=who.user if who else "",
+                   tenant=who.tenant if who else "", key_tenant=who.key_tenant if who else "")  # fmt: skip
+        response = await serve_proxied(
+            request, op, self._open, lambda: self._forward(request, svc, target, prefix, op)
+        )
         self.ctl.metrics.count_request(response.status)
         return response
 
@@ -267,11 +219,8 @@ class ServiceFront:
         replicas = self.ctl.pick(svc.id)
         if not replicas:
             raise Unavailable(f"service {svc.name!r} has no healthy replica now; try again shortly")
-        if request.content_length is not None and request.content_length > FILE_BODY_CAP:
-            raise PayloadTooLarge(
-                f"request body of {request.content_length} bytes is over the {FILE_BODY_CAP}-byte limit"
-            )
-        head = self._head(request, target, prefix)
+        check_length(request)
+        head = request_head(request, prefix, keep_for_replica)
         has_body = request.body_exists
         problem: SandboxError | None = None
         for rep in replicas:
@@ -281,24 +230,30 @@ class ServiceFront:
             node = self.gw.registry.get(rep.rec.node)
             if node is None or not node.healthy:
                 continue
+            sandbox = rep.rec.sandbox
             try:
-                up = await self._connect(node.client, rep.rec.sandbox, port)
+                up = await self.pool.connect(sandbox, node.client, sandbox, port)
             except SandboxError as exc:
+                up = None
                 problem = exc
-                self.ctl.mark_down(rep.rec.sandbox)
+            if isinstance(up, Refusal):
+                problem = BadGateway(f"the node refused the tunnel to the replica (HTTP {up.status})")
+            if up is None or isinstance(up, Refusal):
+                self.ctl.mark_down(sandbox)
                 continue
             op.closers.append(up.close)
+            timeout = answer_timeout_secs(svc.spec)
+            dest = Destination(sandbox, sandbox, timeout, f"the replica did not begin its answer within {timeout:g} "
+                               "s (the service's answer_timeout_secs)")  # fmt: skip
             try:
-                response = await self._exchange(
-                    request, up, target, head, rep, op, answer_timeout_secs(svc.spec)
-                )
-            except _NothingSent as exc:
+                response = await exchange(request, self.pool, up, target, head, dest, op)
+            except NothingSent as exc:
                 problem = BadGateway(f"a replica of {svc.name!r} did not take the request: {exc}")
-                self.ctl.mark_down(rep.rec.sandbox)
+                self.ctl.mark_down(sandbox)
                 if has_body:
                     break
                 continue
-            self.ctl.mark_up(rep.rec.sandbox)
+            self.ctl.mark_up(sandbox)
             return response
         raise problem or Unavailable(f"service {svc.name!r} has no reachable replica now; try again shortly")
 
@@ -306,166 +261,6 @@ class ServiceFront:
         spec = self.ctl.db.revisions.get((svc.id, rep.rec.revision))
         port = spec.port if spec is not None else svc.spec.port
         return port if isinstance(port, int) else None
-
-    @staticmethod
-    def _head(request: web.Request, target: str, prefix: str) -> list[tuple[str, str]]:
-        named = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
-        headers: list[tuple[str, str]] = [("Host", request.headers.get("Host", "localhost"))]
-        for name, value in request.headers.items():
-            lowered = name.lower()
-            if lowered in HOP_BY_HOP or lowered in named or lowered.startswith("x-forwarded-"):
-                continue
-            if lowered == "authorization" and auth.carries_gateway_key(value):
-                continue  # the gateway's own key never reaches the replica, however it is spelled
-            if lowered == auth.ORG_HEADER.lower():
-                continue
-            headers.append((name, value))
-        upgrade = request.headers.get("Upgrade")
-        if upgrade and "upgrade" in named:
-            headers += [("Connection", "Upgrade"), ("Upgrade", upgrade)]
-        if request.body_exists and request.content_length is None:
-            headers.append(("Transfer-Encoding", "chunked"))
-        headers += [
-            ("X-Forwarded-For", request.remote or ""), ("X-Forwarded-Host", request.headers.get("Host", "")),
-            ("X-Forwarded-Proto", request.scheme),
-        ]  # fmt: skip
-        if prefix:
-            headers.append(("X-Forwarded-Prefix", prefix))
-        return [(n, v) for n, v in headers if v]
-
-    async def _connect(self, client: NodeClient, sandbox: str, port: int) -> _Upstream:
-        idle = self._idle.get(sandbox, [])
-        while idle:
-            up = idle.pop()
-            if up.usable() and time.monotonic() - up.idle_since < IDLE_SECS:
-                return up
-            up.close()
-        opened = await client.open_tunnel(sandbox, port)
-        if isinstance(opened, Refusal):
-            raise BadGateway(f"the node refused the tunnel to the replica (HTTP {opened.status})")
-        return _Upstream(*opened)
-
-    def _release(self, sandbox: str, up: _Upstream) -> None:
-        if up.conn.our_state is h11.DONE and up.conn.their_state is h11.DONE:
-            up.conn.start_next_cycle()
-            idle = self._idle.setdefault(sandbox, [])
-            if len(idle) < IDLE_PER_REPLICA:
-                up.idle_since = time.monotonic()
-                idle.append(up)
-                return
-        up.close()
-
-    async def _exchange(
-        self, request: web.Request, up: _Upstream, target: str, head: list[tuple[str, str]], rep: ReplicaRuntime,
-        op: _Open, answer_timeout: float,
-    ) -> web.StreamResponse:  # fmt: skip
-        """One request to one replica. The replica has ``answer_timeout`` seconds to take each part of the
-        request and then to begin its answer (the final status line, or a 101); once it has, there is no limit
-        (server-sent events, long downloads). Past it the client gets 504 and the tunnel is closed."""
-        released = False
-        try:
-            try:
-                event = await self._ask(request, up, target, head, answer_timeout)
-            except TimeoutError:
-                log.info("a replica did not answer in time",
-                         extra={"sandbox": rep.rec.sandbox, "timeout_secs": answer_timeout})  # fmt: skip
-                raise GatewayTimeout(
-                    f"the replica did not begin its answer within {answer_timeout:g} s (the service's "
-                    "answer_timeout_secs)"
-                ) from None
-            if isinstance(event, h11.ConnectionClosed):
-                raise _NothingSent("the replica closed the connection")
-            if isinstance(event, h11.InformationalResponse):
-                return await self._switch(request, up, event, op)
-            assert isinstance(event, h11.Response)
-            out = web.StreamResponse(status=event.status_code, reason=event.reason.decode("latin-1") or None)
-            named = {t.strip().lower() for t in _header(event.headers, b"connection").split(",")}
-            for raw_name, raw_value in event.headers:
-                name = raw_name.decode("latin-1")
-                if name.lower() in HOP_BY_HOP or name.lower() in named:
-                    continue
-                out.headers.add(name, raw_value.decode("latin-1"))
-            length = _header(event.headers, b"content-length")
-            if length.isdigit() and request.method != "HEAD":
-                out.content_length = int(length)
-            await out.prepare(request)
-            op.answered = True
-            while True:
-                event = await up.next_event()
-                if isinstance(event, h11.Data):
-                    await out.write(bytes(event.data))
-                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                    break
-            await out.write_eof()
-            self._release(rep.rec.sandbox, up)
-            released = True
-            return out
-        except (OSError, h11.ProtocolError) as exc:
-            log.info("service request cut", extra={"sandbox": rep.rec.sandbox, "error": type(exc).__name__})
-            if op.answered:
-                if request.transport is not None:
-                    request.transport.close()
-                return finished_response()
-            raise BadGateway("the replica did not finish its answer") from None
-        finally:
-            if not released:
-                up.close()
-
-    async def _ask(
-        self,
-        request: web.Request,
-        up: _Upstream,
-        target: str,
-        head: list[tuple[str, str]],
-        answer_timeout: float,
-    ) -> Any:
-        """Send the request (head, body, end) and read up to the replica's answer: its status line, a 101, or the
-        connection closed. Only time spent waiting on the replica counts against ``answer_timeout`` (a client
-        sending its body slowly is not the replica's fault); TimeoutError past it."""
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout_at(loop.time() + answer_timeout) as deadline:
-            try:
-                await up.send(h11.Request(method=request.method, target=target, headers=head))
-            except (OSError, h11.LocalProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
-            if request.body_exists:
-                sent = 0
-                deadline.reschedule(None)
-                async for chunk in request.content.iter_chunked(READ_CHUNK):
-                    sent += len(chunk)
-                    if sent > FILE_BODY_CAP:
-                        raise PayloadTooLarge(f"request body over the {FILE_BODY_CAP}-byte limit")
-                    deadline.reschedule(loop.time() + answer_timeout)
-                    await up.send(h11.Data(data=chunk))
-                    deadline.reschedule(None)
-                deadline.reschedule(loop.time() + answer_timeout)
-            await up.send(h11.EndOfMessage())
-            try:
-                event = await up.next_event()
-                while isinstance(event, h11.InformationalResponse) and event.status_code != 101:
-                    event = await up.next_event()
-            except (OSError, h11.RemoteProtocolError) as exc:
-                raise _NothingSent(type(exc).__name__) from None
-            return event
-
-    async def _switch(
-        self, request: web.Request, up: _Upstream, event: h11.InformationalResponse, op: _Open
-    ) -> web.StreamResponse:
-        """The replica agreed to switch protocols: pass its 101 on and copy bytes both ways."""
-        lines = [f"HTTP/1.1 101 {event.reason.decode('latin-1') or 'Switching Protocols'}"]
-        lines += [f"{n.decode('latin-1')}: {v.decode('latin-1')}" for n, v in event.headers]
-        client = await take_over(request, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        op.answered = True
-        op.closers.append(client.writer.close)
-        leftover, _ = up.conn.trailing_data
-        try:
-            if leftover:
-                client.writer.write(bytes(leftover))
-            await asyncio.gather(copy_stream(client.reader, up.writer), copy_stream(up.reader, client.writer))
-        finally:
-            up.close()
-            await client.close()
-        return finished_response()
 
     # -- revocation -------------------------------------------------------------------------------------
 
@@ -490,33 +285,13 @@ class ServiceFront:
             Unauthorized("this request was ended because its API key was revoked or lost the scope it needs"),
         )
 
-    def _end(self, chosen: Any, why: SandboxError) -> None:
-        for op in [o for o in list(self._open) if o.why is None and chosen(o)]:
-            op.why = why
-            for close in op.closers:
-                with contextlib.suppress(Exception):
-                    close()
-            if op.task is not None:
-                op.task.cancel()
+    def _end(self, chosen: Callable[[_Open], bool], why: SandboxError) -> None:
+        end_where(self._open, chosen, why)
 
     async def close(self) -> None:
-        for idle in self._idle.values():
-            for up in idle:
-                up.close()
-        self._idle.clear()
+        self.pool.close()
         self._end(lambda op: True, Unavailable("the gateway is stopping"))
 
 
 class _Crowded(Exception):
     """No room for another connection without a key to a public service (see ``public.py``)."""
-
-
-class _NothingSent(Exception):
-    """The replica failed before any of its answer arrived (another may take the request)."""
-
-
-def _header(headers: Any, name: bytes) -> str:
-    for key, value in headers:
-        if key.lower() == name:
-            return str(value.decode("latin-1"))
-    return ""

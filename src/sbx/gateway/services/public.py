@@ -48,15 +48,16 @@ class PublicConnections:
         """Connections counted for ``service_id`` now."""
         return self._per[service_id]
 
-    def admit(self, conn: GatedRequestHandler, service_id: str) -> bool:
-        """Count ``conn`` for ``service_id``, making room if a cap is reached; False when no room can be made
-        (every connection in the way has a request in progress): the caller refuses the request."""
+    def admit(self, conn: GatedRequestHandler, service_id: str, cap: int | None = None) -> bool:
+        """Count ``conn`` for ``service_id`` (a service's id, or a sandbox's for its public ports, whose ``cap``
+        replaces ``per_service``), making room if a cap is reached; False when no room can be made (every
+        connection in the way has a request in progress): the caller refuses the request."""
         current = self._members.get(conn)
         if current == service_id:
             del self._members[conn]  # to the end: the most recently used
             self._members[conn] = service_id
             return True
-        while self._per[service_id] >= self.per_service:
+        while self._per[service_id] >= (self.per_service if cap is None else cap):
             if not self._close_oldest_idle(lambda s: s == service_id):
                 self.refused += 1
                 return False

@@ -110,6 +110,13 @@ TABLES: dict[str, Table] = {
     "audit": Table(("id", "time_ms", "bytes", "line"), ("id",)),
     "job_output": Table(("job", "n", "stream", "seq", "data"), ("job", "n", "stream", "seq")),
     "gateway_files": Table(("name", "nonce", "data", "created"), ("name",)),
+    # v9: exposed ports (issue 33, docs/ports.md): the ports made public, and the port tokens (only the SHA-256
+    # of each ``sgp_`` secret) with the key that made them.
+    "public_ports": Table(("sandbox", "port", "created"), ("sandbox", "port")),
+    "port_tokens": Table(
+        ("token_sha256", "sandbox", "port", "key_id", "user", "tenant", "expires_at", "created"),
+        ("token_sha256",),
+    ),
 }
 
 #: Tables of the store's own bookkeeping, not of the gateway's state: made by the migrations, left out of
@@ -233,6 +240,17 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE sandboxes ADD COLUMN persistent INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN asleep INTEGER NOT NULL DEFAULT 0;
     """,
+    # v9: exposed ports (issue 33): public ports, and port tokens (hashed) with the key that made them.
+    """
+    CREATE TABLE public_ports (
+        sandbox TEXT NOT NULL, port INTEGER NOT NULL, created TEXT NOT NULL, PRIMARY KEY (sandbox, port)
+    );
+    CREATE TABLE port_tokens (
+        token_sha256 TEXT PRIMARY KEY, sandbox TEXT NOT NULL, port INTEGER NOT NULL, key_id TEXT NOT NULL,
+        user TEXT NOT NULL, tenant TEXT NOT NULL, expires_at REAL NOT NULL, created TEXT NOT NULL
+    );
+    CREATE INDEX port_tokens_sandbox ON port_tokens (sandbox);
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -342,6 +360,17 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sandboxes ADD COLUMN persistent BIGINT NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN asleep BIGINT NOT NULL DEFAULT 0;
+    """,
+    # v9
+    """
+    CREATE TABLE public_ports (
+        sandbox TEXT NOT NULL, port BIGINT NOT NULL, created TEXT NOT NULL, PRIMARY KEY (sandbox, port)
+    );
+    CREATE TABLE port_tokens (
+        token_sha256 TEXT PRIMARY KEY, sandbox TEXT NOT NULL, port BIGINT NOT NULL, key_id TEXT NOT NULL,
+        "user" TEXT NOT NULL, tenant TEXT NOT NULL, expires_at DOUBLE PRECISION NOT NULL, created TEXT NOT NULL
+    );
+    CREATE INDEX port_tokens_sandbox ON port_tokens (sandbox);
     """,
 )
 
