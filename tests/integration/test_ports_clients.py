@@ -10,6 +10,7 @@ a public one opens for anyone. The gateway's own side (labels, cookies, caps, re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -162,8 +163,10 @@ def test_cli_ls_open_public_private(world: PortsWorld, box: str) -> None:
 # --- the MCP tool ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def mcp_client(world: PortsWorld, tmp_path: Path) -> AsyncIterator[Client]:
+@contextlib.asynccontextmanager
+async def mcp_session(world: PortsWorld, tmp_path: Path) -> AsyncIterator[Client]:
+    """``sandbox-cli mcp`` over stdio against the gateway (inside the test: an MCP client's task group cannot
+    cross from a fixture's task to the test's)."""
     env = {**CODE_ENV, "SANDBOX_URL": world.url, "SANDBOX_TOKEN": world.keys["owner"]}
     params = StdioServerParameters(command=CLI[0], args=[*CLI[1:], "mcp"], env=env)
     with open(tmp_path / "mcp.log", "a", encoding="utf-8") as errlog:  # noqa: ASYNC230
@@ -173,7 +176,12 @@ async def mcp_client(world: PortsWorld, tmp_path: Path) -> AsyncIterator[Client]
             yield client
 
 
-async def test_mcp_expose_port(world: PortsWorld, box: str, mcp_client: Client) -> None:
+async def test_mcp_expose_port(world: PortsWorld, box: str, tmp_path: Path) -> None:
+    async with mcp_session(world, tmp_path) as mcp_client:
+        await check_expose_port(world, box, mcp_client)
+
+
+async def check_expose_port(world: PortsWorld, box: str, mcp_client: Client) -> None:
     url = world.port_url(box, GUEST_PORT)
     tools = {tool.name: tool for tool in (await mcp_client.list_tools()).tools}
     assert "token URL" in (tools["expose_port"].description or "")
