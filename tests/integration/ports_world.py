@@ -103,7 +103,8 @@ Server(("0.0.0.0", 8000), Handler).serve_forever()
 
 @dataclass
 class PortsWorld:
-    """The gateway (``gw``), its node, and the keys: ``owner`` (read, create, delete), ``other`` (another user)."""
+    """The gateway (``gw``), its node, and the keys: ``owner`` (read, create, delete), ``other`` (another user),
+    ``admin``."""
 
     gw: GatewayProcess
     node: Sandboxd
@@ -219,7 +220,10 @@ def ports_world(node: Sandboxd, prefix: str = "sbxports-") -> Iterator[PortsWorl
     gw = GatewayProcess(workdir, [("n", node)])
     gw.args = [*FAST_ARGS, "--ports-domain", f"{DOMAIN}:{gw.port}"]
     crud = ("sandbox:read", "sandbox:create", "sandbox:delete")
-    keys = {"owner": gw.create_key("olive", *crud), "other": gw.create_key("oscar", *crud)}
+    keys = {
+        "owner": gw.create_key("olive", *crud), "other": gw.create_key("oscar", *crud),
+        "admin": gw.create_key("root", "admin"),
+    }  # fmt: skip
     gw.start()
     try:
         yield PortsWorld(gw, node, keys)
