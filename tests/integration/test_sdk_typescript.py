@@ -3,8 +3,9 @@ against a real sandboxd over its unix socket and a second one over HTTPS with a 
 against a real sandbox-gateway over two nodes (services, jobs, agent runs, secrets, SSH keys, API keys). This file
 starts the servers with the usual harnesses, builds the SDK (tsc, pinned in its package-lock.json; its
 dependencies come from ``npm ci``, run by scripts/install.sh) and fails with node's output when a node test fails,
-is skipped or cancelled. Exposed ports run against a gateway with --ports-domain (``ports_world``). The examples of docs/sdk-typescript.md are files the tests run. Last, the SDK bundled for
-browsers (esbuild) runs in Debian's Chromium on a page of another origin than the gateway.
+is skipped or cancelled. Exposed ports run against a gateway with --ports-domain (``ports_world``). The examples of
+docs/sdk-typescript.md are files the tests run. Last, the SDK bundled for browsers (esbuild) runs in Debian's
+Chromium on a page of another origin than the gateway.
 """
 
 from __future__ import annotations
