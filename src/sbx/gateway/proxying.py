@@ -48,7 +48,7 @@ HOP_BY_HOP = frozenset({
 HeaderFilter = Callable[[str, str], str | None]
 
 
-@dataclass
+@dataclass(eq=False)
 class Upstream:
     """One HTTP/1.1 connection to a port in a guest, through its node's tunnel."""
 
@@ -78,9 +78,11 @@ class Upstream:
 
 
 class UpstreamPool:
-    """Connections kept alive per destination (``key``: a replica's sandbox, a sandbox's port)."""
+    """Connections kept alive per destination (``key``: a replica's sandbox, a sandbox's port), each closed once
+    idle for ``idle_secs`` (an open tunnel keeps its sandbox from its idle timeout, so none is held longer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_secs: float = IDLE_SECS) -> None:
+        self.idle_secs = idle_secs
         self._idle: dict[str, list[Upstream]] = {}
 
     async def connect(self, key: str, client: NodeClient, sandbox: str, port: int) -> Upstream | Refusal:
@@ -89,7 +91,7 @@ class UpstreamPool:
         idle = self._idle.get(key, [])
         while idle:
             up = idle.pop()
-            if up.usable() and time.monotonic() - up.idle_since < IDLE_SECS:
+            if up.usable() and time.monotonic() - up.idle_since < self.idle_secs:
                 return up
             up.close()
         opened = await client.open_tunnel(sandbox, port)
@@ -105,8 +107,18 @@ class UpstreamPool:
             if len(idle) < IDLE_PER_TARGET:
                 up.idle_since = time.monotonic()
                 idle.append(up)
+                asyncio.get_running_loop().call_later(self.idle_secs, self._expire, key, up, up.idle_since)
                 return
         up.close()
+
+    def _expire(self, key: str, up: Upstream, since: float) -> None:
+        """Close ``up`` when it is still idle in the pool since ``since`` (not taken and released again)."""
+        idle = self._idle.get(key, [])
+        if up in idle and up.idle_since == since:
+            idle.remove(up)
+            up.close()
+            if not idle:
+                self._idle.pop(key, None)
 
     def drop(self, prefix: str) -> None:
         """Close the idle connections of every key beginning with ``prefix``."""

@@ -70,6 +70,9 @@ ANSWER_TIMEOUT_SECS = 120.0
 #: Seconds a request to a sandbox just woken (or waking at its node) waits for its port to take a connection.
 WAKE_WAIT_SECS = 30.0
 WAKE_RETRY_SECS = 0.25
+#: Seconds a kept-alive connection to a guest's port stays open idle: its tunnel keeps the sandbox from its idle
+#: timeout, so a sandbox idles out at most this long after its timeout once the last request ended.
+IDLE_SECS = 5.0
 #: Connections without a key to one sandbox's public ports, at most, by default (under the node's 128
 #: tunnels per sandbox, so the crowd of one public port leaves room for its owner).
 DEFAULT_MAX_PER_SANDBOX = 64
@@ -120,7 +123,7 @@ class PortFront:
         self._domain_host = host_header_name(self.domain)
         self.public = public
         self.per_sandbox = per_sandbox
-        self.pool = UpstreamPool()
+        self.pool = UpstreamPool(IDLE_SECS)
         self._open: set[_Open] = set()
 
     # -- addresses --------------------------------------------------------------------------------------
