@@ -110,3 +110,22 @@ def test_the_blocking_client_has_the_same_calls(gateway: tuple[PortsGateway, str
         assert sandbox.ports.public(8000, True).public
         assert sandbox.ports.token(8000, 60).url.startswith(fake.url(8000))
     assert fake.public == {8000}
+
+
+def test_every_namespace_of_the_blocking_client_blocks(gateway: tuple[PortsGateway, str]) -> None:
+    """Each namespace comes back wrapped: its calls return answers, never coroutines (``client.admin`` did)."""
+    _, url = gateway
+    with Client(url, KEY) as client:
+        for name in (
+            "sandboxes",
+            "images",
+            "snapshots",
+            "volumes",
+            "admin",
+            "services",
+            "jobs",
+            "secrets",
+            "ssh",
+        ):
+            assert type(getattr(client, name)).__name__ == "SyncProxy", name
+        assert client.capabilities().capabilities["exposed_ports"] is True

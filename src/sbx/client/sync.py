@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Self
 
+from sbx.client._admin import Admin
 from sbx.client._client import AsyncClient
 from sbx.client._images import Images
 from sbx.client._ports import Ports
@@ -43,6 +44,7 @@ __all__ = ["Client", "SyncProxy"]
 #: Objects handed out wrapped (they have coroutine methods); anything else is a plain value.
 _WRAPPED: tuple[type, ...] = (
     AsyncClient,
+    Admin,
     Sandboxes,
     Images,
     Snapshots,
