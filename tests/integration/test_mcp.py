@@ -39,7 +39,7 @@ CLI = [str(BIN / "sandbox-cli")] if (BIN / "sandbox-cli").exists() else [sys.exe
 TOOLS = {
     "create_sandbox", "list_sandboxes", "terminate_sandbox", "run_command", "start_process",
     "read_process_output", "write_process_stdin", "signal_process", "read_file", "write_file", "list_files",
-    "delete_file", "snapshot_sandbox", "fork_sandbox", "delete_snapshot",
+    "delete_file", "expose_port", "snapshot_sandbox", "fork_sandbox", "delete_snapshot",
 }  # fmt: skip
 
 #: Seconds to wait for anything a test waits on (generous: a loaded 2-core machine).

@@ -3,8 +3,9 @@ against a real sandboxd over its unix socket and a second one over HTTPS with a 
 against a real sandbox-gateway over two nodes (services, jobs, agent runs, secrets, SSH keys, API keys). This file
 starts the servers with the usual harnesses, builds the SDK (tsc, pinned in its package-lock.json; its
 dependencies come from ``npm ci``, run by scripts/install.sh) and fails with node's output when a node test fails,
-is skipped or cancelled. The examples of docs/sdk-typescript.md are files the tests run. Last, the SDK bundled for
-browsers (esbuild) runs in Debian's Chromium on a page of another origin than the gateway.
+is skipped or cancelled. Exposed ports run against a gateway with --ports-domain (``ports_world``). The examples of
+docs/sdk-typescript.md are files the tests run. Last, the SDK bundled for browsers (esbuild) runs in Debian's
+Chromium on a page of another origin than the gateway.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from gateway_harness import GatewayProcess
+from ports_world import GUEST_PORT, ports_world
 from sandboxd_harness import REPO, Sandboxd, free_port, localhost_certificate
 from services_world import World, world
 
@@ -81,8 +83,9 @@ def run_node_tests(files: list[str], env: dict[str, str]) -> str:
 
 
 def test_unit(built: Path) -> None:
-    """What needs no server: the generated types are fresh, the error tree, frames, endpoints."""
-    run_node_tests(["test/unit.test.js"], {})
+    """What needs no server: the generated types are fresh, the error tree, frames, endpoints, and `sandbox.ports`
+    against a local HTTP server answering the ports endpoints."""
+    run_node_tests(["test/unit.test.js", "test/ports.test.js"], {})
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +166,21 @@ def test_against_the_gateway(
     })  # fmt: skip
     log = w.gw.log_text() + plain.log_text()
     assert not [k for k in [*w.keys.values(), plain_key] if k in log], "a key reached a gateway's log"
+
+
+def test_ports_against_a_gateway(built: Path, sandboxd: Sandboxd) -> None:
+    """``sandbox.ports`` through a gateway run with --ports-domain: the listing, the URL, a token URL opened as a
+    browser does (cookie, redirect, the guest's page), public and private again, another user's 404."""
+    with ports_world(sandboxd, prefix="sbxts-ports-") as pw:
+        sandbox_id = pw.sandbox_with_server()
+        try:
+            run_node_tests(["test/ports-gateway.test.js"], {
+                "SBX_TEST_PORTS_GATEWAY_URL": pw.url, "SBX_TEST_PORTS_KEY": pw.keys["owner"],
+                "SBX_TEST_PORTS_OTHER_KEY": pw.keys["other"], "SBX_TEST_PORTS_SANDBOX": sandbox_id,
+                "SBX_TEST_PORTS_PORT": str(GUEST_PORT), "SBX_TEST_PORTS_URL": pw.port_url(sandbox_id, GUEST_PORT),
+            })  # fmt: skip
+        finally:
+            pw.gw.request("DELETE", f"/v1/sandboxes/{sandbox_id}", key=pw.keys["owner"])
 
 
 @pytest.fixture(scope="module")

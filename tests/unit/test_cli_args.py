@@ -106,6 +106,7 @@ def test_help_lists_every_command() -> None:
     listed = {line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()}
     assert listed == {
         "capabilities", "cp", "create", "events", "exec", "forward", "gateway", "get", "images", "ls", "network",
-        "node", "resume", "rm", "run", "shell", "snapshot", "snapshots", "ssh", "stop", "suspend", "volumes", "services",
+        "node", "ports", "resume", "rm", "run", "shell", "snapshot", "snapshots", "ssh", "stop", "suspend", "volumes",
+        "services",
         "jobs", "secrets", "mcp",
     }  # fmt: skip

@@ -87,6 +87,7 @@ def test_exported_names() -> None:
         "Sandboxes",
         "Sandbox",
         "Files",
+        "Ports",
         "Process",
         "Images",
         "Snapshots",

@@ -76,10 +76,17 @@ export function renderNodes(main) {
     }).then((result) => {
       if (!result) return;
       const failed = (result.failed || []).map((f) => `${f.id}: ${f.error}`);
+      // Persistent sandboxes a drain without terminate suspended (an addition, capability persistent): they sleep
+      // and wake wherever there is room at their next call; they do not count in remaining.
+      const suspended = result.suspended || [];
       dialog({
         title: `${result.node} drained`,
         body: [
-          h("p.drain-result", `${result.remaining} sandboxes still running; ${result.terminated.length} terminated.`),
+          h("p.drain-result", `${result.remaining} sandboxes still running; ${result.terminated.length} terminated` +
+            `${suspended.length ? `; ${suspended.length} persistent suspended` : ""}.`),
+          suspended.length ? h("div.drain-suspended",
+            h("p", "Suspended persistent sandboxes (the next call that needs one wakes it):"),
+            h("ul", suspended.map((id) => h("li", h("a", { href: `#/sandboxes/${enc(id)}` }, id))))) : null,
           failed.length ? h("ul", failed.map((t) => h("li.error", t))) : null,
           result.remaining ? h("p.muted", "Run the drain again until none remain, or terminate them.") : null,
         ],

@@ -1,15 +1,17 @@
 // One sandbox: overview and actions (its state followed live), a terminal (a new shell, or attached to a running
-// process with replay), files (list, drag-and-drop upload, download, delete), processes with followed output, the
-// last hour of metrics, its audit events, and its snapshots with their forks.
+// process with replay), files (list, drag-and-drop upload, download, delete), processes with followed output, its
+// ports on URLs of their own (pages/ports.js), the last hour of metrics, its audit events, and its snapshots with
+// their forks.
 
 import { base64Bytes, call, enc, get, ndjson, post, query } from "../api.js";
 import { chart } from "../chart.js";
 import { AttachedTerminal } from "../terminal.js";
 import { action, clear, confirm, dialog, errorBox, every, fmtBytes, fmtTime, h, table, toast } from "../ui.js";
+import { ports } from "./ports.js";
 import { createSandbox, persistentBadge, sandboxActions, takeSnapshot } from "./sandboxes.js";
 
-const TABS = ["overview", "terminal", "files", "processes", "metrics", "events", "snapshots"];
-const TITLES = { overview: "Overview", terminal: "Terminal", files: "Files", processes: "Processes",
+const TABS = ["overview", "terminal", "files", "processes", "ports", "metrics", "events", "snapshots"];
+const TITLES = { overview: "Overview", terminal: "Terminal", files: "Files", processes: "Processes", ports: "Ports",
   metrics: "Metrics", events: "Events", snapshots: "Snapshots" };
 
 /** How often the page looks for a change of the sandbox (its state after an idle suspend, a stop elsewhere). */
@@ -61,7 +63,7 @@ export function renderSandbox(main, id, tab = "overview", arg = "") {
   };
   loadHead().then((s) => {
     if (left) return;
-    const render = { overview, terminal, files, processes, metrics, events, snapshots }[tab];
+    const render = { overview, terminal, files, processes, ports, metrics, events, snapshots }[tab];
     const cleanup = render(body, id, s, arg);
     if (cleanup) cleanups.push(cleanup);
     if (!s) return;

@@ -16,6 +16,7 @@ export {
 } from "./sandbox.js";
 export { Attachment, MAX_BUFFERED_BYTES, openAttachment, type AttachOptions, type WebSocketClass } from "./attach.js";
 export { Images, Snapshots, Volumes } from "./resources.js";
+export { Ports, MAX_PORT_TOKEN_TTL_SECS } from "./ports.js";
 export { Services, Jobs, Secrets, Ssh, Keys } from "./gateway.js";
 export * from "./errors.js";
 export * as frames from "./frames.js";

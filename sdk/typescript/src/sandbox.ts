@@ -16,6 +16,7 @@ import { asBytes, fromBase64, text, toBase64 } from "./bytes.js";
 import type { Client } from "./client.js";
 import { InvalidRequest, Unavailable as UnavailableError, Unsupported } from "./errors.js";
 import { signalName } from "./frames.js";
+import { Ports } from "./ports.js";
 import type {
   CreateRequest,
   DirEntry,
@@ -104,6 +105,8 @@ export class Sandbox {
   info: SandboxInfo;
   /** Guest files as the sandbox user. */
   readonly files: Files;
+  /** Its TCP ports on URLs of their own (a gateway with capability `exposed_ports`). */
+  readonly ports: Ports;
 
   /** @internal use `client.sandboxes`. */
   constructor(
@@ -113,6 +116,7 @@ export class Sandbox {
     this.info = info;
     this.id = info.id;
     this.files = new Files(client, this.id);
+    this.ports = new Ports(client, sandboxPath(this.id));
   }
 
   /** The sandbox's name, `""` when it has none. */

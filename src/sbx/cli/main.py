@@ -2,8 +2,8 @@
 
 One module per command group: ``sandboxes`` (create, ls, get, rm), ``processes`` (run, exec),
 ``shell``, ``ssh`` (through a gateway's SSH server), ``files`` (cp), ``forward``, ``node`` (node, capabilities,
-events), ``images``, ``state`` (suspend, resume, stop, snapshot, snapshots, volumes), ``gateway``, ``mcp`` (an MCP
-server over the SDK, ``sbx.mcp``).
+events), ``images``, ``ports`` (a sandbox's ports on URLs of their own, through a gateway), ``state`` (suspend,
+resume, stop, snapshot, snapshots, volumes), ``gateway``, ``mcp`` (an MCP server over the SDK, ``sbx.mcp``).
 
 Output: aligned tables or ``key: value`` lines for people, the server's JSON with ``--json``.
 Errors are printed as ``code: message`` on stderr. Exit status: 0 on success, 1 for a failed
@@ -26,6 +26,7 @@ from sbx.cli import (
     mcp,
     network,
     node,
+    ports,
     processes,
     sandboxes,
     shell,
@@ -79,6 +80,7 @@ for command in (
     state.snapshots,
     state.volumes,
     network.network,
+    ports.ports,
     gateway.gateway,
     workloads.services,
     workloads.jobs,

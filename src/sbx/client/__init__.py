@@ -30,6 +30,7 @@ from sbx.client._client import AsyncClient
 from sbx.client._endpoint import DEFAULT_SOCKET, Endpoint, resolve_endpoint
 from sbx.client._images import Images
 from sbx.client._models import DirEntry, EventList, OutputEvent, RunResult
+from sbx.client._ports import Ports
 from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
 from sbx.client._storage import Snapshots, Volumes
@@ -57,6 +58,7 @@ __all__ = [
     "NotServed",
     "OutputEvent",
     "PayloadTooLarge",
+    "Ports",
     "Process",
     "Refused",
     "RunResult",

@@ -28,6 +28,7 @@ from sbx.api.processes import ProcessList, ProcessRequest, RunRequest, RunResult
 from sbx.api.sandboxes import CreateRequest, PatchRequest, SandboxList
 from sbx.api.sandboxes import Sandbox as SandboxInfo
 from sbx.api.snapshots import ScheduleRequest, Snapshot, SnapshotRequest
+from sbx.client._ports import Ports
 from sbx.client._process import Process
 from sbx.client._streams import Attachment, Tunnel
 
@@ -82,7 +83,8 @@ class Sandboxes:
 class Sandbox:
     """One sandbox. ``async with`` deletes it on the way out.
 
-    Attributes: ``id``, ``info`` (the Sandbox object as last answered), ``files`` (``Files``);
+    Attributes: ``id``, ``info`` (the Sandbox object as last answered), ``files`` (``Files``), ``ports``
+    (``Ports``: its ports on URLs of their own, through a gateway with capability ``exposed_ports``);
     properties ``name``, ``state``, ``image``, ``labels``, ``persistent`` and ``stopped_reason`` read ``info``.
     """
 
@@ -91,6 +93,7 @@ class Sandbox:
         self.info = info
         self.id: str = info.id
         self.files = Files(client, self.id)
+        self.ports = Ports(client, sandbox_path(self.id))
 
     @classmethod
     async def create(cls, client: AsyncClient, **fields: Any) -> Sandbox:

@@ -27,8 +27,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Self
 
+from sbx.client._admin import Admin
 from sbx.client._client import AsyncClient
 from sbx.client._images import Images
+from sbx.client._ports import Ports
 from sbx.client._process import Process
 from sbx.client._sandbox import Files, Sandbox, Sandboxes
 from sbx.client._ssh import Ssh
@@ -42,6 +44,7 @@ __all__ = ["Client", "SyncProxy"]
 #: Objects handed out wrapped (they have coroutine methods); anything else is a plain value.
 _WRAPPED: tuple[type, ...] = (
     AsyncClient,
+    Admin,
     Sandboxes,
     Images,
     Snapshots,
@@ -49,6 +52,7 @@ _WRAPPED: tuple[type, ...] = (
     Ssh,
     Sandbox,
     Files,
+    Ports,
     Process,
     Attachment,
     Tunnel,

@@ -408,6 +408,24 @@ class Session:
         await sandbox.files.remove(args.path)
         return t.Deleted(path=args.path, deleted=True)
 
+    # -- ports -------------------------------------------------------------------------------------------
+
+    async def expose_port(self, args: t.ExposePortArgs) -> t.ExposedPort:
+        if args.public and args.ttl_secs is not UNSET:
+            raise InvalidRequest(
+                "ttl_secs: a public port's URL does not expire; give ttl_secs only with public false"
+            )
+        sandbox = await self._sandbox(args.sandbox)
+        port = await sandbox.ports.public(args.port, args.public)
+        url, expires_at = port.url, None
+        if not args.public:
+            token = await sandbox.ports.token(args.port, None if args.ttl_secs is UNSET else args.ttl_secs)
+            url, expires_at = token.url, token.expires_at
+        return t.ExposedPort(
+            sandbox=sandbox.id, port=port.port, url=url, public=port.public, listening=port.listening,
+            expires_at=expires_at, note=t.port_note(port.public, port.listening, expires_at),
+        )  # fmt: skip
+
     # -- snapshots -----------------------------------------------------------------------------------------
 
     async def snapshot_sandbox(self, args: t.SnapshotSandboxArgs) -> t.SnapshotSummary:

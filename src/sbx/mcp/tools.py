@@ -15,6 +15,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from sbx.api.errors import InvalidRequest
+from sbx.api.ports import MAX_TOKEN_TTL_SECS
 
 #: The label every sandbox made by an MCP session carries; its value is the session's id.
 SESSION_LABEL = "mcp.session"
@@ -28,6 +29,8 @@ MAX_WAIT_SECS = 60
 MAX_LISTED_SANDBOXES = 100
 #: Most entries one ``list_files`` answer names.
 MAX_LISTED_ENTRIES = 1000
+#: Longest lifetime of an ``expose_port`` token URL, in seconds (the gateway's bound).
+MAX_PORT_TOKEN_TTL_SECS = MAX_TOKEN_TTL_SECS
 
 Ref = Annotated[str, Meta(min_length=1, description="The sandbox: its id (sbx_...) or its name.")]
 Pid = Annotated[
@@ -245,6 +248,22 @@ class SnapshotSandboxArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
                     "(a fork resumes them); disk: files only (a fork boots afresh).")] = "memory"  # fmt: skip
 
 
+class ExposePortArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Arguments of expose_port."""
+
+    sandbox: Ref
+    port: Annotated[int, Meta(ge=1, le=65535, description="The TCP port a server in the sandbox listens on.")]
+    public: Annotated[bool, Meta(description="true: the port becomes public and the answer is its plain URL, "
+                      "which anyone may open, for as long as the sandbox lives; false (default): the port is "
+                      "(or becomes again) private and the answer is a token URL that opens it in a browser until "
+                      "it expires.")] = False  # fmt: skip
+    ttl_secs: (
+        Annotated[int, Meta(ge=1, le=MAX_PORT_TOKEN_TTL_SECS, description="How long a private port's token URL "
+              "works, in seconds. Default: 3600. Not for a public port (its URL does not expire).")]
+        | UnsetType
+    ) = UNSET  # fmt: skip
+
+
 class SnapshotArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Arguments naming one snapshot."""
 
@@ -401,6 +420,18 @@ class SnapshotDeleted(msgspec.Struct, kw_only=True):
 
     snapshot_id: str
     deleted: bool
+
+
+class ExposedPort(msgspec.Struct, kw_only=True):
+    """expose_port's answer: ``url`` is what to hand to the user; ``expires_at`` only for a token URL."""
+
+    sandbox: str
+    port: int
+    url: str
+    public: bool
+    listening: bool
+    expires_at: str | None
+    note: str
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -601,6 +632,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         PathArgs, Deleted, destructive=True,
     ),
     ToolSpec(
+        "expose_port", "Give a URL of a sandbox's port",
+        "Return a URL of a TCP port of a sandbox that the user can open in a browser (a dev server, a notebook, a "
+        "preview; WebSockets work too), through the gateway's ports domain. With public false (default) the port "
+        "stays private and the url is a token URL: it opens that one port, without a key, for whoever holds it, "
+        "until expires_at (ttl_secs, default 3600); hand it to the user only. With public true the port becomes "
+        "public and the url is its plain URL, open to anyone, not expiring. listening says whether something "
+        "listens on the port now: start the server (start_process) before or after, the URL stays the same. "
+        "Needs a gateway run with --ports-domain (else unsupported).",
+        ExposePortArgs, ExposedPort, idempotent=True,
+    ),
+    ToolSpec(
         "snapshot_sandbox", "Snapshot a sandbox",
         "Snapshot a running sandbox without stopping it: kind memory (files, memory and processes) or disk "
         "(files only). Start copies of it with fork_sandbox. Snapshots this session takes are deleted when it "
@@ -716,3 +758,16 @@ def session_idle_timeout(wanted_secs: int, server_max_secs: int) -> int | None:
 def output_limit(asked: int | UnsetType, cap: int) -> int:
     """The byte cap of one answer: what the agent asked, never above the server's ``cap``."""
     return cap if asked is UNSET else min(int(asked), cap)
+
+
+def port_note(public: bool, listening: bool, expires_at: str | None) -> str:
+    """expose_port's note to the agent: who may open the URL, and whether anything answers on it yet."""
+    who = (
+        "public: anyone with this URL may open it until the port is made private again or the sandbox ends"
+        if public
+        else f"private: this token URL opens the port for whoever holds it until {expires_at}; give it to the "
+        "user only"
+    )
+    if listening:
+        return who + "."
+    return who + "; nothing listens on the port yet: start the server, the URL will then answer."
