@@ -449,6 +449,24 @@ def test_wake_on_traffic_and_activity_keeps_it_awake(w: World) -> None:
     w.ok("DELETE", f"/v1/sandboxes/{made}", status=204)
 
 
+def test_a_stopped_sandbox_is_started_and_says_its_server_is_gone(w: World) -> None:
+    """A stopped persistent sandbox is booted from its disk by the first request; no server of before runs, so the
+    answer is a prompt 502 saying so, not a wait for a port nothing will open."""
+    made = w.ok("POST", "/v1/sandboxes", {"name": "stopped-web", "persistent": True}, status=201)["id"]
+    start_guest(w, made, 8080)
+    host, alice = label(made, 8080), {"Authorization": f"Bearer {w.keys['alice']}"}
+    w.ok("POST", f"/v1/sandboxes/{made}/stop", {})
+    started = time.monotonic()
+    resp = visit(w, host, headers=alice)
+    assert resp.status == 502, (resp.status, resp.body)
+    assert "it was stopped, so it was started again from its disk" in resp.json()["error"]["message"]
+    assert time.monotonic() - started < 15  # the boot, not the 30 s wait for a port
+    assert state_listed(w, made) == "running"
+    start_guest(w, made, 8080)
+    assert echoed(visit(w, host, headers=alice))["port"] == 8080
+    w.ok("DELETE", f"/v1/sandboxes/{made}", status=204)
+
+
 def test_without_a_ports_domain_the_endpoints_are_501() -> None:
     with world(prefix="sbxnoports-") as plain:
         made = plain.ok("POST", "/v1/sandboxes", {}, status=201)["id"]

@@ -100,6 +100,12 @@ class Wakes:
         here (see the module), or refuse with 403 when its tenant's quota has no room for its cpus and memory.
         Returns the node's answer to the wake (None when there was nothing to wake); a node's refusal (503: no room
         there) is raised as the node sent it, with nothing changed."""
+        woken = await self.wake_from(rec)
+        return woken[1] if woken is not None else None
+
+    async def wake_from(self, rec: SandboxRecord) -> tuple[str, Sandbox] | None:
+        """:meth:`wake`, also saying what it woke the sandbox from (``suspended``: its processes run on;
+        ``stopped``: booted from its disk, no process of before runs)."""
         if not rec.asleep:
             return None
         gw = self.gw
@@ -123,4 +129,4 @@ class Wakes:
                 woke = await node.client.sandbox(current.id)
             assert woke is not None
             await self.observed(current, woke)
-            return woke
+            return state.state, woke

@@ -282,14 +282,19 @@ class PortFront:
     ) -> web.StreamResponse:
         check_length(request)
         node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
-        woke = rec.asleep and await self.gw.wakes.wake(rec) is not None
+        woken = await self.gw.wakes.wake_from(rec) if rec.asleep else None
+        # Booted from its disk: no server of before runs, so a refused connection is answered at once.
+        woke, started = (
+            woken is not None and woken[0] != "stopped",
+            woken is not None and woken[0] == "stopped",
+        )
         head = request_head(request, "", keep_for_guest)
         key = f"{rec.id}:{port}"
         dest = Destination(key, rec.id, ANSWER_TIMEOUT_SECS,
                            f"port {port} of sandbox {rec.id} did not begin its answer within "
                            f"{ANSWER_TIMEOUT_SECS:g} s")  # fmt: skip
         for attempt in range(2):
-            up = await self._connect(node.client, rec, port, woke)
+            up = await self._connect(node.client, rec, port, woke, started)
             op.closers.append(up.close)
             reused = up.idle_since != 0.0
             try:
@@ -303,9 +308,13 @@ class PortFront:
                     ) from None
         raise AssertionError("unreachable")
 
-    async def _connect(self, client: NodeClient, rec: SandboxRecord, port: int, woke: bool) -> Upstream:
+    async def _connect(
+        self, client: NodeClient, rec: SandboxRecord, port: int, woke: bool, started: bool = False
+    ) -> Upstream:
         """A connection to the port; the node's refusal as the gateway's answer (see the module). A sandbox
-        just woken (here or by its node) is given :data:`WAKE_WAIT_SECS` for its port to take it."""
+        just woken (here or by its node) is given :data:`WAKE_WAIT_SECS` for its port to take it; one just
+        ``started`` from its disk (it was stopped) runs none of its old processes, so a refusal is answered at
+        once, saying so."""
         deadline = time.monotonic() + WAKE_WAIT_SECS
         while True:
             opened = await self.pool.connect(f"{rec.id}:{port}", client, rec.id, port)
@@ -324,6 +333,11 @@ class PortFront:
                         f"sandbox {rec.id} is {state.state} and not persistent, so its ports answer nothing: resume "
                         f"it (POST /v1/sandboxes/{rec.id}/resume)"
                     )
+            if started:
+                raise BadGateway(
+                    f"nothing listens on port {port} in sandbox {rec.id}: it was stopped, so it was started again "
+                    "from its disk and none of its processes were kept; start the server on that port again"
+                )
             if not woke or time.monotonic() >= deadline:
                 raise BadGateway(
                     f"nothing listens on port {port} in sandbox {rec.id}: start a server there on that port "
