@@ -97,6 +97,9 @@ class JobController:
         self.notifier = Notifier(gw, gw.store, options.notify, self.metrics.count_notification)
         self.runner = Runner(gw, self.db, self.outputs, self.notifier, self.metrics.count_run)
         self.runtimes: dict[str, JobRuntime] = {}
+        #: Unfinished jobs already audited ``job.revoked``: a revocation is found by the sweep (``access_changed``)
+        #: and by the job's runner between two attempts, often both, and is audited once.
+        self._revoked: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
     def _counts(self) -> tuple[int, int]:
@@ -242,8 +245,7 @@ class JobController:
             rt.cancelling = exc.reason
             job = self.db.jobs.get(rt.id)
             if job is not None:
-                self.gw.record_audit(kind="revocation", type="job.revoked", user=job.user,
-                                     tenant=job.tenant or None, target=job.id, result="cancelled")  # fmt: skip
+                self._audit_revoked(job)
             await self._cancelled(rt.id, exc.reason)
         except Exception:
             log.exception("job task failed", extra={"job": rt.id})
@@ -328,14 +330,20 @@ class JobController:
         The leader does it (every replica is told of a revocation; one cancels)."""
         if not self.gw.leading:
             return
-        doomed = [
-            job for job in list(self.db.jobs.values())
-            if job.state not in FINISHED_STATES and not auth.has_access(self.gw.store, job.user, job.tenant)
-        ]  # fmt: skip
+        unfinished = [job for job in list(self.db.jobs.values()) if job.state not in FINISHED_STATES]
+        self._revoked &= {job.id for job in unfinished}  # a finished job is never doomed again
+        doomed = [job for job in unfinished if not auth.has_access(self.gw.store, job.user, job.tenant)]
         for job in doomed:
-            self.gw.record_audit(kind="revocation", type="job.revoked", user=job.user, tenant=job.tenant or None,
-                                 target=job.id, result="cancelled")  # fmt: skip
+            self._audit_revoked(job)
         await asyncio.gather(*(self._cancel_now(job) for job in doomed))
+
+    def _audit_revoked(self, job: JobRecord) -> None:
+        """Audit ``job.revoked`` for ``job``, once however many times its revocation is found."""
+        if job.id in self._revoked:
+            return
+        self._revoked.add(job.id)
+        self.gw.record_audit(kind="revocation", type="job.revoked", user=job.user, tenant=job.tenant or None,
+                             target=job.id, result="cancelled")  # fmt: skip
 
     async def _cancel_now(self, job: JobRecord) -> None:
         if job.id in self.runtimes:
