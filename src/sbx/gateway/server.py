@@ -148,8 +148,9 @@ class Gateway:
         self.ports: PortFront | None = None
         if options.ports_domain:
             ports = PortStore(store, self.write)
-            self.ports = PortFront(self, ports, options.ports_domain, public,
-                                   options.max_public_connections_per_sandbox)  # fmt: skip
+            self.ports = PortFront(store, ports, options.ports_domain, public,
+                                   options.max_public_connections_per_sandbox, fresh=self, nodes=self,
+                                   wakes=self.wakes, audit=self, leadership=self)  # fmt: skip
             self.sandboxes.on_terminated.append(self.ports.ended)
         if options.jobs is None:
             # The store may be a database with no directory beside it: where jobs' output goes is always said.
