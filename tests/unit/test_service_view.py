@@ -113,16 +113,16 @@ async def test_every_replica_ends_a_services_traffic_when_its_owner_loses_access
     """The owner's last key revoked: each replica ends the requests it relays (a follower has no runtime of the
     service, which is where this was looked up before), once; the leader alone audits it."""
     key, _ = keys.new_key("alice", "", {"sandbox:read"})
-    ctl.gw.store.add_key(key)
+    ctl.store.add_key(key)
     if leading:
         await ctl.start()
     ended: list[str] = []
     ctl.on_access_lost.append(ended.append)
     audited: list[dict[str, object]] = []
-    ctl.gw.record_audit = lambda **fields: audited.append(fields)  # type: ignore[method-assign]
+    ctl.audit.record_audit = lambda **fields: audited.append(fields)  # type: ignore[method-assign]
     await ctl.access_changed()
     assert ended == []
-    ctl.gw.store.revoke_key(key.id)
+    ctl.store.revoke_key(key.id)
     await ctl.access_changed()
     await ctl.access_changed()  # told once
     assert ended == ["svc_1"]

@@ -138,15 +138,19 @@ class Gateway:
         #: Tenant secrets, services (controller and traffic front) and jobs; their controllers are started by the
         #: serving application (``main.build_app``), after the gateway's own loops.
         self.secrets = Secrets(self, store, SecretBox(options.secrets_key) if options.secrets_key else None)
-        self.services = ServiceController(self, options.rollout_timeout_secs)
+        self.services = ServiceController(
+            store, self, registry, self.sandboxes, self.secrets, locks=self, leadership=self, audit=self,
+            metrics=self.metrics.registry, rollout_timeout_secs=options.rollout_timeout_secs,
+        )  # fmt: skip
         public = PublicConnections(options.max_public_connections_per_service, options.max_public_connections)
-        self.service_front = ServiceFront(self, self.services, options.services_domain, public)
+        self.service_front = ServiceFront(store, registry, self.services, options.services_domain, public)
         #: The exposed ports' traffic front, with ``--ports-domain`` (it shares the public caps with services).
         self.ports: PortFront | None = None
         if options.ports_domain:
             ports = PortStore(store, self.write)
-            self.ports = PortFront(self, ports, options.ports_domain, public,
-                                   options.max_public_connections_per_sandbox)  # fmt: skip
+            self.ports = PortFront(store, ports, options.ports_domain, public,
+                                   options.max_public_connections_per_sandbox, fresh=self, nodes=self,
+                                   wakes=self.wakes, audit=self, leadership=self)  # fmt: skip
             self.sandboxes.on_terminated.append(self.ports.ended)
         if options.jobs is None:
             # The store may be a database with no directory beside it: where jobs' output goes is always said.

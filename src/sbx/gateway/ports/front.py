@@ -59,7 +59,9 @@ from sbx.web.connections import anonymous_connection, mark_authenticated
 from sbx.web.http import Handler, error_response
 
 if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+    from sbx.gateway.interfaces import AuditSink, Leadership, NodeLookup
+    from sbx.gateway.ports.interfaces import Fresh, Wakes
+    from sbx.gateway.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +113,23 @@ def keep_for_guest(lowered: str, value: str) -> str | None:
 
 
 class PortFront:
-    """The middleware that answers port traffic, and what it keeps (connections, open requests)."""
+    """The middleware that answers port traffic, and what it keeps (connections, open requests).
+
+    Given the store (sandbox records, keys, memberships), its look-ups that catch up with other replicas, the
+    nodes holding the sandboxes, the wakes of persistent ones, the audit log and whether this replica leads (asked
+    each time: it changes); never the gateway."""
 
     def __init__(
-        self, gw: Gateway, db: PortStore, domain: str, public: PublicConnections,
-        per_sandbox: int = DEFAULT_MAX_PER_SANDBOX,
+        self, store: Store, db: PortStore, domain: str, public: PublicConnections,
+        per_sandbox: int = DEFAULT_MAX_PER_SANDBOX, *, fresh: Fresh, nodes: NodeLookup, wakes: Wakes,
+        audit: AuditSink, leadership: Leadership,
     ) -> None:  # fmt: skip
-        self.gw = gw
+        self.store = store
+        self.fresh = fresh
+        self.nodes = nodes
+        self.wakes = wakes
+        self.audit = audit
+        self.leadership = leadership
         self.db = db
         self.domain = domain.lower().strip(".")
         self._domain_host = host_header_name(self.domain)
@@ -156,7 +168,7 @@ class PortFront:
             raise NotFound(f"no port {label!r} here: a port's host is <port>-<sandbox id without sbx_, _ as ->."
                            f"{self.domain}, as GET /v1/sandboxes/ID/ports answers it")  # fmt: skip
         sandbox_id, port = parsed
-        rec = await self.gw.fresh(lambda: self._record(sandbox_id))
+        rec = await self.fresh.fresh(lambda: self._record(sandbox_id))
         tokens, rest = credentials.split_query(request.rel_url.raw_query_string)
         if tokens:
             return await self._trade(request, rec, port, tokens, rest)
@@ -177,7 +189,7 @@ class PortFront:
         )
 
     def _record(self, sandbox_id: str) -> SandboxRecord:
-        rec = self.gw.store.sandboxes.get(sandbox_id)
+        rec = self.store.sandboxes.get(sandbox_id)
         if rec is None:
             raise NotFound(f"no sandbox {sandbox_id} here: it ended, or never was")
         return rec
@@ -191,10 +203,10 @@ class PortFront:
             self._admit_public(request, rec, authorization)
             return None
         if secret is not None and secret.startswith("sgk_"):
-            key = auth.key_from_header(self.gw.store, authorization)
+            key = auth.key_from_header(self.store, authorization)
             mark_authenticated(request)
             request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
-            tenant, org = auth.acting_tenant(self.gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
+            tenant, org = auth.acting_tenant(self.store, key, request.headers.getall(auth.ORG_HEADER, []))
             principal = auth.Principal.of_key(key, tenant, org)
             request[auth.PRINCIPAL_KEY] = principal
             if not principal.owns(rec.user, rec.tenant):
@@ -228,7 +240,7 @@ class PortFront:
         if authorization is not None:
             # A valid key takes the connection out of every count, as on the API; anything else is no key.
             with contextlib.suppress(Unauthorized):
-                auth.key_from_header(self.gw.store, authorization)
+                auth.key_from_header(self.store, authorization)
                 mark_authenticated(request)
                 return
         if not self.public.admit(conn, rec.id, self.per_sandbox):
@@ -245,7 +257,7 @@ class PortFront:
         return token if self._still_good(token) else None
 
     def _still_good(self, token: PortTokenRecord) -> bool:
-        store = self.gw.store
+        store = self.store
         return auth.is_key_still_good(store, token.key_id, ()) and auth.has_access(
             store, token.user, token.tenant
         )
@@ -270,9 +282,9 @@ class PortFront:
             "Referrer-Policy": "no-referrer",
             "Cache-Control": "no-store",
         })  # fmt: skip
-        self.gw.record_audit(kind="api", type="port.token_traded", key_id=token.key_id, user=token.user,
-                             tenant=token.tenant or None, method=request.method, route=ROUTE, status=303,
-                             target=rec.id, port=port)  # fmt: skip
+        self.audit.record_audit(kind="api", type="port.token_traded", key_id=token.key_id, user=token.user,
+                                tenant=token.tenant or None, method=request.method, route=ROUTE, status=303,
+                                target=rec.id, port=port)  # fmt: skip
         return response
 
     # -- forwarding -------------------------------------------------------------------------------------
@@ -281,8 +293,8 @@ class PortFront:
         self, request: web.Request, rec: SandboxRecord, port: int, target: str, op: _Open
     ) -> web.StreamResponse:
         check_length(request)
-        node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
-        woken = await self.gw.wakes.wake_from(rec) if rec.asleep else None
+        node = self.nodes.node_for(rec.node, f"sandbox {rec.id}")
+        woken = await self.wakes.wake_from(rec) if rec.asleep else None
         # Booted from its disk: no server of before runs, so a refused connection is answered at once.
         woke, started = (
             woken is not None and woken[0] != "stopped",
@@ -350,7 +362,7 @@ class PortFront:
     async def access_changed(self) -> None:
         """End open requests whose key (or whose token's key) was revoked or lost its user's access, and forget
         the tokens and public flags of sandboxes the gateway no longer knows (the 30 s recheck too)."""
-        store = self.gw.store
+        store = self.store
 
         def bad(op: _Open) -> bool:
             if op.key_id is None:
@@ -365,7 +377,7 @@ class PortFront:
         )  # fmt: skip
         gone = {s for s, _ in list(self.db.public)} | {t.sandbox for t in list(self.db.tokens.values())}
         gone = {s for s in gone if s not in store.sandboxes}
-        if self.gw.leading:
+        if self.leadership.leading:
             try:
                 await self.db.forget(gone)
             except Exception:  # a sweep that fails is tried again at the next recheck

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from sbx.api.codec import decode_request
 from sbx.api.services import ScaleRequest, ServiceList, ServiceSpec
-from sbx.gateway import auth
+from sbx.gateway import auth, specs
 from sbx.gateway.http import principal_of
 from sbx.gateway.services.spec import check_replicas, check_spec
 from sbx.gateway.services.store import ServiceRecord
@@ -30,6 +30,10 @@ class ServiceRoutes:
             self.gw.services.wire(svc, self.gw.service_front.url(svc, request)), status=status
         )
 
+    def _checked(self, tenant: str, spec: ServiceSpec) -> ServiceSpec:
+        """``spec`` checked against what the nodes offer now and the tenant's secrets, and completed."""
+        return check_spec(specs.offered(self.gw), self.gw.secrets, tenant, spec)
+
     async def _target(self, request: web.Request) -> ServiceRecord:
         principal, name, tenant = (
             principal_of(request),
@@ -41,7 +45,7 @@ class ServiceRoutes:
     async def create(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
         spec = decode_request(await read_json_body(request), ServiceSpec)
-        svc = await self.gw.services.create(principal, check_spec(self.gw, principal.tenant, spec))
+        svc = await self.gw.services.create(principal, self._checked(principal.tenant, spec))
         return self._answer(request, svc, 201)
 
     async def list(self, request: web.Request) -> web.Response:
@@ -55,9 +59,7 @@ class ServiceRoutes:
     async def put(self, request: web.Request) -> web.Response:
         svc = await self._target(request)
         spec = decode_request(await read_json_body(request), ServiceSpec)
-        return self._answer(
-            request, await self.gw.services.update(svc, check_spec(self.gw, svc.tenant, spec))
-        )
+        return self._answer(request, await self.gw.services.update(svc, self._checked(svc.tenant, spec)))
 
     async def scale(self, request: web.Request) -> web.Response:
         svc = await self._target(request)

@@ -13,7 +13,7 @@ One task per service wakes every second (or at once when a replica's health chan
    nodes cannot take now (no room, over quota) is retried with a backoff (1 s doubling to 30 s), and its reason
    is the service's ``error`` meanwhile.
 
-Every replica is a sandbox made through ``gw.sandboxes.create`` for ``Principal.owner(user, tenant)`` (quotas,
+Every replica is a sandbox made through the sandbox service's ``create`` for ``Principal.owner(user, tenant)`` (quotas,
 placement, owner labels), stamped ``gateway.service`` (the name), ``gateway.service.rev`` and
 ``gateway.service.id``, then its command is started as a background process. A task per replica checks its
 health (``health.py``): every ``every_secs``, and every 0.25 s while it is starting; a starting replica is
@@ -26,6 +26,10 @@ checked again (not remade), a sandbox made but not recorded is found on its node
 recorded replica whose command had not been started gets it started (or the process that was started adopted).
 Sandboxes labelled for no current replica (a service deleted meanwhile, a create cut half way) are ended when their
 node is seen again and by a sweep every minute.
+
+What it is given (issue 34; docs/architecture.md): the store and its writes, the node registry, the sandbox service
+and the secrets (``services.interfaces``), the locks, whether this replica leads (asked each time: it changes), the
+audit log, the metrics registry and a monotonic clock; never the gateway.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ import secrets as random_source
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from msgspec import UNSET
 from msgspec.structs import replace
+from prometheus_client import CollectorRegistry
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
 from sbx.api.processes import ProcessRequest
@@ -50,18 +55,18 @@ from sbx.api.services import Replica as ReplicaWire
 from sbx.api.services import ReplicaState, Rollout, Service, ServiceSpec
 from sbx.gateway import auth
 from sbx.gateway.auth import Principal
-from sbx.gateway.nodes import Node
+from sbx.gateway.interfaces import MONOTONIC, AuditSink, Clock, Leadership, Reservations, Writes
+from sbx.gateway.nodes import Node, Registry
 from sbx.gateway.quotas import OverQuota
 from sbx.gateway.services import health
+from sbx.gateway.services.interfaces import ReplicaSandboxes, SecretValues
 from sbx.gateway.services.metrics import ServiceMetrics
 from sbx.gateway.services.rollout import ReplicaView, plan
 from sbx.gateway.services.spec import DEFAULT_EVERY_SECS, DEFAULT_FAILURES, answer_timeout_secs, rollout_part
 from sbx.gateway.services.store import ReplicaRecord, RolloutRecord, ServiceRecord, ServiceStore
 from sbx.gateway.specs import create_request
 from sbx.gateway.state import now_rfc3339, older_than
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.store.base import Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,16 +135,37 @@ class ServiceRuntime:
 class ServiceController:
     """Every service of the gateway: the calls of the routes, the controller tasks, the traffic's view."""
 
-    def __init__(self, gw: Gateway, rollout_timeout_secs: float = DEFAULT_ROLLOUT_TIMEOUT_SECS) -> None:
-        self.gw = gw
-        self.db = ServiceStore(gw.store, gw.write)
+    def __init__(
+        self,
+        store: Store,
+        writes: Writes,
+        registry: Registry,
+        sandboxes: ReplicaSandboxes,
+        secrets: SecretValues,
+        *,
+        locks: Reservations,
+        leadership: Leadership,
+        audit: AuditSink,
+        metrics: CollectorRegistry,
+        rollout_timeout_secs: float = DEFAULT_ROLLOUT_TIMEOUT_SECS,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.sandboxes = sandboxes
+        self.secrets = secrets
+        self.locks = locks
+        self.leadership = leadership
+        self.audit = audit
+        self.clock = clock
+        self.db = ServiceStore(store, writes.write)
         self.rollout_timeout_secs = rollout_timeout_secs
         self.runtimes: dict[str, ServiceRuntime] = {}
         #: Told when a service's owner loses access (the traffic front ends its open requests).
         self.on_access_lost: list[Callable[[str], object]] = []
         self._started = False
         self._sweeper: asyncio.Task[None] | None = None
-        self.metrics = ServiceMetrics(gw.metrics.registry, self.replicas_total, lambda: len(self.db.services))
+        self.metrics = ServiceMetrics(metrics, self.replicas_total, lambda: len(self.db.services))
         #: Per service: whether its owner held access at the last look (a change is acted on once).
         self._access: dict[str, bool] = {}
         #: Per service: the traffic front's round-robin position.
@@ -164,15 +190,15 @@ class ServiceController:
                     state=state,
                     last_check=rec.checked,
                     last_error=rec.last_error,
-                    started=time.monotonic(),
+                    started=self.clock(),
                 )
-        for node in self.gw.registry.healthy():
+        for node in self.registry.healthy():
             await self._sweep_node(node, adopt=True)
         for rt in self.runtimes.values():
             for rep in rt.replicas.values():
                 self._watch(rt, rep)
             rt.task = asyncio.create_task(self._run(rt), name=f"service-{rt.id}")
-        self.gw.registry.on_answering_again.append(self._node_back)
+        self.registry.on_answering_again.append(self._node_back)
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="service-sweeper")
         self._started = True
 
@@ -180,7 +206,7 @@ class ServiceController:
         """Every minute: end sandboxes labelled for no current replica (a create cut half way by a delete)."""
         while True:
             await asyncio.sleep(SWEEP_SECS)
-            for node in self.gw.registry.healthy():
+            for node in self.registry.healthy():
                 try:
                     await self._sweep_node(node, adopt=False)
                 except Exception:
@@ -228,7 +254,7 @@ class ServiceController:
     async def create(self, principal: Principal, spec: ServiceSpec) -> ServiceRecord:
         """A new service of ``principal`` (``spec`` checked and completed); 409 for a name its tenant has (checked
         under the name's lock shared by the replicas, against every service any of them made)."""
-        async with self.gw.reservation(self.gw.name_lock("service", principal.tenant, spec.name)):
+        async with self.locks.reservation(self.locks.name_lock("service", principal.tenant, spec.name)):
             return await self._create(principal, spec)
 
     async def _create(self, principal: Principal, spec: ServiceSpec) -> ServiceRecord:
@@ -244,7 +270,7 @@ class ServiceController:
             updated=now,
         )  # fmt: skip
         await self.db.put_service(svc, spec)
-        if self.gw.leading:  # else the leader takes it up from the database (taken_up)
+        if self.leadership.leading:  # else the leader takes it up from the database (taken_up)
             rt = self.runtimes[svc.id] = ServiceRuntime(svc.id)
             rt.task = asyncio.create_task(self._run(rt), name=f"service-{svc.id}")
         log.info("service created", extra={"service": svc.id, "replicas": svc.desired})
@@ -299,7 +325,7 @@ class ServiceController:
         it, and the service was back on every replica)."""
 
         async def locked() -> T:
-            async with self.gw.reservation(self.gw.name_lock("service-record", service_id)):
+            async with self.locks.reservation(self.locks.name_lock("service-record", service_id)):
                 return await work()
 
         running = asyncio.ensure_future(locked())
@@ -407,7 +433,7 @@ class ServiceController:
         turn = self._turns[service_id] = (self._turns.get(service_id, 0) + 1) % len(ready)
         ordered = ready[turn:] + ready[:turn]
         if self._unreachable:
-            now = time.monotonic()
+            now = self.clock()
             for sandbox, until in list(self._unreachable.items()):
                 if until <= now:
                     del self._unreachable[sandbox]
@@ -417,7 +443,7 @@ class ServiceController:
     def mark_down(self, sandbox: str) -> None:
         """A request could not reach replica ``sandbox``: try it last for :data:`DOWN_SECS` (or until a request
         reaches it again), whatever the health checks (the leader's, maybe on another gateway) say yet."""
-        self._unreachable[sandbox] = time.monotonic() + DOWN_SECS
+        self._unreachable[sandbox] = self.clock() + DOWN_SECS
 
     def mark_up(self, sandbox: str) -> None:
         """A request reached replica ``sandbox``: it is no longer tried last."""
@@ -425,7 +451,7 @@ class ServiceController:
             self._unreachable.pop(sandbox, None)
 
     def owner_has_access(self, svc: ServiceRecord) -> bool:
-        return auth.has_access(self.gw.store, svc.user, svc.tenant)
+        return auth.has_access(self.store, svc.user, svc.tenant)
 
     # -- revocation ------------------------------------------------------------------------------------
 
@@ -440,8 +466,8 @@ class ServiceController:
                 # Every replica ends the open requests it relays; the one running the controller audits it.
                 log.warning("service owner lost access: traffic stopped", extra={"service": svc.id})
                 if self._started:
-                    self.gw.record_audit(kind="revocation", type="service.revoked", user=svc.user,
-                                         tenant=svc.tenant or None, target=svc.name, result="stopped")  # fmt: skip
+                    self.audit.record_audit(kind="revocation", type="service.revoked", user=svc.user,
+                                            tenant=svc.tenant or None, target=svc.name, result="stopped")  # fmt: skip
                 for fn in self.on_access_lost:
                     fn(svc.id)
             elif allowed and not was:
@@ -473,14 +499,14 @@ class ServiceController:
 
     def _down(self, node: Node) -> bool:
         """Whether ``node`` stopped answering (as the registry declares it: failed polls in a row)."""
-        return not node.healthy and node.failures >= self.gw.registry.failures_unhealthy
+        return not node.healthy and node.failures >= self.registry.failures_unhealthy
 
     async def _step(self, rt: ServiceRuntime) -> None:
         svc = self.db.services.get(rt.id)
         if svc is None:
             return
         for rep in list(rt.replicas.values()):
-            node = self.gw.registry.get(rep.rec.node)
+            node = self.registry.get(rep.rec.node)
             if node is None:
                 await self._forget(rt, rep)
             elif rep.state == "lost" and node.healthy:
@@ -518,7 +544,7 @@ class ServiceController:
             await self._create_replicas(svc, rt, step.create)
 
     async def _create_replicas(self, svc: ServiceRecord, rt: ServiceRuntime, wanted: dict[int, int]) -> None:
-        if time.monotonic() < rt.next_create:
+        if self.clock() < rt.next_create:
             return
         if not self.owner_has_access(svc):
             rt.error = "the service's owner holds no active key in its tenant: no new replicas are made"
@@ -545,7 +571,7 @@ class ServiceController:
         if not isinstance(first, SandboxError):
             log.error("replica create failed", extra={"service": svc.id, "error": message})
         rt.error = f"cannot make a replica now: {message}"
-        rt.next_create = time.monotonic() + rt.backoff
+        rt.next_create = self.clock() + rt.backoff
         rt.backoff = min(rt.backoff * 2, BACKOFF_MAX_SECS)
         counted = [p for p in problems if not isinstance(p, (Unavailable, OverQuota))]
         current = self.db.services.get(svc.id)
@@ -557,12 +583,12 @@ class ServiceController:
 
     async def _create_one(self, svc: ServiceRecord, rt: ServiceRuntime, revision: int) -> None:
         spec = self.db.revisions[(svc.id, revision)]
-        secret_env = self.gw.secrets.values(svc.tenant, spec.secrets or ())
+        secret_env = self.secrets.values(svc.tenant, spec.secrets or ())
         avoid: set[str] = set()
         if svc.spec.placement is not UNSET:
             avoid = {r.rec.node for r in rt.replicas.values() if r.state in ("starting", "healthy")}
         labels = {SERVICE_LABEL: svc.name, REVISION_LABEL: str(revision), SERVICE_ID_LABEL: svc.id}
-        sandbox, node_name = await self.gw.sandboxes.create(
+        sandbox, node_name = await self.sandboxes.create(
             Principal.owner(svc.user, svc.tenant),
             create_request(spec.image, spec.resources, spec.env or {}, spec.network, secret_env=secret_env),
             gateway_labels=labels, avoid=avoid,
@@ -573,7 +599,7 @@ class ServiceController:
             restarts=inherited.pop(0) if inherited else 0, ever_healthy=False, created=sandbox.created_at,
         )  # fmt: skip
         await self.db.put_replica(rec)
-        rep = ReplicaRuntime(rec)
+        rep = ReplicaRuntime(rec, started=self.clock())
         if self.runtimes.get(svc.id) is not rt:  # deleted meanwhile
             await self._end(svc, rep)
             return
@@ -587,7 +613,7 @@ class ServiceController:
         if rep.rec.pid is not None:
             return
         spec = self.db.revisions.get((svc.id, rep.rec.revision))
-        node = self.gw.registry.get(rep.rec.node)
+        node = self.registry.get(rep.rec.node)
         if spec is None or spec.command is UNSET or node is None or not node.healthy:
             return
         try:
@@ -597,7 +623,7 @@ class ServiceController:
             else:
                 # The secrets go with the command too: the node holds the replica's secret environment in memory
                 # only, and one restarted since the create would start the command without it.
-                secret_env = self.gw.secrets.values(svc.tenant, spec.secrets or ())
+                secret_env = self.secrets.values(svc.tenant, spec.secrets or ())
                 request = ProcessRequest(argv=spec.command, env=secret_env or UNSET)
                 pid = (await node.client.start_process(rep.rec.sandbox, request)).pid
         except SandboxError as exc:
@@ -606,7 +632,7 @@ class ServiceController:
             self._wake(svc.id)
             return
         rep.rec = dataclasses.replace(rep.rec, pid=pid)
-        rep.started = time.monotonic()
+        rep.started = self.clock()
         await self.db.put_replica(rep.rec)
 
     async def _restarted(self, svc: ServiceRecord, rt: ServiceRuntime, rep: ReplicaRuntime) -> ServiceRecord:
@@ -670,7 +696,7 @@ class ServiceController:
     async def _end(self, svc: ServiceRecord | str, rep: ReplicaRuntime) -> None:
         """Terminate ``rep``'s sandbox when its node answers (else it is ended when the node is seen again)."""
         self._stop_watch(rep)
-        node = self.gw.registry.get(rep.rec.node)
+        node = self.registry.get(rep.rec.node)
         if node is None or not node.healthy:
             return
         try:
@@ -682,9 +708,9 @@ class ServiceController:
             log.warning("replica not ended", extra={"service": service_id, "sandbox": rep.rec.sandbox,
                                                     "error": exc.message})  # fmt: skip
             return
-        record = self.gw.store.sandboxes.get(rep.rec.sandbox)
+        record = self.store.sandboxes.get(rep.rec.sandbox)
         if record is not None:
-            await self.gw.sandboxes.terminated(record)
+            await self.sandboxes.terminated(record)
 
     async def _forget(self, rt: ServiceRuntime, rep: ReplicaRuntime) -> None:
         self._stop_watch(rep)
@@ -734,7 +760,7 @@ class ServiceController:
                 check.failures if check is not None and check.failures is not UNSET else DEFAULT_FAILURES
             )
             await asyncio.sleep(min(every, STARTING_CHECK_SECS) if rep.state == "starting" else every)
-            node = self.gw.registry.get(rep.rec.node)
+            node = self.registry.get(rep.rec.node)
             if node is None or not node.healthy:
                 continue  # a node not answering is the step's business (lost), not a failed check
             if rep.rec.pid is None:
@@ -755,7 +781,7 @@ class ServiceController:
                 continue
             rep.failures += 1
             rep.last_error = outcome.problem
-            grace_over = time.monotonic() - rep.started >= every * allowed
+            grace_over = self.clock() - rep.started >= every * allowed
             if (
                 outcome.final
                 or (rep.state == "healthy" and rep.failures >= allowed)
@@ -798,12 +824,12 @@ class ServiceController:
                     sandbox.id, svc.id, node.name, revision, None, 0, False, sandbox.created_at
                 )
                 await self.db.put_replica(rec)
-                rt.replicas[rec.sandbox] = ReplicaRuntime(rec)
+                rt.replicas[rec.sandbox] = ReplicaRuntime(rec, started=self.clock())
                 log.info("replica adopted from its labels", extra={"service": svc.id, "sandbox": sandbox.id})
                 continue
             if not adopt and not older_than(sandbox.created_at, ORPHAN_AGE_SECS):
                 continue
-            await self.gw.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no current replica")
+            await self.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no current replica")
 
     def replicas_total(self) -> Iterable[ReplicaRuntime]:
         for rt in list(self.runtimes.values()):

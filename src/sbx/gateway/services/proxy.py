@@ -63,8 +63,9 @@ from sbx.web.connections import anonymous_connection, mark_authenticated
 from sbx.web.http import Handler, error_response
 
 if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+    from sbx.gateway.nodes import Registry
     from sbx.gateway.services.controller import ReplicaRuntime, ServiceController
+    from sbx.gateway.store.base import Store
 
 #: The route label of service traffic in metrics and the audit log (never a service's name).
 ROUTE = "/svc/{service}"
@@ -93,16 +94,21 @@ def keep_for_replica(lowered: str, value: str) -> str | None:
 
 
 class ServiceFront:
-    """The middleware that answers service traffic, and what it keeps (connections, open requests)."""
+    """The middleware that answers service traffic, and what it keeps (connections, open requests).
+
+    Given the store (the keys and memberships a caller is checked against), the node registry (the tunnels to the
+    replicas) and the controller (which replicas are healthy, in what order); never the gateway."""
 
     def __init__(
         self,
-        gw: Gateway,
+        store: Store,
+        registry: Registry,
         controller: ServiceController,
         domain: str | None,
         public: PublicConnections | None = None,
     ) -> None:
-        self.gw = gw
+        self.store = store
+        self.registry = registry
         self.ctl = controller
         #: Connections without a key to public services, and their caps.
         self.public = public if public is not None else PublicConnections()
@@ -187,10 +193,10 @@ class ServiceFront:
         if svc.spec.public is True:
             self._admit_public(request, svc)
             return None
-        key = auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
+        key = auth.key_from_header(self.store, request.headers.get("Authorization"))
         mark_authenticated(request)
         request[auth.PRINCIPAL_KEY] = auth.Principal.of_key(key)
-        tenant, org = auth.acting_tenant(self.gw.store, key, request.headers.getall(auth.ORG_HEADER, []))
+        tenant, org = auth.acting_tenant(self.store, key, request.headers.getall(auth.ORG_HEADER, []))
         principal = auth.Principal.of_key(key, tenant, org)
         request[auth.PRINCIPAL_KEY] = principal
         if not principal.admin and principal.tenant != svc.tenant:
@@ -205,7 +211,7 @@ class ServiceFront:
         if request.headers.get("Authorization") is not None:
             # A valid key takes the connection out of every count, as on the API; anything else is no key.
             with contextlib.suppress(Unauthorized):
-                auth.key_from_header(self.gw.store, request.headers.get("Authorization"))
+                auth.key_from_header(self.store, request.headers.get("Authorization"))
                 mark_authenticated(request)
                 return
         if not self.public.admit(conn, svc.id):
@@ -227,7 +233,7 @@ class ServiceFront:
             port = self._port(svc, rep)
             if port is None:
                 continue
-            node = self.gw.registry.get(rep.rec.node)
+            node = self.registry.get(rep.rec.node)
             if node is None or not node.healthy:
                 continue
             sandbox = rep.rec.sandbox
@@ -271,7 +277,7 @@ class ServiceFront:
 
     async def access_changed(self) -> None:
         """End open requests whose key was revoked, lost ``sandbox:read``, or the membership it acted through."""
-        store = self.gw.store
+        store = self.store
 
         def bad(op: _Open) -> bool:
             if op.key_id is None:

@@ -31,7 +31,8 @@ from sbx.api.services import HealthCheck, ServiceSpec
 from sbx.gateway import specs
 
 if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+    from sbx.api.node import Capabilities
+    from sbx.gateway.services.interfaces import SecretValues
 
 T = TypeVar("T")
 
@@ -96,8 +97,12 @@ def _health(health: HealthCheck, port: int | None) -> HealthCheck:
     )  # fmt: skip
 
 
-def check_spec(gw: Gateway, tenant: str, spec: ServiceSpec) -> ServiceSpec:
-    """``spec`` checked for ``tenant`` (400, 501, 403 as the module says) and completed with its defaults."""
+def check_spec(
+    caps: Capabilities | None, secrets: SecretValues, tenant: str, spec: ServiceSpec
+) -> ServiceSpec:
+    """``spec`` checked for ``tenant`` (400, 501, 403 as the module says) and completed with its defaults;
+    ``caps`` is what every answering node offers now (``specs.offered``; None when none answers: the nodes
+    then judge resources and network at each create)."""
     check_name(spec.name)
     if spec.command is UNSET:
         raise InvalidRequest(
@@ -109,9 +114,8 @@ def check_spec(gw: Gateway, tenant: str, spec: ServiceSpec) -> ServiceSpec:
     port = _in_range("port", spec.port, 1, 65535) if spec.port is not UNSET else None
     health = _health(spec.health, port) if spec.health is not UNSET else UNSET
     answer_timeout = _in_range("answer_timeout_secs", answer_timeout_secs(spec), 1, MAX_ANSWER_TIMEOUT_SECS)
-    caps = specs.offered(gw)
     specs.check_shape(spec.image, spec.resources, spec.env, spec.secrets, caps)
-    gw.secrets.check_names(tenant, spec.secrets or ())
+    secrets.check_names(tenant, spec.secrets or ())
     specs.check_policy(spec.env, spec.network, caps)
     return replace(spec, replicas=replicas, health=health, public=_or(spec.public, False),
                    answer_timeout_secs=answer_timeout)  # fmt: skip
