@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,8 @@ class SandboxesStandIn:
     orphans_ended: list[str] = field(default_factory=list)
 
     async def create(
-        self, principal: Principal, req: CreateRequest, *, gateway_labels: Mapping[str, str] | None = None,
-        avoid: Collection[str] = (),
-    ) -> tuple[Made, str]:  # fmt: skip
+        self, principal: Principal, req: CreateRequest, *, gateway_labels: Mapping[str, str] | None = None
+    ) -> tuple[Made, str]:
         self.made.append(dict(gateway_labels or {}))
         return Made(f"sbx_{len(self.made)}"), "n1"
 

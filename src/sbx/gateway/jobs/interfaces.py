@@ -7,7 +7,7 @@ secrets (``secrets.Secrets``), and the shared interfaces (``Writes``, ``AuditSin
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -22,14 +22,10 @@ class RunSandboxes(Protocol):
     """Making, and ending, the sandboxes of job runs (``sandboxes.Sandboxes``)."""
 
     async def create(
-        self,
-        principal: Principal,
-        req: CreateRequest,
-        *,
-        gateway_labels: Mapping[str, str] | None = None,
-        avoid: Collection[str] = (),
+        self, principal: Principal, req: CreateRequest, *, gateway_labels: Mapping[str, str] | None = None
     ) -> tuple[Sandbox, str]:
-        """A sandbox made for ``principal`` with the create's quotas, placement and labels; and its node's name."""
+        """A sandbox made for ``principal`` with the create's quotas, placement and labels (``gateway_labels``
+        besides the owner's); and its node's name. A run needs no spread, so no ``avoid``."""
 
     async def terminated(self, rec: SandboxRecord) -> None:
         """The node terminated ``rec``'s sandbox: count it, free its name."""
