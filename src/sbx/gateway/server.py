@@ -157,7 +157,10 @@ class Gateway:
             raise ValueError(
                 "GatewayOptions.jobs is required (it names the directory of the jobs' kept output)"
             )
-        self.jobs = JobController(self, options.jobs)
+        self.jobs = JobController(
+            options.jobs, store=store, writes=self, registry=registry, sandboxes=self.sandboxes,
+            secrets=self.secrets, leadership=self, audit=self, metrics=self.metrics.registry,
+        )  # fmt: skip
         registry.wanted_cordon = self.wanted_cordon
         registry.cordon_guard = lambda name: self.shared_lock(("node", name))
         registry.still_wanted = self._cordon_still_wanted

@@ -24,12 +24,18 @@ from sbx.api.services import ResourceRequest
 from sbx.gateway.capabilities import intersect_capabilities
 
 if TYPE_CHECKING:
+    from sbx.gateway.nodes import Registry
     from sbx.gateway.server import Gateway
 
 
 def offered(gw: Gateway) -> Capabilities | None:
     """What every answering node offers now; None when none answers."""
-    caps = [n.status.capabilities for n in gw.registry.healthy() if n.status is not None]
+    return offered_by(gw.registry)
+
+
+def offered_by(registry: Registry) -> Capabilities | None:
+    """What every answering node of ``registry`` offers now; None when none answers."""
+    caps = [n.status.capabilities for n in registry.healthy() if n.status is not None]
     return intersect_capabilities(caps) if caps else None
 
 

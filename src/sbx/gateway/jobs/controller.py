@@ -27,26 +27,29 @@ import secrets as random_source
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from msgspec import UNSET
 from msgspec.structs import replace
+from prometheus_client import CollectorRegistry
 
 from sbx.api.errors import NotFound, SandboxError
 from sbx.api.jobs import FINISHED_STATES, Job, JobNotification, JobSpec, JobState, Run, RunOutput
 from sbx.gateway import auth
 from sbx.gateway.auth import Principal
+from sbx.gateway.interfaces import AuditSink, Leadership, Writes
 from sbx.gateway.jobs.agents import AgentDef
+from sbx.gateway.jobs.interfaces import RunSandboxes
 from sbx.gateway.jobs.metrics import JobMetrics
 from sbx.gateway.jobs.notify import Notifier, NotifyPolicy
 from sbx.gateway.jobs.outputs import STREAM_CAP_BYTES, AnyOutputs, Outputs, StoredFile, StoreOutputs
 from sbx.gateway.jobs.runner import JOB_LABEL, REVOKED, RUN_LABEL, JobCancelled, Runner
+from sbx.gateway.jobs.spec import check_job
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
-from sbx.gateway.nodes import Node
+from sbx.gateway.nodes import Node, Registry
+from sbx.gateway.secrets import Secrets
 from sbx.gateway.state import now_rfc3339, older_than
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +87,31 @@ CANCEL_SIGNAL = "cancel_job"
 
 
 class JobController:
-    def __init__(self, gw: Gateway, options: JobOptions) -> None:
-        self.gw = gw
+    """Every job of the gateway, from what it was given: the store (jobs, runs, the outbox, access), ``writes`` to
+    it, the node ``registry``, the sandbox service, the tenants' ``secrets``, whether this replica ``leads`` (asked
+    each time: it changes), the ``audit`` log and the metrics registry the jobs' gauges and counters join."""
+
+    def __init__(
+        self, options: JobOptions, *, store: Store, writes: Writes, registry: Registry, sandboxes: RunSandboxes,
+        secrets: Secrets, leadership: Leadership, audit: AuditSink, metrics: CollectorRegistry,
+    ) -> None:  # fmt: skip
         self.options = options
-        self.db = JobStore(gw.store, gw.write)
+        self.store = store
+        self.registry = registry
+        self.sandboxes = sandboxes
+        self.secrets = secrets
+        self.leadership = leadership
+        self.audit = audit
+        self.db = JobStore(store, writes.write)
         self.outputs: AnyOutputs = (
-            StoreOutputs(gw.store, options.outputs_dir)
+            StoreOutputs(store, options.outputs_dir)
             if options.shared_outputs
             else Outputs(options.outputs_dir)
         )
-        self.metrics = JobMetrics(gw.metrics.registry, self._counts)
-        self.notifier = Notifier(gw, gw.store, options.notify, self.metrics.count_notification)
-        self.runner = Runner(gw, self.db, self.outputs, self.notifier, self.metrics.count_run)
+        self.metrics = JobMetrics(metrics, self._counts)
+        self.notifier = Notifier(writes, store, options.notify, self.metrics.count_notification)
+        self.runner = Runner(self.db, self.outputs, self.notifier, self.metrics.count_run, store=store,
+                             registry=registry, sandboxes=sandboxes, secrets=secrets)  # fmt: skip
         self.runtimes: dict[str, JobRuntime] = {}
         #: Unfinished jobs already audited ``job.revoked``: a revocation is found by the sweep (``access_changed``)
         #: and by the job's runner between two attempts, often both, and is audited once.
@@ -115,7 +131,7 @@ class JobController:
 
     async def start(self) -> None:
         """Take up unfinished jobs (after checking their owners), start the notifier and the sweeper."""
-        for node in self.gw.registry.healthy():
+        for node in self.registry.healthy():
             await self._sweep_node(node, adopt=True)
         for job in list(self.db.jobs.values()):
             if job.state not in FINISHED_STATES:
@@ -141,6 +157,10 @@ class JobController:
 
     # -- the routes' calls ----------------------------------------------------------------------------
 
+    def check(self, principal: Principal, spec: JobSpec) -> JobSpec:
+        """``spec`` checked for ``principal`` (``spec.check_job``), against this gateway's nodes and secrets."""
+        return check_job(self.store, self.registry, self.secrets, principal, spec, self.options.notify)
+
     async def submit(
         self, principal: Principal, spec: JobSpec, agent: str | None = None, prompt: str | None = None
     ) -> JobRecord:
@@ -151,7 +171,7 @@ class JobController:
             spec=spec, prompt=prompt, state="queued", error=None, created=now, updated=now,
         )  # fmt: skip
         await self.db.put(job=job, run=RunRecord(job.id, 1, "queued"))
-        if self.gw.leading:  # else the leader takes it up from the database (taken_up)
+        if self.leadership.leading:  # else the leader takes it up from the database (taken_up)
             self._spawn(job.id)
         log.info("job submitted", extra={"job": job.id, "agent": agent})
         return job
@@ -168,10 +188,10 @@ class JobController:
 
     async def cancel(self, job: JobRecord, reason: str = "cancelled") -> JobRecord:
         """End ``job`` (see the module docstring) and answer it once its runs have stopped."""
-        if not self.gw.leading:
+        if not self.leadership.leading:
             # The leader runs the job: ask it (``cancel_asked``), and answer once its end arrives here, or as the
             # job is after the wait (while no replica leads, during a takeover, the request is lost: ask again).
-            await asyncio.to_thread(self.gw.store.signal, CANCEL_SIGNAL, (job.id, reason))
+            await asyncio.to_thread(self.store.signal, CANCEL_SIGNAL, (job.id, reason))
             deadline = time.monotonic() + CANCEL_WAIT_SECS
             while time.monotonic() < deadline:
                 current = self.db.jobs.get(job.id)
@@ -328,11 +348,11 @@ class JobController:
     async def access_changed(self) -> None:
         """Cancel every unfinished job whose owner holds no active key at all in its tenant (spec: Revocation 3).
         The leader does it (every replica is told of a revocation; one cancels)."""
-        if not self.gw.leading:
+        if not self.leadership.leading:
             return
         unfinished = [job for job in list(self.db.jobs.values()) if job.state not in FINISHED_STATES]
         self._revoked &= {job.id for job in unfinished}  # a finished job is never doomed again
-        doomed = [job for job in unfinished if not auth.has_access(self.gw.store, job.user, job.tenant)]
+        doomed = [job for job in unfinished if not auth.has_access(self.store, job.user, job.tenant)]
         for job in doomed:
             self._audit_revoked(job)
         await asyncio.gather(*(self._cancel_now(job) for job in doomed))
@@ -342,7 +362,7 @@ class JobController:
         if job.id in self._revoked:
             return
         self._revoked.add(job.id)
-        self.gw.record_audit(kind="revocation", type="job.revoked", user=job.user, tenant=job.tenant or None,
+        self.audit.record_audit(kind="revocation", type="job.revoked", user=job.user, tenant=job.tenant or None,
                              target=job.id, result="cancelled")  # fmt: skip
 
     async def _cancel_now(self, job: JobRecord) -> None:
@@ -357,7 +377,7 @@ class JobController:
         while True:
             await asyncio.sleep(SWEEP_SECS)
             try:
-                for node in self.gw.registry.healthy():
+                for node in self.registry.healthy():
                     await self._sweep_node(node, adopt=False)
                 await self._forget_old()
             except Exception:
@@ -383,7 +403,7 @@ class JobController:
                 continue
             if not adopt and not older_than(sandbox.created_at, ORPHAN_AGE_SECS):
                 continue
-            await self.gw.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no running job run")
+            await self.sandboxes.end_orphan(node, sandbox.id, "ending a sandbox of no running job run")
 
     async def _forget_old(self) -> None:
         old = [

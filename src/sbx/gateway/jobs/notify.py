@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -37,13 +37,11 @@ import msgspec
 
 from sbx.api.errors import InvalidRequest, Unsupported
 from sbx.api.jobs import JobNotification
+from sbx.gateway.interfaces import Writes
 from sbx.gateway.store import Insert, Store
 from sbx.net.dial_guard import AddressRefused, DialGuard, is_loopback_address, refusal_behind
 from sbx.net.loopback import is_loopback
 from sbx.net.ranges import Address, HostAddresses
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +145,11 @@ def body_of(note: JobNotification) -> bytes:
 
 
 class Notifier:
-    """The outbox and its delivery task."""
+    """The outbox and its delivery task: ``writes`` ends a claim off the event loop, ``store`` holds the outbox."""
 
-    def __init__(self, gw: Gateway, store: Store, policy: NotifyPolicy,
+    def __init__(self, writes: Writes, store: Store, policy: NotifyPolicy,
                  count: Callable[[str], None] = lambda result: None) -> None:  # fmt: skip
-        self.gw = gw
+        self.writes = writes
         self.store = store
         self.policy = policy
         self._count = count
@@ -240,7 +238,7 @@ class Notifier:
 
     async def _end(self, row_id: int, retry: tuple[int, float] | None) -> None:
         """End this worker's claim of the row (delivered or given up: deleted; else its next try)."""
-        if not await self.gw.write(self.store.end_claim, row_id, self.owner, retry):
+        if not await self.writes.write(self.store.end_claim, row_id, self.owner, retry):
             log.warning("job notification: its lease had ended and another worker took it; it may be sent "
                         "twice", extra={"notification": row_id})  # fmt: skip
 

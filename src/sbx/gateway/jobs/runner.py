@@ -1,7 +1,7 @@
 """One attempt of a job, from its sandbox's creation to its end (docs/jobs.md, "An attempt").
 
 1. **Queued**: the owner must still hold an active key in the tenant (else the job is cancelled as revoked); the
-   sandbox is made through ``gw.sandboxes.create`` for ``Principal.owner(user, tenant)``, labelled
+   sandbox is made through the sandbox service's ``create`` for ``Principal.owner(user, tenant)``, labelled
    ``gateway.job`` and ``gateway.job.run``, with the secrets' values in its environment. While no node can take
    it (no room, the tenant's quota) the run stays queued, its ``error`` saying why, and tries again (1 s
    doubling to 30 s); any other refusal fails the attempt.
@@ -37,17 +37,20 @@ from sbx.api.validation import validate_guest_path
 from sbx.gateway import auth
 from sbx.gateway.auth import Principal
 from sbx.gateway.jobs.agents import PROMPT_PATH
+from sbx.gateway.jobs.interfaces import RunSandboxes
 from sbx.gateway.jobs.outputs import AnyOutputs, Spool, StoreSpool
 from sbx.gateway.jobs.spec import MAX_KEPT_FILE_BYTES
 from sbx.gateway.jobs.store import JobRecord, JobStore, RunRecord
 from sbx.gateway.nodeclient import NodeClient
+from sbx.gateway.nodes import Registry
 from sbx.gateway.quotas import OverQuota
+from sbx.gateway.secrets import Secrets
 from sbx.gateway.specs import create_request
 from sbx.gateway.state import now_rfc3339
+from sbx.gateway.store import Store
 
 if TYPE_CHECKING:
     from sbx.gateway.jobs.notify import Notifier
-    from sbx.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +76,16 @@ class JobCancelled(Exception):
 
 
 class Runner:
-    """Runs attempts; the controller decides how many."""
+    """Runs attempts; the controller decides how many. ``store`` answers whether the owner still has access and
+    holds the sandboxes' records; ``registry`` the nodes running them; ``sandboxes`` makes and ends them;
+    ``secrets`` gives their secret environment."""
 
-    def __init__(self, gw: Gateway, db: JobStore, outputs: AnyOutputs, notifier: Notifier,
-                 count_run: Callable[[str], None]) -> None:  # fmt: skip
-        self.gw = gw
+    def __init__(self, db: JobStore, outputs: AnyOutputs, notifier: Notifier, count_run: Callable[[str], None], *,
+                 store: Store, registry: Registry, sandboxes: RunSandboxes, secrets: Secrets) -> None:  # fmt: skip
+        self.store = store
+        self.registry = registry
+        self.sandboxes = sandboxes
+        self.secrets = secrets
         self._count_run = count_run
         self.db = db
         self.outputs = outputs
@@ -92,7 +100,7 @@ class Runner:
             if run.state != "running":
                 return run
         assert run.sandbox is not None and run.node is not None
-        node = self.gw.registry.get(run.node)
+        node = self.registry.get(run.node)
         if node is None:
             return await self.finish(
                 job, run, "failed", error="the node running it was removed from the gateway"
@@ -153,11 +161,11 @@ class Runner:
         backoff = BACKOFF_FIRST_SECS
         spec = job.spec
         while True:
-            if not auth.has_access(self.gw.store, job.user, job.tenant):
+            if not auth.has_access(self.store, job.user, job.tenant):
                 raise JobCancelled(REVOKED)
             try:
-                secret_env = self.gw.secrets.values(job.tenant, spec.secrets or ())
-                sandbox, node = await self.gw.sandboxes.create(
+                secret_env = self.secrets.values(job.tenant, spec.secrets or ())
+                sandbox, node = await self.sandboxes.create(
                     Principal.owner(job.user, job.tenant),
                     create_request(spec.image, spec.resources, spec.env or {}, spec.network, spec.from_snapshot,
                                    secret_env),
@@ -198,7 +206,7 @@ class Runner:
                 await client.write_file(run.sandbox, PROMPT_PATH, job.prompt.encode("utf-8", "surrogatepass"))
             # The secrets go with the command too: the node holds the sandbox's secret environment in memory only,
             # and one restarted since the create would start the command without it.
-            secret_env = self.gw.secrets.values(job.tenant, job.spec.secrets or ())
+            secret_env = self.secrets.values(job.tenant, job.spec.secrets or ())
             request = ProcessRequest(argv=command, env=secret_env or UNSET)
             pid = (await client.start_process(run.sandbox, request)).pid
         run = dataclasses.replace(run, pid=pid)
@@ -246,9 +254,9 @@ class Runner:
                 except NotFound:
                     raise AttemptFailed("the run's sandbox or its command is gone") from None
                 except SandboxError as exc:
-                    node = self.gw.registry.get(node_name)
+                    node = self.registry.get(node_name)
                     if node is None or (
-                        not node.healthy and node.failures >= self.gw.registry.failures_unhealthy
+                        not node.healthy and node.failures >= self.registry.failures_unhealthy
                     ):
                         raise AttemptFailed("the node running it stopped answering") from None
                     log.info("following a run's output again", extra={"job": job.id, "error": exc.message})
@@ -285,7 +293,7 @@ class Runner:
         """Terminate the run's sandbox where its node answers (else the sweep ends it when the node is seen)."""
         if run.sandbox is None or run.node is None:
             return
-        node = self.gw.registry.get(run.node)
+        node = self.registry.get(run.node)
         if node is None or not node.healthy:
             return
         try:
@@ -295,9 +303,9 @@ class Runner:
         except SandboxError as exc:
             log.warning("run's sandbox not ended", extra={"sandbox": run.sandbox, "error": exc.message})
             return
-        record = self.gw.store.sandboxes.get(run.sandbox)
+        record = self.store.sandboxes.get(run.sandbox)
         if record is not None:
-            await self.gw.sandboxes.terminated(record)
+            await self.sandboxes.terminated(record)
 
 
 def _now_ms() -> str:

@@ -14,7 +14,7 @@ Rules, every 400 before the 501s (secrets without a secrets key, ``notify`` on a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from msgspec import UNSET
 from msgspec.structs import replace
@@ -26,9 +26,9 @@ from sbx.gateway import specs
 from sbx.gateway.auth import Principal
 from sbx.gateway.jobs.agents import AgentDef
 from sbx.gateway.jobs.notify import NotifyPolicy, check_url
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.nodes import Registry
+from sbx.gateway.secrets import Secrets
+from sbx.gateway.store import Store
 
 MAX_TIMEOUT_SECS: Final = 7 * 24 * 3600
 MAX_RETRIES: Final = 10
@@ -37,8 +37,16 @@ MAX_KEEP_FILES: Final = 16
 MAX_KEPT_FILE_BYTES: Final = 64 * 1024 * 1024
 
 
-def check_job(gw: Gateway, principal: Principal, spec: JobSpec, policy: NotifyPolicy) -> JobSpec:
-    """``spec`` checked for ``principal`` (as the module says), with ``retries`` filled in."""
+def check_job(
+    store: Store,
+    registry: Registry,
+    secrets: Secrets,
+    principal: Principal,
+    spec: JobSpec,
+    policy: NotifyPolicy,
+) -> JobSpec:
+    """``spec`` checked for ``principal`` (as the module says), with ``retries`` filled in: ``store`` holds the
+    snapshots, ``registry`` the nodes whose capabilities bound it, ``secrets`` the tenant's secrets' names."""
     if spec.name is not UNSET:
         v.validate_job_name(spec.name, "name")
     specs.check_command(spec.command, "command")
@@ -53,14 +61,14 @@ def check_job(gw: Gateway, principal: Principal, spec: JobSpec, policy: NotifyPo
         _check_keep(spec.keep)
     if spec.from_snapshot is not UNSET:
         v.validate_snapshot_id(spec.from_snapshot, "from_snapshot")
-        snap = gw.store.snapshots.get(spec.from_snapshot)
+        snap = store.snapshots.get(spec.from_snapshot)
         if snap is None or not principal.owns(snap.user, snap.tenant):
             raise InvalidRequest(f"from_snapshot: no snapshot {spec.from_snapshot!r} among yours")
-    caps = specs.offered(gw)
+    caps = specs.offered_by(registry)
     specs.check_shape(spec.image, spec.resources, spec.env, spec.secrets, caps)
     if spec.notify is not UNSET:
         check_url(spec.notify, policy)
-    gw.secrets.check_names(principal.tenant, spec.secrets or ())
+    secrets.check_names(principal.tenant, spec.secrets or ())
     specs.check_policy(spec.env, spec.network, caps)
     return replace(spec, retries=retries)
 

@@ -14,7 +14,7 @@ from sbx.api.jobs import Agent, AgentList, AgentRunRequest, JobList, JobSpec
 from sbx.gateway import auth
 from sbx.gateway.http import principal_of
 from sbx.gateway.jobs.outputs import StoredFile
-from sbx.gateway.jobs.spec import agent_job, check_job
+from sbx.gateway.jobs.spec import agent_job
 from sbx.gateway.jobs.store import JobRecord
 from sbx.web.http import json_response, read_json_body
 
@@ -39,7 +39,7 @@ class JobRoutes:
     async def create(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
         spec = decode_request(await read_json_body(request), JobSpec)
-        spec = check_job(self.gw, principal, spec, self.gw.jobs.options.notify)
+        spec = self.gw.jobs.check(principal, spec)
         return self._answer(request, await self.gw.jobs.submit(principal, spec), 201)
 
     async def agents(self, request: web.Request) -> web.Response:
@@ -64,7 +64,7 @@ class JobRoutes:
         if "\x00" in req.prompt:
             # Text for an agent never holds one, and PostgreSQL's text columns cannot (the same answer on SQLite).
             raise InvalidRequest("prompt: holds a NUL character (U+0000); give the prompt as text without it")
-        spec = check_job(self.gw, principal, agent_job(agent, req), self.gw.jobs.options.notify)
+        spec = self.gw.jobs.check(principal, agent_job(agent, req))
         job = await self.gw.jobs.submit(principal, spec, agent=agent.name, prompt=req.prompt)
         return self._answer(request, job, 201)
 
