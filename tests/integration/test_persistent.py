@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from guest_counter import COUNTER, expect_error, text, wait_count_above
 from sandboxd_harness import Response, Sandboxd
 
 CONFIG = """
@@ -23,13 +24,6 @@ CONFIG = """
 ceiling = "open"
 may_allow = ["*.test"]
 """
-
-# A daemon no API process tracks: it appends a line per tick and keeps its own counter in memory, so a wake
-# that kept memory continues the count and one that booted from the disk starts it again.
-DAEMON = (
-    "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /sandbox/home/count; echo $i >> /sandbox/home/lines; "
-    "sleep 0.05; done' >/dev/null 2>&1 &"
-)
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +35,10 @@ def server() -> Iterator[Sandboxd]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def expect_error(resp: Response, status: int, code: str, words: str) -> None:
-    assert resp.status == status, (resp.status, resp.body)
-    got_code, message = resp.error
-    assert got_code == code and words in message, message
-
-
 def get(server: Sandboxd, ref: str) -> dict[str, Any]:
     resp = server.request("GET", f"/v1/sandboxes/{ref}")
     assert resp.status == 200, resp.body
     return dict(resp.json())
-
-
-def text(server: Sandboxd, ref: str, *argv: str) -> str:
-    result = server.run(ref, list(argv))
-    assert result["exit_code"] == 0, result
-    return str(result["stdout"].decode())
 
 
 def events(server: Sandboxd, ref: str) -> list[dict[str, Any]]:
@@ -84,28 +66,6 @@ def wait_state(server: Sandboxd, ref: str, state: str, timeout_secs: float = 20)
 
 def persistent(server: Sandboxd, name: str, **fields: Any) -> dict[str, Any]:
     return server.create(name=name, persistent=True, **fields)
-
-
-def count(server: Sandboxd, ref: str, timeout_secs: float = 10) -> int:
-    """The daemon's counter; a read between its truncate and its write is retried, for ``timeout_secs`` at most."""
-    deadline = time.monotonic() + timeout_secs
-    while not (
-        value := text(server, ref, "sh", "-c", "cat /sandbox/home/count 2>/dev/null || echo 0").strip()
-    ):
-        assert time.monotonic() < deadline, f"the counter file of {ref} stayed empty: no daemon writes it"
-        time.sleep(0.005)
-    return int(value)
-
-
-def wait_count_above(server: Sandboxd, ref: str, above: int, timeout_secs: float = 10) -> int:
-    deadline = time.monotonic() + timeout_secs
-    while (n := count(server, ref)) <= above:
-        assert time.monotonic() < deadline, f"the counter of {ref} stayed at {n}"
-        time.sleep(0.05)
-    return n
-
-
-# ---- the contract: capability, fields, bad input --------------------------------------------------------
 
 
 def test_capability_and_the_persistent_field(server: Sandboxd) -> None:
@@ -169,7 +129,7 @@ def test_a_persistent_sandbox_keeps_its_name(server: Sandboxd) -> None:
 def test_five_idle_suspend_and_wake_cycles_keep_files_daemon_and_identity(server: Sandboxd) -> None:
     created = persistent(server, "cycles", idle_timeout_secs=2, labels={"team": "a"})
     ref = created["id"]
-    text(server, ref, "sh", "-c", DAEMON)
+    text(server, ref, "sh", "-c", COUNTER)
     last = wait_count_above(server, ref, 0)
     for cycle in range(5):
         # Appended right before the idle suspend: acknowledged, so it is there after it.
@@ -307,7 +267,7 @@ def test_a_tunnel_wakes_it(server: Sandboxd) -> None:
 
 def test_stop_keeps_the_disk_and_a_wake_boots_it_with_new_processes(server: Sandboxd) -> None:
     ref = persistent(server, "stopper", labels={"k": "v"})["id"]
-    text(server, ref, "sh", "-c", "echo kept > /sandbox/home/file; " + DAEMON)
+    text(server, ref, "sh", "-c", "echo kept > /sandbox/home/file; " + COUNTER)
     wait_count_above(server, ref, 0)
     proc = server.request("POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["sleep", "600"]}).json()
     resp = server.request("POST", f"/v1/sandboxes/{ref}/stop")
@@ -319,7 +279,7 @@ def test_stop_keeps_the_disk_and_a_wake_boots_it_with_new_processes(server: Sand
     # Idempotent: stopped again, answered as it is.
     assert server.request("POST", f"/v1/sandboxes/{ref}/stop").json()["state"] == "stopped"
     ended = server.request("GET", f"/v1/sandboxes/{ref}/processes/{proc['pid']}").json()
-    assert ended["state"] == "exited" if "state" in ended else ended["exit_code"] is not None
+    assert (ended["state"], ended["exit_code"]) == ("exited", -1)  # ended by the stop
     # Booted from its disk: the file is there, the daemon is not (new processes).
     resp = server.request("POST", f"/v1/sandboxes/{ref}/resume")
     assert resp.status == 200 and resp.json()["state"] == "running", resp.body
@@ -434,7 +394,7 @@ def test_a_sandboxd_restart_changes_nothing(sandboxd_factory: Callable[..., Sand
     stopped = persistent(server, "r-stopped")["id"]
     for ref in (running, suspended, stopped):
         text(server, ref, "sh", "-c", f"echo {ref} > /sandbox/home/me")
-    text(server, suspended, "sh", "-c", DAEMON)
+    text(server, suspended, "sh", "-c", COUNTER)
     before = wait_count_above(server, suspended, 0)
     assert server.request("POST", f"/v1/sandboxes/{suspended}/suspend").status == 200
     assert server.request("POST", f"/v1/sandboxes/{stopped}/stop").status == 200
@@ -461,7 +421,7 @@ def test_a_host_crash_leaves_a_running_one_stopped_and_a_suspended_one_suspended
     running = persistent(server, "c-running")["id"]
     suspended = persistent(server, "c-suspended")["id"]
     text(server, running, "sh", "-c", "echo synced > /sandbox/home/f; sync")
-    text(server, suspended, "sh", "-c", DAEMON)
+    text(server, suspended, "sh", "-c", COUNTER)
     before = wait_count_above(server, suspended, 0)
     assert server.request("POST", f"/v1/sandboxes/{suspended}/suspend").status == 200
     server.signal(signal.SIGKILL)
