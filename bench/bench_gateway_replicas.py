@@ -2,7 +2,7 @@
 run on one machine before one real sandboxd (issue 23; docs/benchmarks.md has the results):
 
     sudo .venv/bin/python bench/bench_gateway_replicas.py [--creates 20] [--gets 300] [--clients 32] [--secs 15]
-        [--cycles 24] [--cycle-clients 4]
+        [--cycles 24] [--cycle-clients 4] [--lone-rounds 0] [--lone-secs 3]
 
 For each set-up, through its front (the gateway itself; HAProxy with docs/ha.md's configuration for the
 replicas, started as tests/integration/test_gateway_haproxy.py does):
@@ -14,6 +14,9 @@ replicas, started as tests/integration/test_gateway_haproxy.py does):
   the run, summed, divided by the requests); and the same with one client (nothing to share between requests:
   what each GET costs alone);
 - create + run + delete cycles at ``--cycle-clients`` at once: cycles per second and CPU seconds per request;
+- ``--lone-rounds R``: R rounds of one client's GETs (``--lone-secs`` each) on every set-up in turn, so the
+  machine's drift hits them alike: the median CPU per GET of each against the SQLite gateway's (a read that comes
+  alone pays its whole catch-up: docs/ha.md);
 - with several replicas: the takeover time after a SIGKILL of the leader (until another replica logs that it
   leads; the sandbox_gateway_leader gauge turns 1 at the same moment).
 
@@ -31,6 +34,7 @@ import http.client
 import json
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -137,8 +141,9 @@ async def idle_cpu(s: SetUp, secs: float) -> str:
     return f"idle: {(s.cpu() - cpu0) / secs * 1000:.1f} ms CPU per second (all its replicas)"
 
 
-async def get_load(s: SetUp, sid: str, clients: int, secs: float, direct: bool = False) -> str:
-    """``direct``: client i talks to replica i mod n, not through HAProxy (what the balancer itself costs)."""
+async def get_load(s: SetUp, sid: str, clients: int, secs: float, direct: bool = False) -> tuple[str, float]:
+    """The row, and the CPU seconds per request. ``direct``: client i talks to replica i mod n, not through
+    HAProxy (what the balancer itself costs)."""
     done = errors = 0
     latencies: list[float] = []
     deadline = time.monotonic() + secs
@@ -161,8 +166,29 @@ async def get_load(s: SetUp, sid: str, clients: int, secs: float, direct: bool =
     cpu0, t0 = s.cpu(), time.monotonic()
     await asyncio.gather(*(client(i) for i in range(clients)))
     cpu, elapsed = s.cpu() - cpu0, time.monotonic() - t0
+    per_request = cpu / max(done, 1)
     return (f"GET x{clients} clients{' straight to the replicas' if direct else ''}: {done / elapsed:.0f} req/s, p50 {pct(latencies, 50):.1f} ms "
-            f"p95 {pct(latencies, 95):.1f}, {errors} errors, CPU {cpu / max(done, 1) * 1000:.3f} ms/request")  # fmt: skip
+            f"p95 {pct(latencies, 95):.1f}, {errors} errors, CPU {per_request * 1000:.3f} ms/request"), per_request  # fmt: skip
+
+
+async def lone_rounds(setups: list[SetUp], rounds: int, secs: float) -> None:
+    """``rounds`` runs of one client's GETs for ``secs`` on each set-up in turn (so the machine's drift hits all
+    alike): the median CPU per GET of each, and its ratio to the SQLite gateway's."""
+    cpu: dict[str, list[float]] = {s.name: [] for s in setups}
+    sids = {s.name: json.loads(s.request("POST", "/v1/sandboxes", {})[1])["id"] for s in setups}
+    for _ in range(rounds):
+        for s in setups:
+            cpu[s.name].append((await get_load(s, sids[s.name], 1, secs))[1])
+    for s in setups:
+        s.request("DELETE", f"/v1/sandboxes/{sids[s.name]}")
+    base = statistics.median(cpu[setups[0].name])
+    print(
+        f"one client, {rounds} rounds of {secs:.0f} s in turn: median CPU per GET (range), against {setups[0].name}'s"
+    )
+    for s in setups:
+        median = statistics.median(cpu[s.name])
+        print(f"  {s.name:<13} {median * 1000:.3f} ms ({min(cpu[s.name]) * 1000:.3f}-{max(cpu[s.name]) * 1000:.3f})"
+              f"  {median / base:.2f}x")  # fmt: skip
 
 
 async def cycle_load(s: SetUp, cycles: int, clients: int) -> str:
@@ -216,6 +242,13 @@ async def main() -> None:
     parser.add_argument("--secs", type=float, default=15)
     parser.add_argument("--cycles", type=int, default=40)
     parser.add_argument("--cycle-clients", type=int, default=4)
+    parser.add_argument(
+        "--lone-rounds",
+        type=int,
+        default=0,
+        help="then this many rounds of one client's GETs on each set-up in turn (0: none)",
+    )
+    parser.add_argument("--lone-secs", type=float, default=3, help="each of those rounds' length")
     args = parser.parse_args()
     if problem := missing_requirements():
         sys.exit(f"cannot benchmark: {problem}")
@@ -235,12 +268,14 @@ async def main() -> None:
             s.rows["idle"] = await idle_cpu(s, 5)
             _, body = s.request("POST", "/v1/sandboxes", {})
             sid = json.loads(body)["id"]
-            s.rows["get"] = await get_load(s, sid, args.clients, args.secs)
-            s.rows["get one"] = await get_load(s, sid, 1, args.secs)
+            s.rows["get"] = (await get_load(s, sid, args.clients, args.secs))[0]
+            s.rows["get one"] = (await get_load(s, sid, 1, args.secs))[0]
             if s.lb is not None:
-                s.rows["get direct"] = await get_load(s, sid, args.clients, args.secs, direct=True)
+                s.rows["get direct"] = (await get_load(s, sid, args.clients, args.secs, direct=True))[0]
             s.request("DELETE", f"/v1/sandboxes/{sid}")
             s.rows["cycle"] = await cycle_load(s, args.cycles, args.cycle_clients)
+        if args.lone_rounds:
+            await lone_rounds(setups, args.lone_rounds, args.lone_secs)
         for s in setups:
             if len(s.gws) > 1:
                 s.rows["takeover"] = takeover(s)

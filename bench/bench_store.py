@@ -13,6 +13,11 @@ work, without a network. Results go in docs/benchmarks.md.
 each burst's turn timed as the loop sees it (the records, and for the file its write in the next turn), then the
 time until all are durable-in-store (written / committed), with the process's CPU per entry (the writer thread's
 included).
+
+``--catch-ups N``: what a read's catch-up costs on a PostgreSQL replica (docs/ha.md, read-your-writes), N of them
+one at a time inside an event loop, the two ways in turn: the blocking ``caught_up`` behind ``asyncio.to_thread``
+(how the gateway asked before 2026-12-02) and ``caught_up_on_loop`` (its query asked on the loop through libpq's
+non-blocking calls, how it asks now): p50/p95 and the process's CPU per catch-up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
@@ -54,6 +60,7 @@ def main() -> None:
     parser.add_argument("--writes", type=int, default=500)
     parser.add_argument("--audit", type=int, default=20000, help="audit entries per log (0: skip)")
     parser.add_argument("--audit-rate", type=int, default=5000, help="audit entries recorded per second")
+    parser.add_argument("--catch-ups", type=int, default=0, help="catch-ups each way (0: skip)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-store-", dir="/var/tmp"))
     cluster = PgCluster.start(durable=True)
@@ -90,11 +97,36 @@ def main() -> None:
                       f"  client CPU {cpu_used[label] / args.writes * 1000:5.2f} ms/write")  # fmt: skip
         if args.audit:
             bench_audit(args.audit, args.audit_rate, workdir, stores["postgres"])
+        if args.catch_ups:
+            asyncio.run(bench_catch_up(args.catch_ups, stores["postgres"]))
     finally:
         for store in stores.values():
             store.close()
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def bench_catch_up(count: int, pg: Store) -> None:
+    pg.listen(pg.refresh)
+    pg.add_key(keys.new_key("bench", "", {"sandbox:read"})[0])  # a counter to read
+    assert pg.caught_up(10)
+
+    async def thread() -> bool:
+        return await asyncio.to_thread(pg.caught_up, 2)
+
+    ways: dict[str, Callable[[], Any]] = {"thread": thread, "on the loop": lambda: pg.caught_up_on_loop(2)}
+    times: dict[str, list[float]] = {label: [] for label in ways}
+    cpu_used = dict.fromkeys(ways, 0.0)
+    for _ in range(count):  # in turn
+        for label, way in ways.items():
+            before_cpu, start = cpu(), time.perf_counter()
+            assert await way()
+            times[label].append(time.perf_counter() - start)
+            cpu_used[label] += cpu() - before_cpu
+    for label in ways:
+        print(f"catch-up {label:<12} p50 {pct(times[label], 50) * 1000:4.0f} us  p95 {pct(times[label], 95) * 1000:4.0f} us"
+              f"  CPU {cpu_used[label] / count * 1e6:4.0f} us")  # fmt: skip
+    print(f"  CPU on the loop / thread: {cpu_used['on the loop'] / cpu_used['thread']:.2f}x")
 
 
 def bench_audit(entries: int, rate: int, workdir: Path, pg: Store) -> None:

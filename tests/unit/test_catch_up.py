@@ -58,6 +58,10 @@ class Calls:
             raise result
         return result
 
+    async def awaited(self) -> bool:
+        """A call as ``CatchUp`` makes it (blocking, so on a thread)."""
+        return await asyncio.to_thread(self)
+
     def release(self, calls: int = 1) -> None:
         for _ in range(calls):
             self._go.release()
@@ -72,7 +76,7 @@ async def started(calls: Calls, count: int) -> None:
 
 async def test_one_caller_is_answered_by_one_call() -> None:
     calls = Calls()
-    catch_up = CatchUp(calls, timeout_secs=10)
+    catch_up = CatchUp(calls.awaited, timeout_secs=10)
     waiting = asyncio.create_task(catch_up())
     await started(calls, 1)
     calls.release()
@@ -83,7 +87,7 @@ async def test_one_caller_is_answered_by_one_call() -> None:
 async def test_callers_arriving_during_a_call_share_the_next_one_never_the_running_one() -> None:
     # The running call (the first) answers False; had a newcomer shared it, it would be told False too.
     calls = Calls([False])
-    catch_up = CatchUp(calls, timeout_secs=10)
+    catch_up = CatchUp(calls.awaited, timeout_secs=10)
     first = asyncio.create_task(catch_up())
     await started(calls, 1)
     newcomers = [asyncio.create_task(catch_up()) for _ in range(20)]
@@ -99,7 +103,7 @@ async def test_callers_arriving_during_a_call_share_the_next_one_never_the_runni
 
 async def test_a_call_that_does_not_end_in_time_is_false_and_the_next_caller_gets_a_call_of_its_own() -> None:
     calls = Calls()
-    catch_up = CatchUp(calls, timeout_secs=0.1)
+    catch_up = CatchUp(calls.awaited, timeout_secs=0.1)
     assert await catch_up() is False  # the first call is still blocked
     calls.release()  # it ends now; nobody waits for it any more
     later = asyncio.create_task(catch_up())
@@ -110,7 +114,7 @@ async def test_a_call_that_does_not_end_in_time_is_false_and_the_next_caller_get
 
 async def test_a_call_that_fails_is_false_and_the_next_one_is_made(caplog: pytest.LogCaptureFixture) -> None:
     calls = Calls([RuntimeError("the database went away")])
-    catch_up = CatchUp(calls, timeout_secs=10)
+    catch_up = CatchUp(calls.awaited, timeout_secs=10)
     calls.release(2)
     assert await catch_up() is False
     assert "catching up with the other replicas failed" in caplog.text
@@ -119,7 +123,7 @@ async def test_a_call_that_fails_is_false_and_the_next_one_is_made(caplog: pytes
 
 async def test_a_cancelled_caller_leaves_the_others_answered() -> None:
     calls = Calls()
-    catch_up = CatchUp(calls, timeout_secs=10)
+    catch_up = CatchUp(calls.awaited, timeout_secs=10)
     leaving, staying = asyncio.create_task(catch_up()), asyncio.create_task(catch_up())
     await started(calls, 1)
     leaving.cancel()
@@ -133,7 +137,7 @@ async def test_a_cancel_arriving_with_the_answer_is_not_lost() -> None:
     # A caller cancelled in the very turn its answer arrives (a service's control loop ended by a delete): the
     # cancellation wins. asyncio.wait_for on Python 3.11 returned the answer instead, and the loop ran on.
     calls = Calls()
-    catch_up = CatchUp(calls, timeout_secs=10)
+    catch_up = CatchUp(calls.awaited, timeout_secs=10)
     first = asyncio.create_task(catch_up())
     await started(calls, 1)
     second = asyncio.create_task(catch_up())

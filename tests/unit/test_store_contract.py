@@ -4,6 +4,7 @@ cluster, tests/support/pg_cluster.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -407,16 +408,33 @@ def test_the_commit_counter_advances_once_per_write_transaction(backend: Backend
     assert counter() == ([] if backend.kind == "sqlite" else [(1, 2)])
 
 
+class OnALoop:
+    """``store.caught_up`` as the gateway calls it: ``caught_up_on_loop`` awaited on one event loop of its own."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, timeout_secs: float) -> bool:
+        return self.loop.run_until_complete(self.store.caught_up_on_loop(timeout_secs))
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+@pytest.mark.parametrize("form", ["blocking", "on the loop"])
 def test_caught_up_sends_nothing_and_holds_every_commit_before_it(
-    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch
+    pg_cluster: PgCluster, monkeypatch: pytest.MonkeyPatch, form: str
 ) -> None:
     """``caught_up`` reads the commit counter and waits for the listener to have handed that far on: after each
     write of the other store, memory holds it (a row carried in the notification, one read back, a whole table
     read again, a transaction whose notifications are split in parts), and no notification is sent for it (the
-    other replicas pay nothing)."""
+    other replicas pay nothing). The same of ``caught_up_on_loop``, which asks its query on the event loop."""
     from sbx.gateway.store.postgres import CHANNEL
 
     writer, reader, location = _pg_stores(pg_cluster, monkeypatch)
+    on_loop = OnALoop(reader)
+    caught_up = reader.caught_up if form == "blocking" else on_loop
     lock = threading.Lock()
 
     def on_changes(changes: list[Change]) -> None:
@@ -429,31 +447,32 @@ def test_caught_up_sends_nothing_and_holds_every_commit_before_it(
     try:
         reader.listen(on_changes)
         writer.listen(lambda changes: None)
-        assert reader.caught_up(5)
+        assert caught_up(5)
         for _ in range(20):
-            assert reader.caught_up(5)
+            assert caught_up(5)
         assert list(watching.notifies(timeout=0.5)) == []
         for i in range(40):
             key = keys.new_key(f"u{i}", "acme", {"admin"})[0]
             writer.add_key(key)  # carried
-            assert reader.caught_up(5)
+            assert caught_up(5)
             with lock:
                 assert reader.keys[key.id] == key, i
             writer.revoke_key(key.id)  # an update: read back
-            assert reader.caught_up(5)
+            assert caught_up(5)
             with lock:
                 assert reader.keys[key.id].revoked is not None, i
             writer.put_sandbox(SandboxRecord(f"sb{i}", "u", "", f"n{i}", None, 1, 512, T0))
             writer.execute([Delete("sandboxes", {"node": f"n{i}"})])  # not by key: the table read again
-            assert reader.caught_up(5)
+            assert caught_up(5)
             with lock:
                 assert f"sb{i}" not in reader.sandboxes, i
         # One transaction, many notifications (large rows): memory has all of it once caught up.
         writer.apply([Upsert("sandboxes", {**SB, "id": f"big{i}", "name": "n" * 1000}) for i in range(40)])
-        assert reader.caught_up(5)
+        assert caught_up(5)
         with lock:
             assert {f"big{i}" for i in range(40)} <= set(reader.sandboxes)
     finally:
+        on_loop.close()
         watching.close()
         reader.close()
         writer.close()
@@ -1045,12 +1064,14 @@ def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch
         store.listen(store.refresh)
         first, second, third = (keys.new_key(u, "", {"admin"})[0] for u in ("a", "b", "c"))
         store.add_key(first)
-        assert store.caught_up(5)
+        on_loop = OnALoop(store)
+        assert store.caught_up(5) and on_loop(5)
         cluster.pause()
         with pytest.raises(Unavailable, match="the gateway cannot reach its database now; try again shortly"):
             store.add_key(second)
         assert set(store.keys) == {first.id}
         assert not store.caught_up(1)  # the commit counter cannot be read: not caught up, at once
+        assert not on_loop(1)  # nor on the loop: its connection (made before) gets no answer in time
         deadline = time.monotonic() + 60
         while not lost and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -1060,6 +1081,8 @@ def test_a_database_that_goes_away_answers_503_and_the_owner_is_told(monkeypatch
         deadline = time.monotonic() + 60
         while not store.caught_up(1):  # once the listener has connected again and reloaded
             assert time.monotonic() < deadline
+        assert on_loop(5)  # a connection made anew
+        on_loop.close()
         store.close()
         again = open_store(StoreLocation(database=url))
         assert set(again.keys) == {first.id, third.id}

@@ -3,8 +3,8 @@
 A replica answers from memory, which follows the database's commits a few milliseconds behind (the store's change
 notifications, docs/ha.md). Before a read, and before a miss is answered, the gateway waits until memory holds
 every write committed before then, through any replica: ``Store.caught_up`` (on PostgreSQL one query of the
-commit counter, then a wait for the listener to have handed that far on; at once on SQLite), a blocking call run
-on a thread.
+commit counter, asked on the event loop, then a wait for the listener to have handed that far on; at once on
+SQLite), awaited here.
 
 ``CatchUp`` shares those calls between concurrent callers without weakening what each is told: a call already
 running may have read the counter before a newcomer arrived, so the newcomer waits for the next one, which starts
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
 
 class CatchUp:
-    """``await catch_up()``: True once a call of ``caught_up`` (blocking; True when caught up) that started after
+    """``await catch_up()``: True once a call of ``caught_up`` (awaited; True when caught up) that started after
     this await began has returned True; False when it returned False, raised, or did not return within
     ``timeout_secs``. Concurrent awaits share calls (see the module's docstring)."""
 
-    def __init__(self, caught_up: Callable[[], bool], timeout_secs: float) -> None:
+    def __init__(self, caught_up: Callable[[], Awaitable[bool]], timeout_secs: float) -> None:
         self._caught_up = caught_up
         self._timeout_secs = timeout_secs
         #: Who waits for the next call (not the running one).
@@ -58,7 +58,7 @@ class CatchUp:
                 waiting, self._waiting = self._waiting, []
                 self.calls += 1
                 try:
-                    result = await asyncio.to_thread(self._caught_up)
+                    result = await self._caught_up()
                 except Exception:
                     log.exception("catching up with the other replicas failed")
                     result = False

@@ -125,7 +125,7 @@ class Gateway:
         #: Follow-ups of other replicas' changes still running (kept referenced until they end).
         self._follow_ups: set[asyncio.Task[None]] = set()
         #: Waits for every change committed before it (``caught_up``, ``up_to_date``), shared by concurrent callers.
-        self.catch_up = CatchUp(lambda: store.caught_up(CATCH_UP_SECS), CATCH_UP_SECS)
+        self.catch_up = CatchUp(lambda: store.caught_up_on_loop(CATCH_UP_SECS), CATCH_UP_SECS)
         #: The services routes and the gateway's own controllers call alike.
         self.sandboxes = Sandboxes(self)
         #: Persistent sandboxes' sleep as the records know it, and the quota check before one is woken.

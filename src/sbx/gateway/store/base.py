@@ -16,6 +16,7 @@ directly.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
@@ -184,6 +185,11 @@ class Store(ABC):
         """Block until every change committed before the call was handed to ``on_changes`` (False after
         ``timeout_secs``). Without other writers (SQLite), at once."""
         return True
+
+    async def caught_up_on_loop(self, timeout_secs: float) -> bool:
+        """:meth:`caught_up` awaited on the event loop (PostgreSQL asks its query on the loop itself); here, on a
+        thread."""
+        return await asyncio.to_thread(self.caught_up, timeout_secs)
 
     def refresh(self, changes: Sequence[Change]) -> None:
         """Put ``changes`` into memory (on the thread that reads memory: the event loop)."""
