@@ -32,8 +32,9 @@ class FakeTransport:
 
 def connection(ssh_keys: dict[str, Any]) -> tuple[SshConnection, FakeTransport, list[dict[str, Any]]]:
     audits: list[dict[str, Any]] = []
-    gw = SimpleNamespace(store=SimpleNamespace(ssh_keys=ssh_keys), record_audit=lambda **e: audits.append(e))
-    server: Any = SimpleNamespace(gw=gw, logged_in=lambda c: None, disconnected=lambda c: None)
+    audit = SimpleNamespace(record_audit=lambda **e: audits.append(e))
+    server: Any = SimpleNamespace(store=SimpleNamespace(ssh_keys=ssh_keys), audit=audit, logged_in=lambda c: None,
+                                  disconnected=lambda c: None)  # fmt: skip
     conn = SshConnection(server)
     transport = FakeTransport()
     transport.owner = conn

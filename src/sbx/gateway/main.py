@@ -528,7 +528,10 @@ def ssh_server(
     """The SSH server as a cleanup_ctx: listening while the application serves."""
 
     async def run_ssh(app: web.Application) -> AsyncIterator[None]:
-        server = SshServer(gateway, host_keys, options)
+        server = SshServer(
+            host_keys, options, store=gateway.store, sandboxes=gateway.sandboxes, nodes=gateway, audit=gateway,
+            metrics=gateway.metrics, watchers=gateway.watchers,
+        )  # fmt: skip
         await server.start()
         gateway.ssh = server
         yield

@@ -26,7 +26,7 @@ from typing import Literal
 
 from sbx.api.errors import Conflict, NotFound
 from sbx.gateway.auth import Principal, has_access
-from sbx.gateway.sandboxes import Sandboxes
+from sbx.gateway.ssh.interfaces import LoginSandboxes
 from sbx.gateway.ssh.keys import fingerprint, hash_token, is_token
 from sbx.gateway.state import SandboxRecord, SshKeyRecord
 from sbx.gateway.store import Store
@@ -63,7 +63,7 @@ class Login:
         return self.key_id if self.key_id is not None else "token"
 
 
-def login_by_token(store: Store, sandboxes: Sandboxes, token: str, now: float | None = None) -> Login:
+def login_by_token(store: Store, sandboxes: LoginSandboxes, token: str, now: float | None = None) -> Login:
     """The login a token names; ``LoginRefused`` when unknown, expired, or its owner lost access."""
     record = store.ssh_tokens.get(hash_token(token))
     if record is None:
@@ -87,7 +87,7 @@ def login_by_token(store: Store, sandboxes: Sandboxes, token: str, now: float | 
     return Login(record.user, record.tenant, sandbox)
 
 
-def login_by_key(store: Store, sandboxes: Sandboxes, username: str, blob: bytes) -> Login:
+def login_by_key(store: Store, sandboxes: LoginSandboxes, username: str, blob: bytes) -> Login:
     """The login of key ``blob`` as ``username`` (a sandbox id or name); ``LoginRefused`` otherwise.
 
     One key belongs to one person, who may have registered it for several tenants (their own, organisations):

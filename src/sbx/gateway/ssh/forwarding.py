@@ -54,7 +54,7 @@ class Forward:
         login = self.conn.login
         assert login is not None
         try:
-            node = self.conn.server.gw.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
+            node = self.conn.server.nodes.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
             self._tunnel = await node.client.tunnel(login.sandbox.id, self.port)
         except SandboxError as exc:
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, exc.message) from None

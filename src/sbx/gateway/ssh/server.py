@@ -31,22 +31,22 @@ import shlex
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncssh
 
 from sbx.api.ssh import SshInfo
+from sbx.gateway.interfaces import MONOTONIC, AuditSink, Clock, NodeLookup
 from sbx.gateway.ssh import auth, throttle
 from sbx.gateway.ssh.forwarding import Forward, check_destination
 from sbx.gateway.ssh.hostkeys import HostKeys
+from sbx.gateway.ssh.interfaces import LoginSandboxes, SshMetrics, Watchers
 from sbx.gateway.ssh.keys import fingerprint, is_token
 from sbx.gateway.ssh.sessions import Session
 from sbx.gateway.ssh.sftp import SandboxSftp
 from sbx.gateway.ssh.throttle import LoginLimits, SourceThrottle
+from sbx.gateway.store import Store
 from sbx.web.serve import listen_backlog
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +81,30 @@ class SshOptions:
 
 
 class SshServer:
-    """The listening server and its open connections; an ``AccessWatcher`` of the gateway."""
+    """The listening server and its open connections; an ``AccessWatcher`` of the gateway.
 
-    def __init__(self, gw: Gateway, host_keys: HostKeys, options: SshOptions) -> None:
-        self.gw = gw
+    Given (issue 34): the store (logins' keys, tokens and access), the sandbox service's look-up of a login's
+    sandbox, the nodes (a login's, for its sessions, files and forwards), the audit log, the gateway's SSH metrics,
+    the access watchers it joins while listening, and the clock of the failed logins' window."""
+
+    def __init__(
+        self, host_keys: HostKeys, options: SshOptions, *, store: Store, sandboxes: LoginSandboxes,
+        nodes: NodeLookup, audit: AuditSink, metrics: SshMetrics, watchers: Watchers, clock: Clock = MONOTONIC,
+    ) -> None:  # fmt: skip
         self.host_keys = host_keys
         self.options = options
+        self.store = store
+        self.sandboxes = sandboxes
+        self.nodes = nodes
+        self.audit = audit
+        self.metrics = metrics
+        self.watchers = watchers
         #: Every open connection; those logged in have a ``login``.
         self.connections: set[SshConnection] = set()
         #: Connections not logged in yet, oldest first (a dict keeps insertion order).
         self._logging_in: dict[SshConnection, None] = {}
         #: Failed credentials by source address, and what they mean for the next answer.
-        self.throttle = SourceThrottle(options.limits)
+        self.throttle = SourceThrottle(options.limits, clock)
         self._acceptor: asyncssh.SSHAcceptor | None = None
         self.port = options.listen[1]
 
@@ -111,15 +123,15 @@ class SshServer:
             keepalive_count_max=3, backlog=listen_backlog(),  # as the API listeners
         )  # fmt: skip
         self.port = self._acceptor.get_port()
-        self.gw.watchers.append(self)
-        self.gw.metrics.ssh_counts = self.counts
-        self.gw.metrics.ssh_sources_refused = self.throttle.refused_sources
+        self.watchers.append(self)
+        self.metrics.ssh_counts = self.counts
+        self.metrics.ssh_sources_refused = self.throttle.refused_sources
         log.info("SSH server listening", extra={"host": host, "port": self.port})
 
     async def close(self) -> None:
         """Stop listening, then close every connection (their processes hung up)."""
-        if self.gw.watchers.count(self):
-            self.gw.watchers.remove(self)
+        if self.watchers.count(self):
+            self.watchers.remove(self)
         if self._acceptor is not None:
             self._acceptor.close()
         await asyncio.gather(*(c.end() for c in list(self.connections)), return_exceptions=True)
@@ -186,7 +198,7 @@ class SshServer:
 
     async def access_changed(self) -> None:
         """Close every connection whose login may no longer stay, and wait until each has."""
-        store = self.gw.store
+        store = self.store
         ending = [
             c
             for c in list(self.connections)
@@ -257,10 +269,10 @@ class SshConnection(asyncssh.SSHServer):
         self.server.disconnected(self)
         if self.login is None and self._tried:
             reason = self._refusal.reason if self._refusal is not None else "unknown_key"
-            self.server.gw.metrics.ssh_auth_failures.labels(reason).inc()
+            self.server.metrics.ssh_auth_failures.labels(reason).inc()
             if self._refused_credential is not None:
-                self.server.gw.record_audit(kind="ssh", type="ssh.login", key_id=self._refused_credential,
-                                            result="refused", reason=reason)  # fmt: skip
+                self.server.audit.record_audit(kind="ssh", type="ssh.login", key_id=self._refused_credential,
+                                               result="refused", reason=reason)  # fmt: skip
         self._closed.set()  # each session hangs its process up as its channel closes
 
     async def begin_auth(self, username: str) -> bool:
@@ -273,7 +285,7 @@ class SshConnection(asyncssh.SSHServer):
             return True  # a sandbox's id or name: a registered key must follow
         self._try((username, b""))
         try:
-            self._candidate = auth.login_by_token(self.server.gw.store, self.server.gw.sandboxes, username)
+            self._candidate = auth.login_by_token(self.server.store, self.server.sandboxes, username)
         except auth.LoginRefused as refusal:
             self._refuse(refusal, "token" if refusal.reason != "unknown_token" else None)
             await self._failed(refusal)
@@ -286,12 +298,10 @@ class SshConnection(asyncssh.SSHServer):
     async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
         self._try((username, key.public_data))
         try:
-            login = auth.login_by_key(
-                self.server.gw.store, self.server.gw.sandboxes, username, key.public_data
-            )
+            login = auth.login_by_key(self.server.store, self.server.sandboxes, username, key.public_data)
         except auth.LoginRefused as refusal:
             found = fingerprint(key.public_data)
-            known = [k.id for k in list(self.server.gw.store.ssh_keys.values()) if k.fingerprint == found]
+            known = [k.id for k in list(self.server.store.ssh_keys.values()) if k.fingerprint == found]
             self._refuse(refusal, known[0] if known else None)
             await self._failed(refusal)
             return False
@@ -305,11 +315,11 @@ class SshConnection(asyncssh.SSHServer):
             return
         self.login = login
         self.server.logged_in(self)
-        self.server.gw.record_audit(
+        self.server.audit.record_audit(
             kind="ssh", type="ssh.login", key_id=login.credential, fingerprint=login.fingerprint, user=login.user,
             tenant=login.tenant or None, target=login.sandbox.id, node=login.sandbox.node, result="accepted",
         )  # fmt: skip
-        if not auth.still_allowed(self.server.gw.store, login):
+        if not auth.still_allowed(self.server.store, login):
             # Revoked after the key was checked and before its signature came (a client round trip): the
             # revocation's sweep (SshServer.access_changed) found no login here then, so it ends here now.
             self._ending = asyncio.ensure_future(self.end(revoked=True))
@@ -344,7 +354,7 @@ class SshConnection(asyncssh.SSHServer):
         """A disconnect saying why when the connection's source is refused now."""
         refused_for = self.server.throttle.refused_for(self.source)
         if refused_for > 0:
-            self.server.gw.metrics.ssh_login_limits.labels("source_refused").inc()
+            self.server.metrics.ssh_login_limits.labels("source_refused").inc()
             raise asyncssh.DisconnectError(
                 asyncssh.DISC_HOST_NOT_ALLOWED_TO_CONNECT, self._source_refused(refused_for)
             )
@@ -352,7 +362,7 @@ class SshConnection(asyncssh.SSHServer):
     async def _failed(self, refusal: auth.LoginRefused) -> None:
         """A credential was refused: count it against the source, then answer late if the source has failed
         often, or disconnect if the connection has tried its last credential or the source may try no more."""
-        metrics = self.server.gw.metrics
+        metrics = self.server.metrics
         metrics.ssh_credentials_refused.labels(refusal.reason).inc()
         delay = self.server.throttle.failed(self.source)
         if self.server.throttle.refused_for(self.source) > 0:  # this failure was the last one allowed
@@ -367,7 +377,7 @@ class SshConnection(asyncssh.SSHServer):
             self._too_many()
 
     def _too_many(self) -> None:
-        self.server.gw.metrics.ssh_login_limits.labels("too_many_tries").inc()
+        self.server.metrics.ssh_login_limits.labels("too_many_tries").inc()
         # sshd's words, which people and scripts know ("Received disconnect ...: Too many authentication failures").
         raise asyncssh.DisconnectError(
             asyncssh.DISC_NO_MORE_AUTH_METHODS_AVAILABLE, "Too many authentication failures"
@@ -408,7 +418,7 @@ class SshConnection(asyncssh.SSHServer):
         login = self.login
         if login is None:
             return
-        self.server.gw.record_audit(
+        self.server.audit.record_audit(
             kind="ssh", type="ssh.session", key_id=login.credential, fingerprint=login.fingerprint,
             user=login.user, tenant=login.tenant or None, target=login.sandbox.id, node=login.sandbox.node,
             session=kind, port=port,
@@ -433,7 +443,7 @@ class SshConnection(asyncssh.SSHServer):
         ``CLOSE_TIMEOUT_SECS``); audit ``ssh.revoked`` when ``revoked``."""
         login = self.login
         if revoked and login is not None:
-            self.server.gw.record_audit(
+            self.server.audit.record_audit(
                 kind="revocation", type="ssh.revoked", key_id=login.credential, fingerprint=login.fingerprint,
                 user=login.user, tenant=login.tenant or None, target=login.sandbox.id, node=login.sandbox.node,
                 result="closed",

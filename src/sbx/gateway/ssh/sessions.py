@@ -115,7 +115,7 @@ class Session:
         assert login is not None
         request = process_request(process.command, process.term_type, process.term_size[:2], process.env)
         try:
-            self.node = self.conn.server.gw.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
+            self.node = self.conn.server.nodes.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
             started = await self.node.client.start_process(login.sandbox.id, request)
         except SandboxError as exc:
             self._fail(f"cannot start a process in {login.sandbox.id}: {exc.message}")

@@ -106,7 +106,7 @@ class SandboxSftp(asyncssh.SFTPServer):
         login = self.conn.login
         assert login is not None
         try:
-            node = self.conn.server.gw.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
+            node = self.conn.server.nodes.node_for(login.sandbox.node, f"sandbox {login.sandbox.id}")
         except SandboxError as exc:
             raise asyncssh.SFTPConnectionLost(exc.message) from None
         return GuestFs(node.client, login.sandbox.id)
