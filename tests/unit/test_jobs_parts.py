@@ -137,7 +137,7 @@ async def parts(
     options = JobOptions(tmp_path / "jobs", notify=notify or NotifyPolicy())
     controller = JobController(
         options, store=store, writes=Writer(), registry=registry, sandboxes=sandboxes,
-        secrets=Secrets(Writer(), store, None),  # type: ignore[arg-type]  # Secrets writes through a Writes
+        secrets=Secrets(Writer(), store, None),
         leadership=leadership, audit=audit, metrics=CollectorRegistry(),
     )  # fmt: skip
     try:

@@ -4,7 +4,7 @@ send on a create or a PATCH."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from msgspec import UNSET
 from msgspec.structs import replace
@@ -14,9 +14,6 @@ from sbx.api.sandboxes import PatchRequest
 from sbx.api.validation import validate_labels
 from sbx.gateway.auth import Principal
 from sbx.gateway.state import SandboxRecord
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
 
 #: Labels a client may give through the gateway (the node allows 32; the gateway stamps two of its own).
 MAX_CLIENT_LABELS = 30
@@ -38,8 +35,19 @@ def check_client_labels(labels: dict[str, str]) -> None:
     validate_labels(labels)
 
 
+class SandboxNames(Protocol):
+    """Whether a sandbox name is taken among a caller's live sandboxes (``sandboxes.Sandboxes``)."""
+
+    def name_taken(self, principal: Principal, name: str, except_id: str | None = None) -> bool:
+        """Whether another live sandbox of ``principal`` (on any node but a lost one) is named ``name``."""
+
+
 def patch_request(
-    gw: Gateway, principal: Principal, rec: SandboxRecord, req: PatchRequest, stamped: Mapping[str, str] = {}
+    names: SandboxNames,
+    principal: Principal,
+    rec: SandboxRecord,
+    req: PatchRequest,
+    stamped: Mapping[str, str] = {},
 ) -> PatchRequest:
     """A PATCH as the node gets it: ``gateway.*`` labels sent back unchanged are kept, others are 400; a new name
     must be free among the caller's sandboxes on every node. ``stamped``: the ``gateway.*`` labels the sandbox
@@ -57,6 +65,6 @@ def patch_request(
             client[key] = value
         check_client_labels(client)
         req = replace(req, labels={**client, **ours})
-    if req.name and gw.sandboxes.name_taken(principal, req.name, except_id=rec.id):
+    if req.name and names.name_taken(principal, req.name, except_id=rec.id):
         raise Conflict(f"you already have a live sandbox named {req.name!r}: pick another name")
     return req

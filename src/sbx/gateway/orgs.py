@@ -8,7 +8,8 @@ demoted or removed (409). Removing a member ends what they had open in the organ
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from aiohttp import web
 from msgspec import UNSET
@@ -28,32 +29,53 @@ from sbx.api.orgs import (
 )
 from sbx.gateway import auth, keys
 from sbx.gateway.http import principal_of
+from sbx.gateway.interfaces import AuditSink, Reservations, Writes
 from sbx.gateway.state import MemberRecord, OrgRecord, now_rfc3339
+from sbx.gateway.store import Store
 from sbx.web.http import json_response, read_json_body
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
 
 ROLES = ("owner", "member")
 
 
-def tenant_in_use(gw: Gateway, name: str) -> bool:
-    """Whether ``name`` is a tenant in use by a key, sandbox, volume, snapshot, secret, job or service (compared
-    without case)."""
+class TenantHolder(Protocol):
+    """Something that holds things of tenants besides the store's tables (the secrets, services and jobs): an
+    organisation may not take the name of a tenant in use."""
+
+    def tenants(self) -> set[str]:
+        """The tenants holding at least one."""
+
+
+class AccessChanges(Protocol):
+    """What must follow a member's removal: everything they had open in the organisation ends (as revocation
+    does), before the removal answers."""
+
+    async def access_changed(self) -> None: ...
+
+
+class OrgLimits(Protocol):
+    """The organisations' limit, read at each create (``--max-orgs-per-user``; the gateway's options)."""
+
+    @property
+    def max_orgs_per_user(self) -> int: ...
+
+
+def tenant_in_use(store: Store, holders: Iterable[TenantHolder], name: str) -> bool:
+    """Whether ``name`` is a tenant in use by a key, sandbox, volume, snapshot, or anything of ``holders`` (a
+    secret, job or service), compared without case."""
     lowered = name.lower()
-    store = gw.store
     tenants = {k.tenant for k in list(store.keys.values())}
     tenants |= {r.tenant for r in list(store.sandboxes.values())}
     tenants |= {r.tenant for r in list(store.volumes.values())}
     tenants |= {r.tenant for r in list(store.snapshots.values())}
-    tenants |= gw.secrets.tenants() | gw.services.tenants() | gw.jobs.tenants()
+    for holder in holders:
+        tenants |= holder.tenants()
     return any(t.lower() == lowered for t in tenants if t)
 
 
-def membership(gw: Gateway, principal: auth.Principal, name: str) -> tuple[OrgRecord, MemberRecord | None]:
+def membership(store: Store, principal: auth.Principal, name: str) -> tuple[OrgRecord, MemberRecord | None]:
     """The organisation and the caller's membership; 404 ``no such organization`` for a non-member."""
-    org = gw.store.orgs.get(name)
-    member = gw.store.members.get((name, principal.user)) if org is not None else None
+    org = store.orgs.get(name)
+    member = store.members.get((name, principal.user)) if org is not None else None
     if member is not None and member.tenant != principal.key_tenant:
         member = None
     if org is None or (member is None and not principal.admin):
@@ -61,16 +83,33 @@ def membership(gw: Gateway, principal: auth.Principal, name: str) -> tuple[OrgRe
     return org, member
 
 
-def owners_of(gw: Gateway, name: str) -> list[MemberRecord]:
-    return [m for (org, _), m in list(gw.store.members.items()) if org == name and m.role == "owner"]
+def owners_of(store: Store, name: str) -> list[MemberRecord]:
+    return [m for (org, _), m in list(store.members.items()) if org == name and m.role == "owner"]
 
 
 class OrgRoutes:
-    """``/v1/orgs`` and ``GET /v1/admin/orgs``."""
+    """``/v1/orgs`` and ``GET /v1/admin/orgs``. Given the store and its ``Writes``, the locks a name's check and
+    its write are held under, the audit log, what ends access after a member's removal, the ``holders`` of
+    tenants besides the store (secrets, services, jobs) and the ``limits``."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.store = gw.store
+    def __init__(
+        self,
+        store: Store,
+        *,
+        writes: Writes,
+        locks: Reservations,
+        audit: AuditSink,
+        access: AccessChanges,
+        holders: Sequence[TenantHolder],
+        limits: OrgLimits,
+    ) -> None:
+        self.store = store
+        self.writes = writes
+        self.locks = locks
+        self.audit = audit
+        self.access = access
+        self.holders = tuple(holders)
+        self.limits = limits
 
     async def list(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
@@ -93,13 +132,12 @@ class OrgRoutes:
             raise InvalidRequest(f"organisation name {problem}")
         # The name's check and the org's write under its lock shared by the replicas (names differing in case
         # only are one name).
-        async with self.gw.reservation(self.gw.name_lock("org", name.lower())):
+        async with self.locks.reservation(self.locks.name_lock("org", name.lower())):
             return await self._create(request, principal, name)
 
     async def _create(self, request: web.Request, principal: auth.Principal, name: str) -> web.Response:
         store = self.store
-        gw = self.gw
-        if any(o.lower() == name.lower() for o in store.orgs) or tenant_in_use(gw, name):
+        if any(o.lower() == name.lower() for o in store.orgs) or tenant_in_use(store, self.holders, name):
             raise Conflict(f"{name!r} is already an organisation or a tenant in use: pick another name")
         made = {
             o.name for o in store.orgs.values()
@@ -109,30 +147,31 @@ class OrgRoutes:
             m.org for m in store.members.values()
             if m.user == principal.user and m.tenant == principal.key_tenant and m.role == "owner"
         }  # fmt: skip
-        if len(made) >= gw.options.max_orgs_per_user:
+        limit = self.limits.max_orgs_per_user
+        if len(made) >= limit:
             raise Refused(
                 f"you already made or own {len(made)} organisations, the most this gateway allows "
-                f"(--max-orgs-per-user {gw.options.max_orgs_per_user})"
+                f"(--max-orgs-per-user {limit})"
             )
         now = now_rfc3339()
         org = OrgRecord(name, now, principal.user, principal.key_tenant)
-        await gw.write(
+        await self.writes.write(
             store.add_org, org, MemberRecord(name, principal.user, principal.key_tenant, "owner", now)
         )
         request[auth.TARGET_KEY] = name
-        gw.record_audit(kind="org", type="org.created", key_id=principal.key_id, user=principal.user,
-                        target=name, result="owner")  # fmt: skip
+        self.audit.record_audit(kind="org", type="org.created", key_id=principal.key_id, user=principal.user,
+                                target=name, result="owner")  # fmt: skip
         return json_response(OrgCreated(name, now, principal.user), status=201)
 
     async def list_members(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        membership(self.gw, principal_of(request), name)
+        membership(self.store, principal_of(request), name)
         return json_response(
             MemberList([m.wire() for (org, _), m in sorted(self.store.members.items()) if org == name])
         )
 
     def _require_owner(self, principal: auth.Principal, name: str) -> None:
-        _, me = membership(self.gw, principal, name)
+        _, me = membership(self.store, principal, name)
         if not principal.admin and (me is None or me.role != "owner"):
             raise Refused(f"only an owner of {name} may change its members")
 
@@ -141,7 +180,7 @@ class OrgRoutes:
         name = request.match_info["name"]
         self._require_owner(principal, name)
         req = decode_request(await read_json_body(request), MemberRequest)
-        gw, store = self.gw, self.store
+        store, writes, audit = self.store, self.writes, self.audit
         user = keys.check_user(req.user)
         tenant = keys.check_tenant(req.tenant) if req.tenant is not UNSET else principal.key_tenant
         role = req.role if req.role is not UNSET else "member"
@@ -152,17 +191,17 @@ class OrgRoutes:
         if existing is not None and existing.tenant != tenant:
             raise Conflict(f"a member named {user!r} from another tenant is already in {name}")
         if existing is not None:
-            if existing.role == "owner" and role != "owner" and len(owners_of(gw, name)) <= 1:
+            if existing.role == "owner" and role != "owner" and len(owners_of(store, name)) <= 1:
                 raise Conflict(f"{user} is the last owner of {name}: make another member owner first")
             member = MemberRecord(name, user, tenant, role, existing.added)
-            await gw.write(store.put_member, member)
-            gw.record_audit(kind="org", type="org.member_role", key_id=principal.key_id, user=principal.user,
-                            org=name, target=target, result=role)  # fmt: skip
+            await writes.write(store.put_member, member)
+            audit.record_audit(kind="org", type="org.member_role", key_id=principal.key_id,
+                               user=principal.user, org=name, target=target, result=role)  # fmt: skip
             return json_response(member.wire(), status=200)
         member = MemberRecord(name, user, tenant, role, now_rfc3339())
-        await gw.write(store.put_member, member)
-        gw.record_audit(kind="org", type="org.member_added", key_id=principal.key_id, user=principal.user,
-                        org=name, target=target, result=role)  # fmt: skip
+        await writes.write(store.put_member, member)
+        audit.record_audit(kind="org", type="org.member_added", key_id=principal.key_id, user=principal.user,
+                           org=name, target=target, result=role)  # fmt: skip
         return json_response(member.wire(), status=201)
 
     async def remove_member(self, request: web.Request) -> web.Response:
@@ -170,7 +209,7 @@ class OrgRoutes:
         name = request.match_info["name"]
         user = request.match_info["user"]
         self._require_owner(principal, name)
-        gw, store = self.gw, self.store
+        store = self.store
         member = store.members.get((name, user))
         if "tenant" in request.query and member is not None:
             wanted = keys.check_tenant(request.query["tenant"])
@@ -178,12 +217,13 @@ class OrgRoutes:
                 member = None
         if member is None:
             raise NotFound(f"no member {user!r} in {name}")
-        if member.role == "owner" and len(owners_of(gw, name)) <= 1:
+        if member.role == "owner" and len(owners_of(store, name)) <= 1:
             raise Conflict(f"{user} is the last owner of {name}: make another member owner first")
-        await gw.write(store.remove_member, name, user)
-        await gw.access_changed()  # what they had open in the organisation ends before this answers
-        gw.record_audit(kind="org", type="org.member_removed", key_id=principal.key_id, user=principal.user,
-                        org=name, target=f"{member.tenant or 'default'}/{user}", result="removed")  # fmt: skip
+        await self.writes.write(store.remove_member, name, user)
+        await self.access.access_changed()  # what they had open in the organisation ends before this answers
+        self.audit.record_audit(kind="org", type="org.member_removed", key_id=principal.key_id,
+                                user=principal.user, org=name, target=f"{member.tenant or 'default'}/{user}",
+                                result="removed")  # fmt: skip
         return web.Response(status=204)
 
     async def admin_list(self, request: web.Request) -> web.Response:

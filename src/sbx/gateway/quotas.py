@@ -1,14 +1,27 @@
 """Tenant quotas: the check a create runs, under the tenant's lock, before a node makes the sandbox, and the one a
-request that would wake a persistent sandbox runs before it is passed on (``sbx.gateway.persistent``)."""
+request that would wake a persistent sandbox runs before it is passed on (``sbx.gateway.persistent``).
+
+A check reads only :class:`QuotaUsage`: the quotas in the store and what each tenant uses now."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from sbx.api.errors import Refused
 
 if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+    from sbx.gateway.store import Store
+
+
+class QuotaUsage(Protocol):
+    """What a quota check reads (issue 34): the store (its ``quotas``) and what a tenant uses now. The gateway
+    provides it (its ``tenant_usage`` counts the records not on lost nodes); a unit test gives a stand-in."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def tenant_usage(self, tenant: str) -> tuple[int, int, int]:
+        """(sandboxes, cpus, memory_mb) counted against ``tenant``'s quota."""
 
 
 class OverQuota(Refused):
@@ -16,16 +29,16 @@ class OverQuota(Refused):
     instead)."""
 
 
-def shortfalls(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: int) -> list[str]:
+def shortfalls(usage: QuotaUsage, tenant: str, adding: int, cpus: int, memory_mb: int) -> list[str]:
     """What ``adding`` more sandboxes and ``cpus`` and ``memory_mb`` more in all would take past ``tenant``'s
     quota, one phrase per amount (``"3 cpus of 2"``); empty when they fit or the tenant has no quota.
 
     Sandboxes on lost nodes do not count (spec: Node as seen by the gateway), nor the cpus and memory of a
-    persistent sandbox asleep (``Gateway.tenant_usage``)."""
-    quota = gw.store.quotas.get(tenant)
+    persistent sandbox asleep (``QuotaUsage.tenant_usage``)."""
+    quota = usage.store.quotas.get(tenant)
     if quota is None:
         return []
-    count, used_cpus, used_memory = gw.tenant_usage(tenant)
+    count, used_cpus, used_memory = usage.tenant_usage(tenant)
     problems = []
     # A wake adds no sandbox: it is already counted, so a quota lowered below the count does not keep it asleep.
     if adding and quota.max_sandboxes is not None and count + adding > quota.max_sandboxes:
@@ -37,10 +50,10 @@ def shortfalls(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: int)
     return problems
 
 
-def quota_problem(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: int) -> str | None:
+def quota_problem(usage: QuotaUsage, tenant: str, adding: int, cpus: int, memory_mb: int) -> str | None:
     """Why ``adding`` more sandboxes with ``cpus`` and ``memory_mb`` in all would take ``tenant`` past its
     quota (the 403's message), or None when they fit."""
-    problems = shortfalls(gw, tenant, adding, cpus, memory_mb)
+    problems = shortfalls(usage, tenant, adding, cpus, memory_mb)
     if not problems:
         return None
     return (
@@ -50,10 +63,10 @@ def quota_problem(gw: Gateway, tenant: str, adding: int, cpus: int, memory_mb: i
     )
 
 
-def wake_problem(gw: Gateway, tenant: str, sandbox_id: str, cpus: int, memory_mb: int) -> str | None:
+def wake_problem(usage: QuotaUsage, tenant: str, sandbox_id: str, cpus: int, memory_mb: int) -> str | None:
     """Why waking the persistent sandbox ``sandbox_id`` (asleep, so not counted), which takes ``cpus`` and
     ``memory_mb`` again once awake, would take ``tenant`` past its quota (the 403's message), or None."""
-    problems = shortfalls(gw, tenant, 0, cpus, memory_mb)
+    problems = shortfalls(usage, tenant, 0, cpus, memory_mb)
     if not problems:
         return None
     return (

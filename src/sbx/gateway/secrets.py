@@ -20,7 +20,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -28,11 +28,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sbx.api.errors import InvalidRequest, NotFound, Unsupported
 from sbx.api.services import Secret
 from sbx.api.validation import is_reserved_env_name, validate_env_name
+from sbx.gateway.interfaces import Writes
 from sbx.gateway.state import now_rfc3339
 from sbx.gateway.store import Delete, Store, Upsert
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +179,11 @@ class _Sealed:
 
 
 class Secrets:
-    """The tenants' secrets: sealed rows in the state file, and a copy of them (still sealed) in memory."""
+    """The tenants' secrets: sealed rows in the state file, and a copy of them (still sealed) in memory. Given the
+    store, its ``Writes`` (a row is written off the event loop) and the box (None: no secrets key)."""
 
-    def __init__(self, gw: Gateway, store: Store, box: SecretBox | None) -> None:
-        self.gw = gw
+    def __init__(self, writes: Writes, store: Store, box: SecretBox | None) -> None:
+        self.writes = writes
         self.store = store
         self.box = box
         self._rows: dict[tuple[str, str], _Sealed] = {}
@@ -216,7 +215,7 @@ class Secrets:
         data = check_secret_value(value)
         nonce, ciphertext = box.seal(tenant, name, data)
         updated = now_rfc3339()
-        await self.gw.write(self.store.execute, [Upsert("secrets", {
+        await self.writes.write(self.store.execute, [Upsert("secrets", {
             "tenant": tenant, "name": name, "nonce": nonce, "ciphertext": ciphertext, "updated": updated,
         })])  # fmt: skip
         self._rows[(tenant, name)] = _Sealed(nonce, ciphertext, updated)
@@ -226,7 +225,7 @@ class Secrets:
         self.require()
         if (tenant, name) not in self._rows:
             raise NotFound(f"no secret {name!r} in this tenant")
-        await self.gw.write(self.store.execute, [Delete("secrets", {"tenant": tenant, "name": name})])
+        await self.writes.write(self.store.execute, [Delete("secrets", {"tenant": tenant, "name": name})])
         self._rows.pop((tenant, name), None)
 
     def listing(self, tenant: str) -> list[Secret]:

@@ -25,12 +25,6 @@ from sbx.gateway.capabilities import intersect_capabilities
 
 if TYPE_CHECKING:
     from sbx.gateway.nodes import Registry
-    from sbx.gateway.server import Gateway
-
-
-def offered(gw: Gateway) -> Capabilities | None:
-    """What every answering node offers now; None when none answers."""
-    return offered_by(gw.registry)
 
 
 def offered_by(registry: Registry) -> Capabilities | None:

@@ -65,7 +65,9 @@ TABLE_KEY: web.AppKey[dict[web.AbstractRoute, Route]] = web.AppKey("routes", dic
 def table(gw: Gateway) -> list[Route]:
     """Every route the gateway serves."""
     meta, sbx, vol, snap = MetaRoutes(gw), SandboxRoutes(gw), VolumeRoutes(gw), SnapshotRoutes(gw)
-    admin, orgs, ssh = AdminRoutes(gw), OrgRoutes(gw), SshRoutes(gw)
+    admin, ssh = AdminRoutes(gw), SshRoutes(gw)
+    orgs = OrgRoutes(gw.store, writes=gw, locks=gw, audit=gw, access=gw,
+                     holders=(gw.secrets, gw.services, gw.jobs), limits=gw.options)  # fmt: skip
     svc, jobs, secrets = ServiceRoutes(gw), JobRoutes(gw), SecretRoutes(gw)
     ports = PortRoutes(gw, gw.ports) if gw.ports is not None else None
     rows: list[tuple[str, str, Handler | RelayPolicy]] = [

@@ -70,7 +70,7 @@ class SandboxRoutes:
         if req.network is not UNSET:  # a network change needs the guest: a persistent one asleep is woken
             await self.gw.wakes.wake(rec)
         async with self.gw.reservation(*names):
-            body = encode(patch_request(self.gw, principal, rec, req, stamped))
+            body = encode(patch_request(self.gw.sandboxes, principal, rec, req, stamped))
             response = await self._relay(request, principal, rec, body)
             if isinstance(response, web.Response) and response.status < 300 and response.body:
                 answer = decode_answer(bytes(response.body), Sandbox, "Sandbox")  # type: ignore[arg-type]

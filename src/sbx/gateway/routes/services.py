@@ -32,7 +32,7 @@ class ServiceRoutes:
 
     def _checked(self, tenant: str, spec: ServiceSpec) -> ServiceSpec:
         """``spec`` checked against what the nodes offer now and the tenant's secrets, and completed."""
-        return check_spec(specs.offered(self.gw), self.gw.secrets, tenant, spec)
+        return check_spec(specs.offered_by(self.gw.registry), self.gw.secrets, tenant, spec)
 
     async def _target(self, request: web.Request) -> ServiceRecord:
         principal, name, tenant = (

@@ -101,7 +101,7 @@ def check_spec(
     caps: Capabilities | None, secrets: SecretValues, tenant: str, spec: ServiceSpec
 ) -> ServiceSpec:
     """``spec`` checked for ``tenant`` (400, 501, 403 as the module says) and completed with its defaults;
-    ``caps`` is what every answering node offers now (``specs.offered``; None when none answers: the nodes
+    ``caps`` is what every answering node offers now (``specs.offered_by``; None when none answers: the nodes
     then judge resources and network at each create)."""
     check_name(spec.name)
     if spec.command is UNSET:
