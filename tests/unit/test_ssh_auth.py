@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast, get_args
+from typing import Any, get_args
 
 import asyncssh
 import pytest
+from sandbox_parts import parts
 
 from sbx.gateway import keys
 from sbx.gateway.metrics import SSH_AUTH_FAILURE_REASONS
@@ -75,7 +75,7 @@ def _case_id(value: object) -> str | None:
 
 
 def _sandboxes(store: Store) -> Sandboxes:
-    return Sandboxes(cast(Any, SimpleNamespace(store=store)))
+    return parts(store).sandboxes
 
 
 @pytest.mark.parametrize(

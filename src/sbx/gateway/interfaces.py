@@ -69,3 +69,86 @@ if TYPE_CHECKING:
     def _gateway_provides_them(gw: Gateway) -> tuple[Writes, AuditSink, Leadership, Reservations, NodeLookup]:
         """Never run: mypy holds ``Gateway`` to every interface here, where they are all named."""
         return gw, gw, gw, gw, gw
+
+
+# -- the sandbox, snapshot and wake services (issue 34) ------------------------------------------------------------
+# ``sandboxes.Sandboxes``, ``snapshots.Snapshots`` and ``persistent.Wakes`` are given these besides the store, the
+# registry and the protocols above.
+
+from typing import TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Sequence
+
+    from prometheus_client import Counter, Histogram
+
+    from sbx.api.sandboxes import Sandbox
+    from sbx.api.snapshots import Snapshot
+    from sbx.gateway.auth import Principal
+    from sbx.gateway.placement import Candidate, Requested
+    from sbx.gateway.state import SandboxRecord
+
+T = TypeVar("T")
+
+#: Placement (E2B's orchestrator's interface): ``(candidates, excluded, requested)`` to the node to try next, or None
+#: when none is left; ``placement.choose_node`` (least loaded first) is the one strategy.
+Placement = Callable[["Sequence[Candidate]", "Collection[str]", "Requested"], "Candidate | None"]
+#: Why a create of ``adding`` sandboxes with ``cpus`` and ``memory_mb`` would take ``tenant`` past its quota (the
+#: 403's message), or None: ``quotas.quota_problem`` on the gateway's usage. ``(tenant, adding, cpus, memory_mb)``.
+QuotaProblem = Callable[[str, int, int, int], "str | None"]
+#: Why waking the persistent sandbox ``sandbox_id`` would: ``quotas.wake_problem``. ``(tenant, sandbox_id, cpus,
+#: memory_mb)``.
+WakeProblem = Callable[[str, str, int, int], "str | None"]
+#: The ownership record of a sandbox a node answered: ``(wire, node, user, tenant)``.
+RecordFrom = Callable[["Sandbox", str, str, str], "SandboxRecord"]
+
+
+class Freshness(Protocol):
+    """Catching up with other replicas' writes before a miss is answered (nothing to wait for on SQLite)."""
+
+    async def fresh(self, lookup: Callable[[], T]) -> T:
+        """``lookup()``; after a ``NotFound`` from it, once more when other replicas' changes were waited for."""
+
+    async def caught_up(self) -> bool:
+        """Whether changes committed by other replicas before now have arrived (False at once without any)."""
+
+
+class LostNodes(Protocol):
+    """Whether a node is lost (down past ``lost_after_secs``): its sandboxes neither hold names nor count."""
+
+    def is_lost_node(self, name: str) -> bool: ...
+
+
+class SnapshotFinder(Protocol):
+    """Where the caller's snapshot is (``snapshots.Snapshots``): a fork goes to that node."""
+
+    async def find(self, principal: Principal, snapshot_id: str) -> tuple[str, Snapshot]:
+        """The node holding the caller's snapshot and the snapshot; 404 when not theirs or absent."""
+
+
+class SandboxMetrics(Protocol):
+    """The series the sandbox service counts (``metrics.GatewayMetrics``)."""
+
+    @property
+    def created(self) -> Counter: ...
+    @property
+    def create_seconds(self) -> Histogram: ...
+    @property
+    def refused(self) -> Counter: ...
+    @property
+    def scheduled(self) -> Counter: ...
+    @property
+    def terminated(self) -> Counter: ...
+
+
+if TYPE_CHECKING:
+    from sbx.gateway.snapshots import Snapshots
+
+    def _what_the_sandbox_service_is_given(
+        gw: Gateway, snapshots: Snapshots
+    ) -> tuple[Freshness, LostNodes, SnapshotFinder, SandboxMetrics, RecordFrom, Placement]:
+        """Never run: mypy holds ``Gateway``, its metrics, ``Snapshots`` and ``choose_node`` to the interfaces of
+        this section."""
+        from sbx.gateway.placement import choose_node
+
+        return gw, gw, snapshots, gw.metrics, gw.record_from, choose_node

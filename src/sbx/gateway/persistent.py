@@ -24,15 +24,14 @@ running sandbox until the next wake through the gateway or the next reconcile (a
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from sbx.api.errors import Conflict
 from sbx.api.sandboxes import Sandbox
-from sbx.gateway.quotas import OverQuota, wake_problem
+from sbx.gateway.interfaces import NodeLookup, Reservations, WakeProblem, Writes
+from sbx.gateway.quotas import OverQuota
 from sbx.gateway.state import SandboxRecord
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.store.base import Store
 
 #: States of a persistent sandbox asleep: its node holds its disk, not its cpus and memory.
 ASLEEP_STATES: Final = frozenset({"suspended", "stopped"})
@@ -65,8 +64,22 @@ def is_asleep(wire: Sandbox) -> bool:
 class Wakes:
     """Keeps the records' ``persistent`` and ``asleep`` in step with the nodes, and checks wakes against quotas."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        store: Store,
+        writes: Writes,
+        *,
+        nodes: NodeLookup,
+        locks: Reservations,
+        wake_problem: WakeProblem,
+    ) -> None:
+        """``store``: the sandbox records and quotas, written through ``writes``; ``nodes``: a record's node;
+        ``locks``: the tenant's quota lock; ``wake_problem``: the quota check of a wake."""
+        self.store = store
+        self.writes = writes
+        self.nodes = nodes
+        self.locks = locks
+        self.wake_problem = wake_problem
 
     async def learnt(self, rec: SandboxRecord, wire: Sandbox) -> SandboxRecord:
         """What an answer of ``rec``'s node (``wire``, a listing's entry or a call's answer) teaches its record.
@@ -76,12 +89,12 @@ class Wakes:
         and a record asleep for a running sandbox would let the tenant past its quota."""
         if rec.asleep or not is_asleep(wire):
             return await self.observed(rec, wire)
-        quota = self.gw.store.quotas.get(rec.tenant) is not None
-        async with self.gw.reservation(*([("tenant", rec.tenant)] if quota else [])):
-            current = self.gw.store.sandboxes.get(rec.id)
+        quota = self.store.quotas.get(rec.tenant) is not None
+        async with self.locks.reservation(*([("tenant", rec.tenant)] if quota else [])):
+            current = self.store.sandboxes.get(rec.id)
             if current is None:
                 return rec  # forgotten meanwhile
-            node = self.gw.node_for(current.node, f"sandbox {current.id}")
+            node = self.nodes.node_for(current.node, f"sandbox {current.id}")
             return await self.observed(current, await node.client.sandbox(current.id))
 
     async def observed(self, rec: SandboxRecord, wire: Sandbox) -> SandboxRecord:
@@ -92,7 +105,7 @@ class Wakes:
             return rec
         now = dataclasses.replace(rec, persistent=wire.persistent, asleep=is_asleep(wire))
         if now != rec:
-            await self.gw.write(self.gw.store.put_sandbox, now)
+            await self.writes.write(self.store.put_sandbox, now)
         return now
 
     async def wake(self, rec: SandboxRecord) -> Sandbox | None:
@@ -108,18 +121,17 @@ class Wakes:
         ``stopped``: booted from its disk, no process of before runs)."""
         if not rec.asleep:
             return None
-        gw = self.gw
-        quota = gw.store.quotas.get(rec.tenant) is not None
-        async with gw.reservation(*([("tenant", rec.tenant)] if quota else [])):
-            current = gw.store.sandboxes.get(rec.id, rec)  # another wake may have come first
+        quota = self.store.quotas.get(rec.tenant) is not None
+        async with self.locks.reservation(*([("tenant", rec.tenant)] if quota else [])):
+            current = self.store.sandboxes.get(rec.id, rec)  # another wake may have come first
             if not current.asleep:
                 return None
-            node = gw.node_for(current.node, f"sandbox {current.id}")
+            node = self.nodes.node_for(current.node, f"sandbox {current.id}")
             state = await node.client.sandbox(current.id)
             current = await self.observed(current, state)
             if not current.asleep:
                 return None  # woken meanwhile another way (an SSH login): it is counted again already
-            problem = wake_problem(gw, current.tenant, current.id, current.cpus, current.memory_mb)
+            problem = self.wake_problem(current.tenant, current.id, current.cpus, current.memory_mb)
             if problem is not None:
                 raise OverQuota(problem)
             try:

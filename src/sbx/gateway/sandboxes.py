@@ -25,9 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from msgspec import UNSET
 from msgspec.structs import replace
@@ -38,14 +36,26 @@ from sbx.api.requests import check_create
 from sbx.api.sandboxes import CreateRequest, Sandbox
 from sbx.api.snapshots import Snapshot
 from sbx.gateway.auth import Principal
+from sbx.gateway.interfaces import (
+    MONOTONIC,
+    Clock,
+    Freshness,
+    LostNodes,
+    NodeLookup,
+    Placement,
+    QuotaProblem,
+    RecordFrom,
+    Reservations,
+    SandboxMetrics,
+    SnapshotFinder,
+    Writes,
+)
 from sbx.gateway.labels import OWNER_LABEL, TENANT_LABEL, check_client_labels
-from sbx.gateway.nodes import Node
+from sbx.gateway.nodes import Node, Registry
 from sbx.gateway.placement import Candidate, Requested, choose_node
-from sbx.gateway.quotas import OverQuota, quota_problem
+from sbx.gateway.quotas import OverQuota
 from sbx.gateway.state import SandboxRecord
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +63,41 @@ log = logging.getLogger(__name__)
 class Sandboxes:
     """Sandboxes through the gateway, owned by the principal that made them."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(
+        self,
+        store: Store,
+        writes: Writes,
+        registry: Registry,
+        *,
+        nodes: NodeLookup,
+        lost: LostNodes,
+        fresh: Freshness,
+        locks: Reservations,
+        snapshots: SnapshotFinder,
+        quota_problem: QuotaProblem,
+        record_from: RecordFrom,
+        metrics: SandboxMetrics,
+        placement: Placement = choose_node,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        """``store``: the records (sandboxes, volumes, quotas), written through ``writes``; ``registry``: the nodes
+        placement chooses among and lists from; ``nodes``, ``lost``: a record's node, and whether one is lost;
+        ``fresh``: look-ups that catch up with other replicas before a miss; ``locks``: the name and quota locks a
+        create holds; ``snapshots``: where a fork's snapshot is; ``quota_problem``: the quota check; ``record_from``:
+        a made sandbox's record; ``placement``: which node to try next; ``clock``: the create latency's."""
+        self.store = store
+        self.writes = writes
+        self.registry = registry
+        self.nodes = nodes
+        self.lost = lost
+        self.fresh = fresh
+        self.locks = locks
+        self.snapshots = snapshots
+        self.quota_problem = quota_problem
+        self.record_from = record_from
+        self.metrics = metrics
+        self.placement = placement
+        self.clock = clock
         #: Told the id of each sandbox terminated through the gateway (the exposed ports forget its own).
         self.on_terminated: list[Callable[[str], Awaitable[None]]] = []
 
@@ -66,7 +109,7 @@ class Sandboxes:
         The node is then asked by id, never by name: one node may hold sandboxes of several users under one
         name. A name matching more than one (an admin's look-up among every user's, or a user's own sandbox
         on a lost node and its namesake made meanwhile) is 409 naming the ids, never one picked silently."""
-        store = self.gw.store
+        store = self.store
         rec = store.sandboxes.get(ref)
         if rec is not None and principal.owns(rec.user, rec.tenant):
             return rec
@@ -86,20 +129,20 @@ class Sandboxes:
     async def find(self, principal: Principal, ref: str) -> SandboxRecord:
         """As :meth:`resolve`; a miss on a store shared with other replicas first waits for the changes
         committed before it (a sandbox just created through another replica), then looks again."""
-        return await self.gw.fresh(lambda: self.resolve(principal, ref))
+        return await self.fresh.fresh(lambda: self.resolve(principal, ref))
 
     def name_taken(self, principal: Principal, name: str, except_id: str | None = None) -> bool:
         """Whether ``name`` is held by another live sandbox of the caller (on any node but a lost one)."""
         return any(
             r.name == name and r.user == principal.user and r.tenant == principal.tenant and r.id != except_id
-            and not self.gw.is_lost_node(r.node)
-            for r in list(self.gw.store.sandboxes.values())
+            and not self.lost.is_lost_node(r.node)
+            for r in list(self.store.sandboxes.values())
         )  # fmt: skip
 
     async def get(self, principal: Principal, ref: str) -> Sandbox:
         """The caller's sandbox as its node answers it now."""
         rec = await self.find(principal, ref)
-        node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
+        node = self.nodes.node_for(rec.node, f"sandbox {rec.id}")
         answer = await node.client.call("GET", f"/v1/sandboxes/{rec.id}", Sandbox)
         assert answer is not None
         return answer
@@ -108,8 +151,7 @@ class Sandboxes:
         """The caller's sandboxes (admin: every one, with those the gateway has no record of) on every
         answering node, newest first; a node failing now is left out, as an unhealthy one is. A malformed label
         filter is 400, as every node would say."""
-        gw = self.gw
-        nodes = gw.registry.healthy()
+        nodes = self.registry.healthy()
         wanted = list(labels)
         results = await asyncio.gather(*(n.client.sandboxes(wanted) for n in nodes), return_exceptions=True)
         listed: list[tuple[Node, Sandbox]] = []
@@ -122,13 +164,13 @@ class Sandboxes:
         # A sandbox made through another replica a moment ago (our labels, no record here yet): wait for what
         # was committed before the listing, then sort them.
         if any(
-            OWNER_LABEL in s.labels and s.state != "terminated" and s.id not in gw.store.sandboxes
+            OWNER_LABEL in s.labels and s.state != "terminated" and s.id not in self.store.sandboxes
             for _, s in listed
         ):
-            await gw.caught_up()
+            await self.fresh.caught_up()
         merged: list[Sandbox] = []
         for node, sandbox in listed:
-            rec = gw.store.sandboxes.get(sandbox.id)
+            rec = self.store.sandboxes.get(sandbox.id)
             mine = rec is not None and rec.node == node.name and principal.owns(rec.user, rec.tenant)
             if mine or (rec is None and principal.admin):
                 merged.append(sandbox)
@@ -138,16 +180,16 @@ class Sandboxes:
     async def delete(self, principal: Principal, ref: str) -> None:
         """Terminate the caller's sandbox (idempotent); its name is free again at once."""
         rec = await self.find(principal, ref)
-        node = self.gw.node_for(rec.node, f"sandbox {rec.id}")
+        node = self.nodes.node_for(rec.node, f"sandbox {rec.id}")
         await node.client.delete_sandbox(rec.id)
         await self.terminated(rec)
 
     async def terminated(self, rec: SandboxRecord) -> None:
         """The node terminated ``rec``'s sandbox for us: count it, free its name. The record stays until the
         node forgets the sandbox."""
-        self.gw.metrics.terminated.inc()
+        self.metrics.terminated.inc()
         if rec.name is not None:
-            await self.gw.write(self.gw.store.put_sandbox, dataclasses.replace(rec, name=None))
+            await self.writes.write(self.store.put_sandbox, dataclasses.replace(rec, name=None))
         for told in list(self.on_terminated):
             try:
                 await told(rec.id)
@@ -160,7 +202,7 @@ class Sandboxes:
         log.info(why, extra={"node": node.name, "sandbox": sandbox_id})
         with contextlib.suppress(SandboxError):
             await node.client.delete_sandbox(sandbox_id)
-            record = self.gw.store.sandboxes.get(sandbox_id)
+            record = self.store.sandboxes.get(sandbox_id)
             if record is not None:
                 await self.terminated(record)
 
@@ -179,8 +221,7 @@ class Sandboxes:
         For what the gateway makes by itself (a service's replica, a job's run): ``gateway_labels`` are stamped
         besides the owner's (every key begins ``gateway.``; a client can never set one), and placement prefers
         nodes not in ``avoid`` while one of them can take the sandbox (a service's spread)."""
-        gw = self.gw
-        started = time.monotonic()
+        started = self.clock()
         labels = req.labels if req.labels is not UNSET else {}
         check_client_labels(labels)
         check_create(req)
@@ -193,37 +234,36 @@ class Sandboxes:
         pinned, snapshot = await self._pinned(principal, req)
         requested = _requested(req, snapshot)
         name = req.name or None
-        quota = gw.store.quotas.get(principal.tenant) is not None
+        quota = self.store.quotas.get(principal.tenant) is not None
         # The owner's name check and a tenant's quota check run one at a time with the node call they allow
         # (with replicas, across all of them, then caught up: checked against every record any replica made).
-        names = [gw.name_lock("sandbox", principal.user, principal.tenant)] if name else []
+        names = [self.locks.name_lock("sandbox", principal.user, principal.tenant)] if name else []
         names += [("tenant", principal.tenant)] if quota else []
-        async with gw.reservation(*names):
+        async with self.locks.reservation(*names):
             if name is not None and self.name_taken(principal, name):
                 raise Conflict(
                     f"you already have a live sandbox named {name!r}: pick another name or delete it"
                 )
             sandbox, node, given = await self._place(principal, req, requested, pinned, frozenset(avoid))
-            await gw.write(
-                gw.store.put_sandbox, gw.record_from(sandbox, node.name, principal.user, principal.tenant)
+            await self.writes.write(
+                self.store.put_sandbox, self.record_from(sandbox, node.name, principal.user, principal.tenant)
             )
         node.took(given)
-        gw.metrics.created.inc()
-        gw.metrics.create_seconds.observe(time.monotonic() - started)
+        self.metrics.created.inc()
+        self.metrics.create_seconds.observe(self.clock() - started)
         return sandbox, node.name
 
     async def _place(
         self, principal: Principal, req: CreateRequest, requested: Requested, pinned: str | None,
         avoid: frozenset[str] = frozenset(),
     ) -> tuple[Sandbox, Node, Resources]:  # fmt: skip
-        gw = self.gw
         needs = _capabilities_needed(req)
         tried: set[str] = set()
         over_quota: Refused | None = None
         lacking: set[str] = set()
         refusals: list[str] = []  # each tried node's own 502/503 message, for the caller's answer
         while True:
-            candidates = gw.registry.candidates()
+            candidates = self.registry.candidates()
             if pinned is not None:
                 candidates = [c for c in candidates if c.name == pinned]
             if needs:
@@ -233,23 +273,23 @@ class Sandboxes:
                 lacking = {
                     c.name
                     for c in candidates
-                    if c.taking_new and not all(gw.registry.nodes[c.name].offers(n) for n in needs)
+                    if c.taking_new and not all(self.registry.nodes[c.name].offers(n) for n in needs)
                 }
                 candidates = [c for c in candidates if c.name not in lacking]
             # Nodes to avoid are asked only once every other node has been.
-            choice = choose_node(candidates, tried | avoid, requested) or choose_node(
+            choice = self.placement(candidates, tried | avoid, requested) or self.placement(
                 candidates, tried, requested
             )
             if choice is None:
                 break
             tried.add(choice.name)
             given = requested.on(choice)
-            problem = quota_problem(gw, principal.tenant, 1, given.cpus, given.memory_mb)
+            problem = self.quota_problem(principal.tenant, 1, given.cpus, given.memory_mb)
             if problem is not None:
                 over_quota = OverQuota(problem)
                 continue
-            node = gw.registry.nodes[choice.name]
-            gw.metrics.scheduled.labels(node.name).inc()
+            node = self.registry.nodes[choice.name]
+            self.metrics.scheduled.labels(node.name).inc()
             try:
                 sandbox = await node.client.create_sandbox(_explicit(req, requested, given, choice))
             except SandboxError as exc:
@@ -261,9 +301,9 @@ class Sandboxes:
             # What the node really gave (it decides what the gateway could not know) is what counts.
             return sandbox, node, Resources(sandbox.cpus, sandbox.memory_mb, sandbox.disk_mb)
         if over_quota is not None:
-            gw.metrics.refused.labels("quota").inc()
+            self.metrics.refused.labels("quota").inc()
             raise over_quota
-        gw.metrics.refused.labels("capacity").inc()
+        self.metrics.refused.labels("capacity").inc()
         if lacking and not tried:
             raise Unavailable(_lacking_message(needs, sorted(lacking)))
         where = f"node {pinned}" if pinned else "any node"
@@ -277,10 +317,10 @@ class Sandboxes:
         nodes: set[str] = set()
         snapshot = None
         if req.snapshot_id is not UNSET:
-            node_name, snapshot = await self.gw.snapshots.find(principal, req.snapshot_id)
+            node_name, snapshot = await self.snapshots.find(principal, req.snapshot_id)
             nodes.add(node_name)
         for mount in req.volumes or ():
-            vol = self.gw.store.volumes.get(mount.name)
+            vol = self.store.volumes.get(mount.name)
             if vol is None or not principal.owns(vol.user, vol.tenant):
                 raise NotFound(f"no volume {mount.name!r} among yours")
             nodes.add(vol.node)

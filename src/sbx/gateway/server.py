@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ from sbx.gateway.nodes import Node, Registry, connect_node
 from sbx.gateway.persistent import Wakes, is_asleep
 from sbx.gateway.ports.front import DEFAULT_MAX_PER_SANDBOX, PortFront
 from sbx.gateway.ports.store import PortStore
+from sbx.gateway.quotas import quota_problem, wake_problem
 from sbx.gateway.revocation import DEFAULT_RECHECK_SECS, OpenRequest, OpenRequests
 from sbx.gateway.sandboxes import Sandboxes
 from sbx.gateway.secrets import SecretBox, Secrets
@@ -126,15 +128,21 @@ class Gateway:
         self._follow_ups: set[asyncio.Task[None]] = set()
         #: Waits for every change committed before it (``caught_up``, ``up_to_date``), shared by concurrent callers.
         self.catch_up = CatchUp(lambda: store.caught_up_on_loop(CATCH_UP_SECS), CATCH_UP_SECS)
+        #: Before the sandbox service, which finds a fork's snapshot through it.
+        self.snapshots = Snapshots(store, self, registry, nodes=self)
         #: The services routes and the gateway's own controllers call alike.
-        self.sandboxes = Sandboxes(self)
+        self.sandboxes = Sandboxes(
+            store, self, registry, nodes=self, lost=self, fresh=self, locks=self, snapshots=self.snapshots,
+            quota_problem=functools.partial(quota_problem, self), record_from=self.record_from, metrics=self.metrics,
+        )  # fmt: skip
         #: Persistent sandboxes' sleep as the records know it, and the quota check before one is woken.
-        self.wakes = Wakes(self)
+        self.wakes = Wakes(
+            store, self, nodes=self, locks=self, wake_problem=functools.partial(wake_problem, self)
+        )
         #: What else holds an owner to their access (SSH connections, jobs, services): told by access_changed.
         self.watchers: list[AccessWatcher] = []
         #: The SSH server, while one is served (``--ssh-listen``).
         self.ssh: SshServer | None = None
-        self.snapshots = Snapshots(self)
         #: Tenant secrets, services (controller and traffic front) and jobs; their controllers are started by the
         #: serving application (``main.build_app``), after the gateway's own loops.
         self.secrets = Secrets(self, store, SecretBox(options.secrets_key) if options.secrets_key else None)

@@ -7,34 +7,38 @@ belongs to whoever owns its sandbox (spec: Schedule rule 5), and is found in the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from sbx.api.errors import NotFound, SandboxError
 from sbx.api.snapshots import Snapshot
 from sbx.gateway.auth import Principal
+from sbx.gateway.interfaces import NodeLookup, Writes
+from sbx.gateway.nodes import Registry
 from sbx.gateway.state import SnapshotRecord, now_rfc3339
-
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
+from sbx.gateway.store.base import Store
 
 
 class Snapshots:
     """The caller's snapshots on every answering node."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+    def __init__(self, store: Store, writes: Writes, registry: Registry, *, nodes: NodeLookup) -> None:
+        """``store``: the snapshot and sandbox records (whose a snapshot is), written through ``writes``;
+        ``registry``: the nodes listed; ``nodes``: the 503 naming a recorded snapshot's node when it is down."""
+        self.store = store
+        self.writes = writes
+        self.registry = registry
+        self.nodes = nodes
 
     def owns(self, principal: Principal, snap: Snapshot, node: str) -> bool:
         """A snapshot is the caller's when recorded as theirs, or (scheduled ones) when its sandbox is theirs."""
-        rec = self.gw.store.snapshots.get(snap.id)
+        rec = self.store.snapshots.get(snap.id)
         if rec is not None:
             return rec.node == node and principal.owns(rec.user, rec.tenant)
-        sandbox = self.gw.store.sandboxes.get(snap.sandbox)
+        sandbox = self.store.sandboxes.get(snap.sandbox)
         return sandbox is not None and sandbox.node == node and principal.owns(sandbox.user, sandbox.tenant)
 
     async def list(self, principal: Principal) -> list[Snapshot]:
         """The caller's snapshots on every answering node (a node failing now is left out)."""
-        nodes = self.gw.registry.healthy()
+        nodes = self.registry.healthy()
         results = await asyncio.gather(*(n.client.snapshots() for n in nodes), return_exceptions=True)
         found: list[Snapshot] = []
         for node, result in zip(nodes, results, strict=True):
@@ -44,7 +48,7 @@ class Snapshots:
 
     async def where(self, principal: Principal, snapshot_id: str) -> str:
         """The node holding the caller's snapshot (a recorded one without asking any node); 404 otherwise."""
-        rec = self.gw.store.snapshots.get(snapshot_id)
+        rec = self.store.snapshots.get(snapshot_id)
         if rec is not None:
             if principal.owns(rec.user, rec.tenant):
                 return rec.node
@@ -54,10 +58,10 @@ class Snapshots:
     async def find(self, principal: Principal, snapshot_id: str) -> tuple[str, Snapshot]:
         """The node holding the caller's snapshot ``snapshot_id`` and the snapshot; 404 when it is not theirs
         or does not exist."""
-        rec = self.gw.store.snapshots.get(snapshot_id)
+        rec = self.store.snapshots.get(snapshot_id)
         if rec is not None and not principal.owns(rec.user, rec.tenant):
             raise NotFound(f"no snapshot {snapshot_id!r} among yours")
-        nodes = [self.gw.registry.get(rec.node)] if rec is not None else self.gw.registry.healthy()
+        nodes = [self.registry.get(rec.node)] if rec is not None else self.registry.healthy()
         for node in nodes:
             if node is None:
                 continue
@@ -69,14 +73,14 @@ class Snapshots:
                 if snap.id == snapshot_id and self.owns(principal, snap, node.name):
                     return node.name, snap
         if rec is not None:
-            self.gw.node_for(rec.node, f"snapshot {snapshot_id}")  # 503 when its node is down
+            self.nodes.node_for(rec.node, f"snapshot {snapshot_id}")  # 503 when its node is down
         raise NotFound(f"no snapshot {snapshot_id!r} among yours")
 
     async def taken(
         self, principal_user: str, tenant: str, node: str, sandbox_id: str, snap: Snapshot
     ) -> None:
         """Record a snapshot taken through the gateway as its sandbox owner's."""
-        await self.gw.write(
-            self.gw.store.put_snapshot,
+        await self.writes.write(
+            self.store.put_snapshot,
             SnapshotRecord(snap.id, principal_user, tenant, node, sandbox_id, now_rfc3339()),
         )
