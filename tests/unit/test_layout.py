@@ -61,6 +61,28 @@ def test_the_lifecycle_parts_do_not_import_the_manager(module: str) -> None:
     assert not {name for name in imports_of(SRC / module) if name.startswith("sbx.node.manager")}
 
 
+#: The gateway's assembly and HTTP layer, the only modules that know ``Gateway`` (issue 34): every other part is
+#: given the narrow interfaces it uses (``sbx.gateway.interfaces`` and each package's own), docs/architecture.md.
+GATEWAY_ASSEMBLY = ("main.py", "server.py", "middlewares.py", "routes/")
+GATEWAY_OBJECT = ("sbx.gateway.server", "sbx.gateway.main", "sbx.gateway.middlewares", "sbx.gateway.routes")
+
+
+def test_only_the_gateways_assembly_and_http_layer_know_the_gateway() -> None:
+    parts = [
+        path
+        for path in sorted((SRC / "gateway").rglob("*.py"))
+        if not str(path.relative_to(SRC / "gateway")).startswith(GATEWAY_ASSEMBLY)
+    ]
+    assert len(parts) > 60  # the jobs, services, ports and ssh packages, the services, the store...
+    wrong = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in parts
+        for name in sorted(imports_of(path))  # TYPE_CHECKING imports too: not even for types
+        if any(name == p or name.startswith(p + ".") for p in GATEWAY_OBJECT)
+    ]
+    assert wrong == []
+
+
 #: The MCP server is a client of the SDK: of the project it imports the wire contract, the SDK, itself and the
 #: loopback rule of ``net`` (one leaf module), nothing else.
 MCP_MAY_IMPORT = ("sbx.api", "sbx.client", "sbx.mcp", "sbx.net.loopback")

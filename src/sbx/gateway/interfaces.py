@@ -1,6 +1,7 @@
 """The narrow interfaces the gateway's parts are given instead of the whole ``Gateway`` (issue 34): each part's
 constructor names the few it uses, so reading one controller needs only these and its own module, and a unit test
-builds it from stand-ins without a gateway. ``Gateway`` provides every one of them (structurally); the store
+builds it from stand-ins without a gateway. ``Gateway`` provides every one of them (structurally: mypy holds it to
+them at the end of ``server.py``, the assembly); the store
 (``store.base.Store``), the node registry (``nodes.Registry``), the sandbox service (``sandboxes.Sandboxes``) and
 the secrets (``secrets.Secrets``) are classes of their own and are passed as they are.
 
@@ -13,10 +14,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from collections.abc import Collection, Sequence
+
+    from prometheus_client import Counter, Histogram
+
+    from sbx.api.sandboxes import Sandbox
+    from sbx.api.snapshots import Snapshot
+    from sbx.gateway.auth import Principal
     from sbx.gateway.nodes import Node
+    from sbx.gateway.placement import Candidate, Requested
+    from sbx.gateway.state import SandboxRecord
 
 #: Seconds on a monotonic clock (``time.monotonic`` unless a test gives another).
 Clock = Callable[[], float]
@@ -63,30 +73,9 @@ class NodeLookup(Protocol):
         """The node ``name``, healthy; ``what`` names the record in the error (``sandbox sbx_...``)."""
 
 
-if TYPE_CHECKING:
-    from sbx.gateway.server import Gateway
-
-    def _gateway_provides_them(gw: Gateway) -> tuple[Writes, AuditSink, Leadership, Reservations, NodeLookup]:
-        """Never run: mypy holds ``Gateway`` to every interface here, where they are all named."""
-        return gw, gw, gw, gw, gw
-
-
 # -- the sandbox, snapshot and wake services (issue 34) ------------------------------------------------------------
 # ``sandboxes.Sandboxes``, ``snapshots.Snapshots`` and ``persistent.Wakes`` are given these besides the store, the
 # registry and the protocols above.
-
-from typing import TypeVar
-
-if TYPE_CHECKING:
-    from collections.abc import Collection, Sequence
-
-    from prometheus_client import Counter, Histogram
-
-    from sbx.api.sandboxes import Sandbox
-    from sbx.api.snapshots import Snapshot
-    from sbx.gateway.auth import Principal
-    from sbx.gateway.placement import Candidate, Requested
-    from sbx.gateway.state import SandboxRecord
 
 T = TypeVar("T")
 
@@ -139,16 +128,3 @@ class SandboxMetrics(Protocol):
     def scheduled(self) -> Counter: ...
     @property
     def terminated(self) -> Counter: ...
-
-
-if TYPE_CHECKING:
-    from sbx.gateway.snapshots import Snapshots
-
-    def _what_the_sandbox_service_is_given(
-        gw: Gateway, snapshots: Snapshots
-    ) -> tuple[Freshness, LostNodes, SnapshotFinder, SandboxMetrics, RecordFrom, Placement]:
-        """Never run: mypy holds ``Gateway``, its metrics, ``Snapshots`` and ``choose_node`` to the interfaces of
-        this section."""
-        from sbx.gateway.placement import choose_node
-
-        return gw, gw, snapshots, gw.metrics, gw.record_from, choose_node

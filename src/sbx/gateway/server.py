@@ -542,3 +542,42 @@ def _created_before(created: str, epoch_secs: float) -> bool:
         return datetime.fromisoformat(created).timestamp() < epoch_secs
     except ValueError:
         return True
+
+
+if TYPE_CHECKING:
+    from sbx.gateway.interfaces import (
+        AuditSink,
+        Freshness,
+        Leadership,
+        LostNodes,
+        NodeLookup,
+        Placement,
+        RecordFrom,
+        Reservations,
+        SandboxMetrics,
+        SnapshotFinder,
+        Writes,
+    )
+    from sbx.gateway.placement import choose_node
+
+    def _gateway_provides_them(
+        gw: Gateway,
+    ) -> tuple[
+        Writes,
+        AuditSink,
+        Leadership,
+        Reservations,
+        NodeLookup,
+        Freshness,
+        LostNodes,
+        SandboxMetrics,
+        RecordFrom,
+    ]:
+        """Never run: mypy holds ``Gateway`` (and its metrics, its ``record_from``) to the interfaces of
+        ``sbx.gateway.interfaces`` it is passed as, here where the parts are built from it."""
+        return gw, gw, gw, gw, gw, gw, gw, gw.metrics, gw.record_from
+
+    def _the_services_provide_them(snapshots: Snapshots) -> tuple[SnapshotFinder, Placement]:
+        """Never run: likewise ``Snapshots`` as the sandbox service's ``SnapshotFinder``, and ``choose_node`` as its
+        ``Placement``."""
+        return snapshots, choose_node
