@@ -6,7 +6,7 @@ look-ups, credentials, audit and sweep."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -258,6 +258,9 @@ class Fresh:
 
     arrives: Callable[[], None] | None = None
     misses: int = 0
+    #: What the next catch-up brings (another replica's write acknowledged before the request), then nothing.
+    next_catch_up: Callable[[], Awaitable[None]] | None = None
+    catch_ups: int = 0
 
     async def fresh(self, lookup: Callable[[], T]) -> T:
         try:
@@ -268,6 +271,13 @@ class Fresh:
                 raise
             self.arrives()
         return lookup()
+
+    async def caught_up(self) -> bool:
+        self.catch_ups += 1
+        arriving, self.next_catch_up = self.next_catch_up, None
+        if arriving is not None:
+            await arriving()
+        return True
 
 
 class NoNodes:
@@ -327,6 +337,20 @@ async def test_a_sandbox_another_replica_just_made_is_found_through_the_look_up(
     ports.fresh.arrives = lambda: ports.store.put_sandbox(sandbox_record())
     assert await through(ports.front, host) == "Unauthorized"  # found now: private, and no credential
     assert ports.fresh.misses == 2
+
+
+async def test_access_is_decided_after_catching_up_with_the_other_replicas(ports: Ports) -> None:
+    """A port made public, or private again, through another replica a moment ago counts for the very next
+    request here: the front catches up before it looks at the flag (docs/ha.md)."""
+    ports.store.put_sandbox(sandbox_record())
+    host = f"{label_for(SANDBOX, 8000)}.{DOMAIN}"
+    ports.fresh.next_catch_up = lambda: ports.db.set_public(SANDBOX, 8000, True, T0)
+    assert await through(ports.front, host) == "Unavailable"  # public: on to its node, silent here
+    ports.fresh.next_catch_up = lambda: ports.db.set_public(SANDBOX, 8000, False, T0)
+    assert await through(ports.front, host) == "Unauthorized"  # private again: refused at once
+    assert ports.fresh.catch_ups == 2
+    passed = await through(ports.front, "gw.test")  # not port traffic: no catch-up here
+    assert getattr(passed, "text", None) == "passed" and ports.fresh.catch_ups == 2
 
 
 @pytest.mark.parametrize(("host", "who", "answer"), [

@@ -59,8 +59,8 @@ from sbx.web.connections import anonymous_connection, mark_authenticated
 from sbx.web.http import Handler, error_response
 
 if TYPE_CHECKING:
-    from sbx.gateway.interfaces import AuditSink, Leadership, NodeLookup
-    from sbx.gateway.ports.interfaces import Fresh, Wakes
+    from sbx.gateway.interfaces import AuditSink, Freshness, Leadership, NodeLookup
+    from sbx.gateway.ports.interfaces import Wakes
     from sbx.gateway.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class PortFront:
 
     def __init__(
         self, store: Store, db: PortStore, domain: str, public: PublicConnections,
-        per_sandbox: int = DEFAULT_MAX_PER_SANDBOX, *, fresh: Fresh, nodes: NodeLookup, wakes: Wakes,
+        per_sandbox: int = DEFAULT_MAX_PER_SANDBOX, *, fresh: Freshness, nodes: NodeLookup, wakes: Wakes,
         audit: AuditSink, leadership: Leadership,
     ) -> None:  # fmt: skip
         self.store = store
@@ -169,6 +169,11 @@ class PortFront:
                            f"{self.domain}, as GET /v1/sandboxes/ID/ports answers it")  # fmt: skip
         sandbox_id, port = parsed
         rec = await self.fresh.fresh(lambda: self._record(sandbox_id))
+        # Who may open it (its public flag, a token, a cookie's token, a key) as of every write acknowledged before
+        # this request, through any replica (docs/ha.md): a port made public or private, or a token made, a moment
+        # ago through another replica counts here at once. Best effort: while the database is out of reach no
+        # write can be acknowledged, so memory is then what any replica would answer from.
+        await self.fresh.caught_up()
         tokens, rest = credentials.split_query(request.rel_url.raw_query_string)
         if tokens:
             return await self._trade(request, rec, port, tokens, rest)
