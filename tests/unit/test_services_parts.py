@@ -18,7 +18,7 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
 from wire_samples import sandbox_body
 
-from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
+from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unauthorized, Unavailable
 from sbx.api.sandboxes import CreateRequest, Sandbox
 from sbx.api.services import ServiceSpec
 from sbx.gateway import keys
@@ -232,7 +232,9 @@ async def test_a_replica_not_reached_is_tried_last_until_the_clock_passes(
 
 
 async def test_the_service_front_is_told_when_an_owner_loses_access(parts: Parts) -> None:
-    front = ServiceFront(parts.store, parts.ctl.registry, parts.ctl, "svc.test", PublicConnections())
+    front = ServiceFront(
+        parts.store, parts.ctl.registry, parts.ctl, "svc.test", PublicConnections(), fresh=Fresh()
+    )
     key = keys.new_key("alice", "", {"sandbox:read"})[0]
     parts.store.add_key(key)
     svc = await parts.ctl.create(Principal.owner("alice", ""), spec(port=8080))
@@ -247,6 +249,30 @@ async def test_the_service_front_is_told_when_an_owner_loses_access(parts: Parts
     assert told == [svc.id, svc.id]  # the test's, then the front's own (which ends its open requests)
     # Only a started controller (the leader's) audits the revocation.
     assert parts.audit.entries == []
+
+
+async def test_the_service_front_catches_up_before_it_looks_at_a_request(parts: Parts) -> None:
+    """A service made through another replica a moment ago is found by the very next request here (docs/ha.md):
+    the front catches up before it looks the service up and decides who may call."""
+    fresh = Fresh()
+    front = ServiceFront(
+        parts.store, parts.ctl.registry, parts.ctl, "svc.test", PublicConnections(), fresh=fresh
+    )
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("service traffic is not the API's")
+
+    async def made_elsewhere() -> None:
+        await parts.ctl.create(Principal.owner("alice", ""), spec(port=8080))
+
+    request = make_mocked_request("GET", "/", headers={"Host": "web.svc.test"})
+    with pytest.raises(NotFound, match="no service 'web' here"):
+        await front.middleware(request, handler)
+    assert fresh.catch_ups == 1
+    fresh.next_catch_up = made_elsewhere
+    with pytest.raises(Unauthorized):  # found now: private, and no key
+        await front.middleware(make_mocked_request("GET", "/", headers={"Host": "web.svc.test"}), handler)
+    assert fresh.catch_ups == 2
 
 
 # -- the ports' traffic front -------------------------------------------------------------------------------

@@ -151,7 +151,9 @@ class Gateway:
             metrics=self.metrics.registry, rollout_timeout_secs=options.rollout_timeout_secs,
         )  # fmt: skip
         public = PublicConnections(options.max_public_connections_per_service, options.max_public_connections)
-        self.service_front = ServiceFront(store, registry, self.services, options.services_domain, public)
+        self.service_front = ServiceFront(
+            store, registry, self.services, options.services_domain, public, fresh=self
+        )
         #: The exposed ports' traffic front, with ``--ports-domain`` (it shares the public caps with services).
         self.ports: PortFront | None = None
         if options.ports_domain:

@@ -63,6 +63,7 @@ from sbx.web.connections import anonymous_connection, mark_authenticated
 from sbx.web.http import Handler, error_response
 
 if TYPE_CHECKING:
+    from sbx.gateway.interfaces import Freshness
     from sbx.gateway.nodes import Registry
     from sbx.gateway.services.controller import ReplicaRuntime, ServiceController
     from sbx.gateway.store.base import Store
@@ -97,7 +98,8 @@ class ServiceFront:
     """The middleware that answers service traffic, and what it keeps (connections, open requests).
 
     Given the store (the keys and memberships a caller is checked against), the node registry (the tunnels to the
-    replicas) and the controller (which replicas are healthy, in what order); never the gateway."""
+    replicas), the controller (which replicas are healthy, in what order) and ``Freshness`` (its catching up with
+    the other replicas); never the gateway."""
 
     def __init__(
         self,
@@ -106,8 +108,12 @@ class ServiceFront:
         controller: ServiceController,
         domain: str | None,
         public: PublicConnections | None = None,
+        *,
+        fresh: Freshness,
     ) -> None:
         self.store = store
+        #: Catching up with the other replicas' writes before a request is looked at (docs/ha.md).
+        self.fresh = fresh
         self.registry = registry
         self.ctl = controller
         #: Connections without a key to public services, and their caps.
@@ -163,6 +169,11 @@ class ServiceFront:
             return await handler(request)
         label, target, prefix = found
         request[ROUTE_LABEL] = ROUTE
+        # The service, its spec (public or not) and the caller's key as of every write acknowledged before this
+        # request, through any replica (docs/ha.md): a service made or made public or private through another
+        # replica a moment ago counts here at once. Best effort: while the database is out of reach no write can
+        # be acknowledged, so memory is then what any replica would answer from.
+        await self.fresh.caught_up()
         svc = self._service(label)
         try:
             who = self._caller(request, svc)
