@@ -16,6 +16,11 @@ Starts sandboxd and measures:
   machine) and free cpus and memory untouched by the sleepers.
 
 Prints p50/p95 with ratios and each target's verdict; exit status 1 when one is missed.
+
+``--lazy MB`` measures only gVisor's lazy restore (issue 30): a persistent sandbox whose daemon holds MB MiB of
+touched memory is suspended, then its checkpoint is restored raw, plain and with ``--background`` (the pages
+loaded after restore returns; the checkpoint is uncompressed, runsc's default), interleaved, each followed by
+``runsc exec true``: p50 of each and their ratio.
 """
 
 from __future__ import annotations
@@ -102,7 +107,9 @@ class SameSandboxRaw:
     then killed again, so that sandboxd finds it suspended as it left it."""
 
     def __init__(self, server: Any, sandbox_id: str, workdir: Path) -> None:
-        runtime = next(json.loads(line) for line in server.log_text().splitlines() if '"gVisor runtime"' in line)
+        runtime = next(
+            json.loads(line) for line in server.log_text().splitlines() if '"gVisor runtime"' in line
+        )
         self.info = inspect_runsc(runtime["runsc_path"])
         self.flags = self.info.start_flags(runtime["platform"], int(runtime.get("dentry_cache") or 0))
         self.root = server.state_dir / "gvisor" / "runsc"
@@ -114,14 +121,16 @@ class SameSandboxRaw:
     def argv(self, *args: str) -> list[str]:
         return [self.info.path, "--root", str(self.root), *args]
 
-    def wake(self) -> float:
+    def wake(self, background: bool = False) -> float:
+        """Seconds to restore (``--background``: lazily) and run ``true``."""
         shutil.rmtree(self.copy, ignore_errors=True)
         shutil.copytree(self.image, self.copy)
         (self.root / f"runsc-{self.id}.sock").unlink(missing_ok=True)
         (self.directory / "ctl" / "wake").touch()  # the restored agent ends its quiesce, as sandboxd has it
         started = time.monotonic()
         subprocess.run(self.argv(*self.flags, "--host-uds=create", "--cpu-num-from-quota", "--network=none",
-                                 "restore", "--image-path", str(self.copy), "--detach", "--bundle",
+                                 "restore", *(["--background"] if background else []), "--image-path",
+                                 str(self.copy), "--detach", "--bundle",
                                  str(self.directory / "bundle"), self.id),
                        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)  # fmt: skip
@@ -131,6 +140,34 @@ class SameSandboxRaw:
             subprocess.run(self.argv(*args), capture_output=True, check=False)
         (self.root / f"runsc-{self.id}.sock").unlink(missing_ok=True)
         return took
+
+
+def lazy_restore(mb: int, samples: int) -> None:
+    config = "[capacity]\nmax_sandboxes = 8\ndisk_mb = 200000\n"
+    with bench_node("sbx-bench-lazy-", config) as (server, workdir):
+        client = KeepAlive(server)
+        body = {"name": "lazy", "persistent": True, "memory_mb": max(512, mb * 3)}
+        ref = str(client.call("POST", "/v1/sandboxes", body)["id"])
+        hold = (f"x = bytearray({mb} << 20); x[::4096] = b'a' * len(x[::4096]); open('/tmp/held', 'w').close(); "
+                "import time; time.sleep(1e9)")  # fmt: skip
+        client.call("POST", f"/v1/sandboxes/{ref}/run",
+                    {"argv": ["sh", "-c", 'nohup python3 -c "$1" >/dev/null 2>&1 &', "sh", hold]})  # fmt: skip
+        while client.call("POST", f"/v1/sandboxes/{ref}/run", {"argv": ["test", "-e", "/tmp/held"]})[
+            "exit_code"
+        ]:
+            time.sleep(0.1)
+        same = SameSandboxRaw(server, ref, workdir)
+        client.call("POST", f"/v1/sandboxes/{ref}/suspend")
+        image_mib = allocated(same.image) / 2**20
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(samples):
+            for background in (False, True):
+                times[background].append(same.wake(background))
+        client.call("DELETE", f"/v1/sandboxes/{ref}")
+        client.close()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}; checkpoint {image_mib:.0f} MiB")
+    print(summary("raw restore + exec", times[False]))
+    print(summary("raw restore --background + exec", times[True], times[False]))
 
 
 def listed_state(client: KeepAlive, ref: str) -> str:
@@ -168,10 +205,16 @@ def wakes_among(client: KeepAlive, refs: list[str], samples: int) -> list[float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=15, help="samples of each measurement (default 15)")
     parser.add_argument("--sleepers", type=int, default=1000, help="suspended sandboxes held at once (1000)")
+    parser.add_argument("--lazy", type=int, metavar="MB", help="only lazy restore, of a guest holding MB MiB")
     args = parser.parse_args()
+    if args.lazy is not None:
+        lazy_restore(args.lazy, args.samples)
+        return
     config = f"[capacity]\nmax_sandboxes = 8\ndisk_mb = {max(200_000, (args.sleepers + 20) * 2048)}\n"
     results: dict[str, Any] = {}
     with bench_node("sbx-bench-persist-", config) as (server, workdir):
