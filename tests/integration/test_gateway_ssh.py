@@ -798,6 +798,9 @@ def test_admin_ssh_keys(world: World) -> None:
 
 
 def test_audit_and_metrics(world: World) -> None:
+    """The audit and metrics of this module's logins and sessions so far: it reads what the tests above did in
+    the module's one world (a token login, an expired token, shell, sftp and forward sessions), so it runs after
+    them, as scripts/test.sh runs a file (``--dist loadfile --no-loadscope-reorder``: in order, on one worker)."""
     assert world.ssh.ssh("box", "true", identity=world.ids["alice"]).returncode == 0
     world.ssh.ssh("box", "true", identity=world.ids["stranger"])  # refused: unknown key
     entries = world.audit()
