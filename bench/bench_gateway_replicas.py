@@ -17,6 +17,8 @@ replicas, started as tests/integration/test_gateway_haproxy.py does):
 - ``--lone-rounds R``: R rounds of one client's GETs (``--lone-secs`` each) on every set-up in turn, so the
   machine's drift hits them alike: the median CPU per GET of each against the SQLite gateway's (a read that comes
   alone pays its whole catch-up: docs/ha.md);
+- ``--compare-src DIR``: one and two more replica set-ups whose gateways run another tree's code (``DIR``, its
+  ``src``), measured in turn with the rest: a change's cost in one run;
 - with several replicas: the takeover time after a SIGKILL of the leader (until another replica logs that it
   leads; the sandbox_gateway_leader gauge turns 1 at the same moment).
 
@@ -74,16 +76,19 @@ class SetUp:
         return sum(cpu_secs(gw.proc.pid) for gw in self.gws if gw.proc is not None and gw.proc.poll() is None)
 
 
-def start(name: str, workdir: Path, node: Sandboxd, cluster: PgCluster | None, replicas: int) -> SetUp:
+def start(
+    name: str, workdir: Path, node: Sandboxd, cluster: PgCluster | None, replicas: int, src: str | None = None
+) -> SetUp:
+    """``src``: the gateways run the code of that ``src`` directory (another tree's) instead of this one's."""
     database = cluster.create_database() if cluster is not None else None
+    env = {**(cluster.env() if cluster is not None else {}), **({"PYTHONPATH": src} if src else {})}
     gws = []
     for i in range(replicas):
         d = workdir / f"{name}-{i}"
         d.mkdir()
         # SQLite audits to a file; replicas on PostgreSQL to the database's shared table (they refuse a file).
         audit = ["--audit-log", str(d / "audit.jsonl")] if database is None else []
-        gws.append(GatewayProcess(d, [("n1", node)], audit, database=database,
-                                  database_env=cluster.env() if cluster is not None else None))  # fmt: skip
+        gws.append(GatewayProcess(d, [("n1", node)], audit, database=database, database_env=env))
     key = gws[0].create_key("bench", *SCOPES)
     for gw in gws:
         gw.start()
@@ -249,6 +254,11 @@ async def main() -> None:
         help="then this many rounds of one client's GETs on each set-up in turn (0: none)",
     )
     parser.add_argument("--lone-secs", type=float, default=3, help="each of those rounds' length")
+    parser.add_argument(
+        "--compare-src",
+        metavar="DIR",
+        help="also one and two replicas running the code of DIR (another tree's src), in turn",
+    )
     args = parser.parse_args()
     if problem := missing_requirements():
         sys.exit(f"cannot benchmark: {problem}")
@@ -263,6 +273,11 @@ async def main() -> None:
         for name, pg, replicas in (("sqlite", False, 1), ("pg-1", True, 1), ("pg-2-haproxy", True, 2),
                                    ("pg-3-haproxy", True, 3)):  # fmt: skip
             setups.append(start(name, workdir, node, cluster if pg else None, replicas))
+        if args.compare_src:
+            for name, replicas in (("pg-1 other", 1), ("pg-2 other", 2)):
+                setups.append(
+                    start(name.replace(" ", "-"), workdir, node, cluster, replicas, args.compare_src)
+                )
         one_at_a_time(setups, args.creates, args.gets)
         for s in setups:
             s.rows["idle"] = await idle_cpu(s, 5)

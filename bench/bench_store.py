@@ -16,8 +16,9 @@ included).
 
 ``--catch-ups N``: what a read's catch-up costs on a PostgreSQL replica (docs/ha.md, read-your-writes), N of them
 one at a time inside an event loop, the two ways in turn: the blocking ``caught_up`` behind ``asyncio.to_thread``
-(how the gateway asked before 2026-12-02) and ``caught_up_on_loop`` (its query asked on the loop through libpq's
-non-blocking calls, how it asks now): p50/p95 and the process's CPU per catch-up.
+(how the gateway asked before 2026-12-02), ``caught_up_on_loop`` (its query asked on the loop through libpq's
+non-blocking calls) and that through ``CatchUp`` (how the gateway asks now, one caller at a time: what a read that
+comes alone pays): p50/p95 and the process's CPU per catch-up.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pg_cluster import PgCluster
 
 from sbx.gateway import keys
 from sbx.gateway.audit import GatewayAudit, StoreAudit
+from sbx.gateway.catchup import CatchUp
 from sbx.gateway.state import SandboxRecord
 from sbx.gateway.store import Store, StoreLocation, open_store
 
@@ -114,7 +116,10 @@ async def bench_catch_up(count: int, pg: Store) -> None:
     async def thread() -> bool:
         return await asyncio.to_thread(pg.caught_up, 2)
 
-    ways: dict[str, Callable[[], Any]] = {"thread": thread, "on the loop": lambda: pg.caught_up_on_loop(2)}
+    shared = CatchUp(lambda: pg.caught_up_on_loop(2), 2)  # as the gateway asks it: the calls shared
+    ways: dict[str, Callable[[], Any]] = {
+        "thread": thread, "on the loop": lambda: pg.caught_up_on_loop(2), "CatchUp": shared,
+    }  # fmt: skip
     times: dict[str, list[float]] = {label: [] for label in ways}
     cpu_used = dict.fromkeys(ways, 0.0)
     for _ in range(count):  # in turn
