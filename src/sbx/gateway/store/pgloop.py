@@ -24,10 +24,9 @@ from psycopg import pq
 
 class LoopQuery:
     """``await query()``: the first column of the first row ``sql`` returns, as text (None without a row or for
-    NULL), asked on a
-    connection of its own made by ``connect`` (blocking; run on a thread) when first needed or after a failure.
-    Calls take turns (one connection, one query at a time). A ``psycopg.Error`` or ``OSError`` is raised as
-    it is, and the connection is made anew at the next call."""
+    NULL), asked on a connection of its own made by ``connect`` (blocking; run on a thread) when first needed or
+    after a failure. Calls take turns (one connection, one query at a time). A ``psycopg.Error`` or ``OSError``
+    is raised as it is, and the connection is made anew at the next call."""
 
     def __init__(self, connect: Callable[[], psycopg.Connection[Any]], sql: str, name: bytes) -> None:
         self._connect = connect
