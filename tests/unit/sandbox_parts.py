@@ -7,12 +7,13 @@ service finds a fork's snapshot through them)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+import stand_ins
+from stand_ins import Writes
 from wire_samples import capabilities_body, sandbox
 
 from sbx.api.codec import convert_answer
@@ -110,28 +111,8 @@ def client_of(node: Node) -> NodeClientStandIn:
     return client
 
 
-class Writes:
-    """Store writes at once, on the loop (deterministic; the gateway's go to a thread)."""
-
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(*args)
-
-
-@dataclass
-class Locks:
-    """Reservations that record what was held, and whether one is held now."""
-
-    held: list[tuple[tuple[str, str], ...]] = field(default_factory=list)
-    holding: list[tuple[str, str]] = field(default_factory=list)
-
-    @contextlib.asynccontextmanager
-    async def reservation(self, *names: tuple[str, str]) -> AsyncIterator[None]:
-        self.held.append(names)
-        self.holding += names
-        try:
-            yield
-        finally:
-            del self.holding[len(self.holding) - len(names) :]
+class Locks(stand_ins.Locks):
+    """``stand_ins.Locks`` naming a name's lock as the gateway does (``("name", "kind/scope...")``)."""
 
     def name_lock(self, kind: str, *scope: str) -> tuple[str, str]:
         return ("name", "/".join((kind, *scope)))

@@ -6,10 +6,9 @@ with a mocked request)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
 from msgspec import UNSET
+from stand_ins import Audit, Locks, Writes
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unsupported
 from sbx.api.sandboxes import PatchRequest
@@ -38,38 +38,6 @@ pytestmark = pytest.mark.timeout(60)
 T0 = "2030-01-01T00:00:00Z"
 KEY = bytes(range(32))
 SRC = Path(__file__).resolve().parents[2] / "src" / "sbx" / "gateway"
-
-
-@dataclass
-class Writes:
-    """Store writes run at once, each recorded by the name of the store call."""
-
-    calls: list[str] = field(default_factory=list)
-
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self.calls.append(fn.__name__)
-        return fn(*args)
-
-
-@dataclass
-class Locks:
-    held: list[tuple[tuple[str, str], ...]] = field(default_factory=list)
-
-    @contextlib.asynccontextmanager
-    async def reservation(self, *names: tuple[str, str]) -> AsyncIterator[None]:
-        self.held.append(names)
-        yield
-
-    def name_lock(self, kind: str, *scope: str) -> tuple[str, str]:
-        return (kind, "/".join(scope))
-
-
-@dataclass
-class Audit:
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-    def record_audit(self, **fields: Any) -> None:
-        self.entries.append(fields)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from hook_receiver import Writer, receiver
 from prometheus_client import CollectorRegistry
+from stand_ins import Audit, Leader
 
 from sbx.api.errors import InvalidRequest, Unsupported
 from sbx.api.jobs import JobSpec
@@ -100,26 +101,13 @@ class SandboxesStandIn:
 
 
 @dataclass
-class Leading:
-    leading: bool = True
-
-
-@dataclass
-class AuditList:
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-    def record_audit(self, **fields: Any) -> None:
-        self.entries.append(fields)
-
-
-@dataclass
 class Parts:
     controller: JobController
     store: Store
     node: NodeStandIn
     sandboxes: SandboxesStandIn
-    leadership: Leading
-    audit: AuditList
+    leadership: Leader
+    audit: Audit
 
 
 @contextlib.asynccontextmanager
@@ -133,7 +121,7 @@ async def parts(
     node = node or NodeStandIn()
     registry = Registry()
     registry.add(Node(NodeDef("n1", "http://127.0.0.1:1"), node, healthy=True))  # type: ignore[arg-type]
-    sandboxes, leadership, audit = SandboxesStandIn(), Leading(leading), AuditList()
+    sandboxes, leadership, audit = SandboxesStandIn(), Leader(leading), Audit()
     options = JobOptions(tmp_path / "jobs", notify=notify or NotifyPolicy())
     controller = JobController(
         options, store=store, writes=Writer(), registry=registry, sandboxes=sandboxes,

@@ -5,7 +5,6 @@ look-ups, credentials, audit and sweep."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
+from stand_ins import Audit, Clock, Leader, Locks, Writes
 from wire_samples import sandbox_body
 
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unauthorized, Unavailable
@@ -41,47 +41,6 @@ T = TypeVar("T")
 T0 = "2026-01-01T00:00:00Z"
 SANDBOX = "sbx_0123456789abcdef"
 DOMAIN = "ports.test"
-
-
-class Writes:
-    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(*args)
-
-
-@dataclass
-class Locks:
-    """Reservations that record what was held."""
-
-    held: list[tuple[tuple[str, str], ...]] = field(default_factory=list)
-
-    @contextlib.asynccontextmanager
-    async def reservation(self, *names: tuple[str, str]) -> AsyncIterator[None]:
-        self.held.append(names)
-        yield
-
-    def name_lock(self, kind: str, *scope: str) -> tuple[str, str]:
-        return (kind, "/".join(scope))
-
-
-@dataclass
-class Leader:
-    leading: bool = True
-
-
-@dataclass
-class Audit:
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-    def record_audit(self, **fields: Any) -> None:
-        self.entries.append(fields)
-
-
-@dataclass
-class Clock:
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

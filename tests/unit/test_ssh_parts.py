@@ -16,6 +16,7 @@ from typing import Any
 import asyncssh
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from stand_ins import Audit, Clock
 
 from sbx.api.errors import NotFound, Unavailable
 from sbx.gateway import keys
@@ -91,17 +92,6 @@ class Nodes:
         return self.node
 
 
-@dataclass
-class Audit:
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-    def record_audit(self, **fields: Any) -> None:
-        self.entries.append(fields)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["type"] == kind]
-
-
 class Metrics:
     """``SshMetrics`` on a registry of its own."""
 
@@ -115,14 +105,6 @@ class Metrics:
 
     def value(self, name: str, label: str, value: str) -> float:
         return self.registry.get_sample_value(f"{name}_total", {label: value}) or 0.0
-
-
-@dataclass
-class Clock:
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
