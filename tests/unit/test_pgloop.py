@@ -5,6 +5,7 @@ is cancelled or times out leaving its connection closed so the next call gets a 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,3 +90,27 @@ async def test_a_query_cut_short_closes_its_connection(connect: Any, ending: str
     assert len(connect.made) == 2
     query.close()
     assert connect.made[1].closed
+
+
+async def test_one_connection_attempt_at_a_time_however_many_calls_give_up(connect: Any) -> None:
+    """While the database does not answer a connection, each call times out; they share the one attempt
+    instead of each starting another on a thread, and the next call after it connects uses it."""
+    answering = threading.Event()
+    attempts: list[int] = []
+
+    def slow_connect() -> psycopg.Connection[Any]:
+        attempts.append(1)
+        assert answering.wait(10)
+        return connect()
+
+    query = LoopQuery(slow_connect, "SELECT 6 * 7", b"q")
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await query()
+    assert attempts == [1]
+    answering.set()
+    assert await query() == "42"
+    assert attempts == [1] and len(connect.made) == 1
+    query.close()
+    assert connect.made[0].closed

@@ -33,15 +33,16 @@ class LoopQuery:
         self._sql = sql.encode()
         self._name = name
         self._conn: psycopg.Connection[Any] | None = None
+        #: The connection being made on a thread, while it is: a call cut short meanwhile leaves it to the next
+        #: (one connection attempt at a time, however many calls time out while the database does not answer).
+        self._connecting: asyncio.Future[psycopg.Connection[Any]] | None = None
         self._turn: asyncio.Lock | None = None
 
     async def __call__(self) -> Any:
         if self._turn is None:
             self._turn = asyncio.Lock()
         async with self._turn:
-            conn = self._conn
-            if conn is None or conn.closed:
-                conn = self._conn = await asyncio.to_thread(self._prepared)
+            conn = await self._connection()
             clean = False
             try:
                 value = await _ask(conn.pgconn, self._name)
@@ -51,9 +52,33 @@ class LoopQuery:
                 if not clean:
                     self.close()
 
+    async def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(asyncio.to_thread(self._prepared))
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)  # a caller cut short leaves the attempt running
+        finally:
+            if connecting.done():  # made or failed: taken now (a failure is tried anew at the next call)
+                self._connecting = None
+                if not connecting.cancelled() and connecting.exception() is None:
+                    self._conn = connecting.result()
+
     def close(self) -> None:
-        """Close the connection (the next call makes another)."""
+        """Close the connection, and one made meanwhile for a call cut short (the next call makes another)."""
         conn, self._conn = self._conn, None
+        connecting, self._connecting = self._connecting, None
+        # Made after its caller gave up, and not taken since (one taken is ``_conn``, and no longer here).
+        if (
+            connecting is not None
+            and connecting.done()
+            and not connecting.cancelled()
+            and not connecting.exception()
+        ):
+            connecting.result().close()
         if conn is not None:
             conn.close()
 
