@@ -63,13 +63,14 @@ class Variant:
     flags: list[str]
     root: str = "image"  # image | small | erofs
     annotations: dict[str, str] = field(default_factory=dict)
+    mounts: list[dict[str, object]] = field(default_factory=list)
     cpuset: str | None = None
     #: After ``runsc create``, widen the sandbox's cpuset to every CPU again: the guest keeps the CPU count
     #: runsc read at creation, its threads may run anywhere.
     widen: bool = False
 
 
-def variants(erofs_image: Path | None) -> dict[str, Variant]:
+def variants(erofs_image: Path | None, usr_image: Path | None = None) -> dict[str, Variant]:
     overlay = ["--overlay2=none"] if "overlay2" in inspect_runsc(RUNSC).flags else []
     found = {
         "systrap": Variant(["--platform=systrap", *overlay]),
@@ -84,6 +85,9 @@ def variants(erofs_image: Path | None) -> dict[str, Variant]:
         found["erofs"] = Variant(["--platform=systrap"], root="erofs", annotations={
             "dev.gvisor.spec.rootfs.source": str(erofs_image), "dev.gvisor.spec.rootfs.type": "erofs",
             "dev.gvisor.spec.rootfs.overlay": "memory"})  # fmt: skip
+    if usr_image is not None:
+        found["erofs-usr"] = Variant(["--platform=systrap", *overlay], mounts=[
+            {"destination": "/usr", "type": "erofs", "source": str(usr_image), "options": ["ro"]}])  # fmt: skip
     return found
 
 
@@ -133,7 +137,7 @@ class Runner:
                             "capabilities": {k: ["CAP_DAC_OVERRIDE"] for k in ("bounding", "effective", "permitted")}},
                 "root": {"path": str(d / "rootfs"), "readonly": False},
                 "hostname": "bench", "annotations": variant.annotations,
-                "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+                "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}, *variant.mounts],
                 "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                           "cgroupsPath": f"/sbx-bench-options/v{self.counter}", "resources": resources},
             }  # fmt: skip
@@ -193,7 +197,9 @@ def main() -> None:
             erofs = work / "root.erofs"
             # Data not inlined in inodes: the sentry's EROFS reader of this release needs that (measured).
             sh("mkfs.erofs", "--quiet", "-E", "noinline_data", str(erofs), str(image_root))
-        chosen = variants(erofs)
+            usr = work / "usr.erofs"
+            sh("mkfs.erofs", "--quiet", "-E", "noinline_data", str(usr), str(image_root / "usr"))
+        chosen = variants(erofs, usr if erofs else None)
         if args.small_root is None:
             chosen.pop("small-root")
         if args.variants:

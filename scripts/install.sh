@@ -47,6 +47,7 @@ BACKPORTS_SOURCES=/etc/apt/sources.list.d/sbx-bookworm-backports.sources
 APT_PACKAGES=(
     mmdebstrap debian-archive-keyring  # builds the default image
     e2fsprogs               # mkfs.ext4, e2fsck, resize2fs: writable layers, volumes, snapshot copies
+    erofs-utils             # mkfs.erofs: each image's /usr as an EROFS image gVisor reads itself
     util-linux mount        # umount, fsfreeze (disk snapshots), setsid, flock
     iproute2                # ip, for sandbox networking
     nftables                # nft: sandbox egress rules (docs/network.md)
@@ -338,6 +339,9 @@ step "default image in $IMAGES_DIR"
 "$VENV/bin/python" -m sbx.images.default_image --images-dir "$IMAGES_DIR" ||
     die "building the default image failed" "see the messages above; rebuild later with:" \
         "$VENV/bin/python -m sbx.images.default_image --images-dir $IMAGES_DIR --force"
+# Its /usr as an EROFS image (once; backends/usr_erofs.py): sandboxd would build it at the first boot otherwise.
+"$VENV/bin/python" -m sbx.backends.usr_erofs "$IMAGES_DIR"/default-*/rootfs ||
+    die "building the default image's EROFS /usr failed" "see the messages above"
 
 # --- 5. kernel limits for many sandboxes ---------------------------------------------------------------------
 # Every host thread takes a pid, and an idle gVisor sandbox holds 21-28 of them (its sentry, gofer and systrap

@@ -83,6 +83,14 @@ def test_refused_writes_change_nothing(sandboxd: Sandboxd, sandbox: dict[str, An
     resp = sandboxd.request("DELETE", files(ref, "/etc/passwd"))
     assert resp.status == 403
     assert sandboxd.run(ref, ["test", "-f", "/etc/passwd"])["exit_code"] == 0
+    # /usr is the image's EROFS (read-only) where nothing in it was the user's to write: refused as before.
+    before = sandboxd.run(ref, ["sha256sum", "/usr/bin/env"])["stdout"]
+    for method, path in (("PUT", "/usr/bin/env"), ("PUT", "/usr/new"), ("DELETE", "/usr/bin/env")):
+        resp = sandboxd.request(method, files(ref, path), body=b"x" if method == "PUT" else None)
+        assert (resp.status, resp.error[0]) == (403, "refused"), (method, path, resp.body)
+        assert f"permission denied: {path}" in resp.error[1]
+    assert sandboxd.run(ref, ["sha256sum", "/usr/bin/env"])["stdout"] == before
+    assert sandboxd.run(ref, ["test", "-e", "/usr/new"])["exit_code"] == 1
 
 
 def test_file_put_over_64_mib_is_413_and_writes_nothing(sandboxd: Sandboxd, sandbox: dict[str, Any]) -> None:

@@ -266,10 +266,11 @@ def test_setuid_binaries_do_not_make_the_sandbox_user_root(node: Sandboxd) -> No
         box,
         "sh",
         "-c",
-        "cp /usr/bin/id /usr/local/bin/id-setuid && chmod 4755 /usr/local/bin/id-setuid",
+        # Not in /usr, which is read-only even for root (the image's EROFS, docs/backends.md).
+        "cp /usr/bin/id /opt/id-setuid && chmod 4755 /opt/id-setuid",
     )
-    assert "uid=0(root)" in as_guest_root(node, box, "/usr/local/bin/id-setuid")
-    result = node.run(box, ["/usr/local/bin/id-setuid"])
+    assert "uid=0(root)" in as_guest_root(node, box, "/opt/id-setuid")
+    result = node.run(box, ["/opt/id-setuid"])
     assert result["exit_code"] == 0 and result["stdout"].startswith(b"uid=1000(sandbox)"), result
     assert b"euid=0" not in result["stdout"], result  # no_new_privs: the setuid bit is ignored
     for program in ("su", "mount", "passwd"):  # what the image ships setuid still runs, unprivileged

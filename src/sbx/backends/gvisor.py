@@ -60,6 +60,7 @@ from sbx.backends.runsc import (
     inspect_runsc,
     release_root,
 )
+from sbx.backends.usr_erofs import GUEST_USR, ErofsFile, UsrImages, identity
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
 
@@ -73,6 +74,9 @@ AGENT_SOCKET_NAME = "agent.sock"
 WAKE_FILE_NAME = "wake"
 #: The file ``runsc checkpoint`` writes last into its image directory: a checkpoint is whole once it is there.
 CHECKPOINT_FILE = "checkpoint.img"
+#: Beside a bundle and in each checkpoint taken of it: the EROFS /usr it mounts (usr_erofs.py), JSON
+#: ``{"path": ..., "identity": ...}``; absent: the host's /usr. A memory restore must mount the same file.
+USR_RECORD = "usr-erofs.json"
 #: The sandbox user every image has (sbx.images.store makes its home), as the spec's ``/sandbox/home`` says.
 GUEST = GuestUser(uid=SANDBOX_UID, gid=SANDBOX_GID, name="sandbox", home=DEFAULT_CWD)
 
@@ -95,9 +99,15 @@ def tmpfs_size_option(spec: BootSpec) -> str:
 
 
 def oci_spec(
-    spec: BootSpec, rootfs: Path, agent_path: Path, ctl_dir: Path, agent_args: tuple[str, ...] = ()
+    spec: BootSpec,
+    rootfs: Path,
+    agent_path: Path,
+    ctl_dir: Path,
+    agent_args: tuple[str, ...] = (),
+    usr_image: Path | None = None,
 ) -> dict[str, Any]:
-    """The OCI runtime spec for one sandbox: the agent as init (with ``agent_args``), limits in the cgroup."""
+    """The OCI runtime spec for one sandbox: the agent as init (with ``agent_args``), limits in the cgroup;
+    with ``usr_image``, /usr read-only from that EROFS image of the image's own (usr_erofs.py)."""
     return {
         "ociVersion": "1.0.0",
         "process": {
@@ -119,6 +129,11 @@ def oci_spec(
         "hostname": spec.hostname,
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
+            *(
+                ({"destination": GUEST_USR, "type": "erofs", "source": str(usr_image), "options": ["ro"]},)
+                if usr_image is not None
+                else ()
+            ),
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             # runsc mounts /sys and /dev/pts by itself; naming them again costs ~15 ms a boot. Its own /tmp
             # would be a tmpfs without a size (a full one gets the sandbox killed at its memory limit).
@@ -169,6 +184,38 @@ def oci_spec(
     }
 
 
+def _write_usr_record(bundle: Path, usr: ErofsFile | None) -> None:
+    """Record in ``bundle`` which EROFS /usr its config mounts (none: no record), for its checkpoints."""
+    record = bundle / USR_RECORD
+    if usr is None:
+        record.unlink(missing_ok=True)
+    else:
+        record.write_text(json.dumps({"path": str(usr.path), "identity": usr.identity}), encoding="utf-8")
+
+
+def _checkpointed_usr(image_dir: Path) -> ErofsFile | None:
+    """The EROFS /usr the sandbox checkpointed in ``image_dir`` mounted (None: the host's), which its restore
+    must mount again; BackendError when that file is gone or was replaced (the image removed or installed
+    again since): its kernel holds files of the old one open."""
+    try:
+        raw = json.loads((image_dir / USR_RECORD).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"the snapshot's record of its /usr cannot be read: {exc}") from exc
+    path = Path(raw["path"])
+    try:
+        same = identity(path) == raw["identity"]
+    except OSError:
+        same = False
+    if not same:
+        raise BackendError(
+            "the snapshot's image was removed or installed again since it was taken, so its memory cannot be "
+            "restored; fork a disk snapshot of it instead, or delete it"
+        )
+    return ErofsFile(path, raw["identity"])
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
@@ -194,8 +241,10 @@ class GVisorBackend:
         pooled_disk_mb: int = 0,
         egress: EgressConfig | None = None,
         dentry_cache: int = 0,
+        usr_erofs: bool = True,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
+        ``usr_erofs``: serve each image's /usr from an EROFS image of it once built (usr_erofs.py).
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
         none only. ``platform``: ``auto`` (systrap where a probe boots on it, else ptrace) or a platform
         name (runsc.py)."""
@@ -213,6 +262,8 @@ class GVisorBackend:
         #: The installed runsc, read by :meth:`check`.
         self.runsc_info: RunscInfo | None = None
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
+        #: The EROFS images of the images' /usr trees, built in the background.
+        self.usr_images = UsrImages(usr_erofs)
         #: Volumes are ext4 images loop-mounted on the host and bound into sandboxes (runsc's gofer serves them).
         self.volumes: VolumeDisks = LoopVolumes(GUEST)
         #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
@@ -239,6 +290,7 @@ class GVisorBackend:
             await self.net.start()
 
     async def close(self) -> None:
+        await self.usr_images.close()
         if self.layer_pool is not None:
             await self.layer_pool.close()
         if self.net is not None:
@@ -392,7 +444,15 @@ class GVisorBackend:
             bundle.mkdir()
             await make_layer(layer)
             spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
-            config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
+            usr = (
+                self.usr_images.ready(spec.image_root)
+                if memory_image is None
+                else _checkpointed_usr(memory_image)
+            )
+            config = oci_spec(
+                spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
+            )
+            _write_usr_record(bundle, usr)
             if self.net is not None and spec.network.mode != "none":
                 await self.net.create(spec.sandbox_id, spec.network)
                 self.net.configure_spec(spec.sandbox_id, config)
@@ -441,7 +501,11 @@ class GVisorBackend:
             try:
                 await layer.ensure_mounted(spec.image_root)
                 spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
-                config = oci_spec(spec, layer.rootfs, self.agent_path, ctl_dir, agent_args=("--no-xattr",))
+                usr = self.usr_images.ready(spec.image_root)  # a fresh boot: whatever is ready now
+                config = oci_spec(
+                    spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
+                )
+                _write_usr_record(bundle, usr)
                 if self.net is not None and spec.network.mode != "none":
                     await self.net.ensure(sandbox_id, spec.network)  # a reboot took it: made again
                     self.net.configure_spec(sandbox_id, config)
@@ -531,6 +595,9 @@ class GVisorBackend:
                 raise BackendError("the sandbox is being deleted")
             image_dir.mkdir(parents=True, exist_ok=True)
             try:
+                record = self._dir(sandbox_id) / "bundle" / USR_RECORD
+                if record.is_file():  # a fork restored from this checkpoint must mount the same /usr
+                    shutil.copyfile(record, image_dir / USR_RECORD)
                 await run_tool(
                     *self._runsc_for(sandbox_id, "checkpoint", "--image-path", str(image_dir), sandbox_id)
                 )
@@ -584,6 +651,7 @@ class GVisorBackend:
             if self._has_runsc_state(sandbox_id):  # the checkpoint's cleanup did not happen (a crash)
                 await run_tool(*self._runsc_for(sandbox_id, "delete", "--force", sandbox_id))
             self._control_socket(sandbox_id).unlink(missing_ok=True)
+            _checkpointed_usr(image_dir)  # the /usr its bundle mounts is still the file it checkpointed with
             # After a host reboot the mounts and the network namespace are gone: made again first.
             await WritableLayer(directory / "layer").ensure_mounted()
             if self.net is not None:

@@ -5,6 +5,8 @@ Layout under ``images_dir`` (``/var/lib/sandboxd/images`` by default, mode 0700)
     <slug>-<hash>/              one installed image; the name comes from the reference (see image_dir_name)
         image.json              reference, digest, bytes, installed_at, config, annotations, layers
         rootfs/                 the image root, shared read-only by every sandbox started from it
+        usr.erofs, usr.erofs.lock  the gVisor backend's EROFS image of rootfs/usr, once built (not counted in
+                                ``bytes``; sbx.backends.usr_erofs), removed with the image
     .tmp-<slug>-<hash>-<rand>/  an install in progress (or left by a killed one): never listed
     .trash-<slug>-<hash>-<rand>/ an image being removed or replaced: never listed
     .locks/<slug>-<hash>.lock   flock held while an image is installed or removed

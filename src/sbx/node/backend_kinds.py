@@ -29,6 +29,7 @@ def _gvisor(config: NodeConfig, state_dir: Path) -> Backend:
         platform=config.gvisor.platform,
         runsc=str(config.paths.runsc),
         dentry_cache=config.gvisor.dentry_cache,
+        usr_erofs=config.gvisor.usr_erofs,
         pooled_disk_mb=config.defaults.disk_mb,
         egress=config.egress,
     )

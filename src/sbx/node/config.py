@@ -195,10 +195,12 @@ class GVisorConfig:
     """``[gvisor]``: ``platform`` sandboxes run on, ``auto`` (systrap where it works here, else ptrace; see
     docs/backends.md) or a platform name used as told. ``dentry_cache``: unused file-system entries each
     sandbox's sentry keeps cached (runsc ``--dcache``); 0 means sized from the open-file limit sandboxd runs
-    with (sbx.backends.runsc.dentry_cache_size)."""
+    with (sbx.backends.runsc.dentry_cache_size). ``usr_erofs``: serve each image's /usr, when nothing in it is
+    writable by a user, from an EROFS image of it the sentry reads itself (sbx.backends.usr_erofs)."""
 
     platform: str = "auto"
     dentry_cache: int = 0
+    usr_erofs: bool = True
 
 
 @dataclass(frozen=True)
@@ -393,7 +395,11 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
     return NodeConfig(
         limits=limits, defaults=defaults, network=network, egress=egress, capacity=capacity, server=server,
         paths=paths, audit=audit, images=images, pools=pools, parking=parking, backend=BackendConfig(kind),
-        gvisor=GVisorConfig(platform=platform, dentry_cache=dentry_cache), source=source,
+        gvisor=GVisorConfig(
+            platform=platform, dentry_cache=dentry_cache,
+            usr_erofs=_bool(gvi, "gvisor.usr_erofs", GVisorConfig.usr_erofs),
+        ),
+        source=source,
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import AsyncIterator
+from typing import Final
 
 from aiohttp import web
 
@@ -15,13 +16,22 @@ from sbx.node.context import NodeContext
 from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
+#: Image trees a backend may serve read-only because nothing in them is the sandbox user's to write (gVisor's
+#: EROFS /usr, sbx.backends.usr_erofs): a write there is refused as it was when the tree was writable by root
+#: only, with 403 (volumes are never mounted there, so a volume's 409 read-only is not hidden).
+READ_ONLY_IMAGE_TREES: Final = ("/usr",)
+
+
+def _in_image_tree(path: str) -> bool:
+    return any(path == top or path.startswith(top + "/") for top in READ_ONLY_IMAGE_TREES)
+
 
 def file_error(exc: AgentFileError, path: str, uid: int) -> SandboxError:
     """The API error for a failed file operation in the guest, made as user ``uid``."""
     code = exc.errno
     if code == errno.ENOENT:
         return NotFound(f"no such file or directory: {path}")
-    if code in (errno.EACCES, errno.EPERM):
+    if code in (errno.EACCES, errno.EPERM) or (code == errno.EROFS and _in_image_tree(path)):
         return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {uid})")
     if code == errno.EROFS:
         return Conflict("read-only file system")
