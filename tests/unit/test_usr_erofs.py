@@ -12,6 +12,7 @@ import pytest
 from sbx.api.network_policy import NetworkPolicy
 from sbx.backends.base import BackendError, BootSpec
 from sbx.backends.gvisor import USR_RECORD, _checkpointed_usr, _write_usr_record, oci_spec
+from sbx.backends.runsc import RunscInfo
 from sbx.backends.usr_erofs import USR_EROFS, ErofsFile, UsrImages, identity, writable_entry
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the trees are made with root's ownership")
@@ -156,3 +157,15 @@ def test_the_spec_mounts_it_read_only_after_proc(tmp_path: Path) -> None:
         {"destination": "/usr", "type": "erofs", "source": str(tmp_path / USR_EROFS), "options": ["ro"]},
     ]
     assert served["mounts"][2:] == plain["mounts"][1:]
+
+
+@pytest.mark.parametrize(
+    ("release", "used"),
+    [(20240729, False), (20260802, False), (20260803, True), (20261001, True), (0, False)],
+    ids=["debian-20240729", "just-before", "the-pinned-release", "later", "no-release-in-its-version"],
+)
+def test_only_runsc_releases_it_was_tested_on_mount_it(release: int, used: bool) -> None:
+    info = RunscInfo(
+        path="runsc", version=f"release-{release}.0", release=release, flags=frozenset(), platforms=()
+    )
+    assert info.erofs_mounts is used

@@ -445,9 +445,7 @@ class GVisorBackend:
             await make_layer(layer)
             spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
             usr = (
-                self.usr_images.ready(spec.image_root)
-                if memory_image is None
-                else _checkpointed_usr(memory_image)
+                self._fresh_usr(spec.image_root) if memory_image is None else _checkpointed_usr(memory_image)
             )
             config = oci_spec(
                 spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
@@ -501,7 +499,7 @@ class GVisorBackend:
             try:
                 await layer.ensure_mounted(spec.image_root)
                 spec = dataclasses.replace(spec, volumes=self._read_only_binds(spec))
-                usr = self.usr_images.ready(spec.image_root)  # a fresh boot: whatever is ready now
+                usr = self._fresh_usr(spec.image_root)  # a fresh boot: whatever is ready now
                 config = oci_spec(
                     spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
                 )
@@ -517,6 +515,11 @@ class GVisorBackend:
             except BaseException:
                 await asyncio.shield(self._stop_locked(sandbox_id))
                 raise
+
+    def _fresh_usr(self, image_root: Path) -> ErofsFile | None:
+        """The EROFS /usr a fresh boot of ``image_root`` mounts: None when this runsc is too old for it
+        (:attr:`RunscInfo.erofs_mounts`) or it is not built yet."""
+        return self.usr_images.ready(image_root) if self._runsc().erofs_mounts else None
 
     def _read_only_binds(self, spec: BootSpec) -> tuple[VolumeBind, ...]:
         """The volumes with each read-only one's source replaced by a read-only bind of it in the sandbox's

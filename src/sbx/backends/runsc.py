@@ -55,6 +55,10 @@ VEOF_FIXED_RELEASE: Final = 20230911
 #: tests/integration/test_parking.py. Its idle sandboxes use no CPU without freezing (the sentry parks itself,
 #: commits 32f98f20c and 88285dd6b), so sandboxd does not park them (docs/backends.md).
 FREEZER_UNSAFE_ON_SYSTRAP_RELEASE: Final = 20250625
+#: The first release an EROFS mount inside the root (the image's /usr, usr_erofs.py) is used with: the one it was
+#: measured and tested on. Debian's 20240729 boots with such a mount, but ``find /usr`` took 1.8 s there in one
+#: run on a busy host (not the 0.3-0.4 s of the pinned release), so older releases keep the host's /usr.
+EROFS_MOUNT_RELEASE: Final = 20260803
 
 Platform = Literal["systrap", "ptrace"]
 #: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
@@ -102,6 +106,11 @@ class RunscInfo:
                 "sandbox uses no CPU without it"
             )
         return None
+
+    @property
+    def erofs_mounts(self) -> bool:
+        """Whether the image's /usr may be an EROFS mount (:data:`EROFS_MOUNT_RELEASE`)."""
+        return self.release >= EROFS_MOUNT_RELEASE
 
     @property
     def netns_needs_procfs_mask(self) -> bool:
