@@ -8,13 +8,15 @@ of its own, 1 core of CPU quota) with some runsc flags, and runs one script that
 writing 2,000 small files, 100 fork+exec of /bin/true. The boot (``runsc run`` until that script starts) is
 timed from outside. Rounds alternate between variants. Variants:
 
-- ``systrap``: what sandboxd uses (``--platform=systrap --overlay2=none``, directfs on);
+- ``systrap``: sandboxd's arrangement before the EROFS /usr (``--platform=systrap --overlay2=none``, directfs on);
 - ``ptrace``: the same on ptrace;
 - ``no-directfs``: systrap with ``--directfs=false`` (the gofer opens every file);
 - ``self-overlay``: systrap with runsc's default ``--overlay2=root:self`` (guest writes go to a file store of
   runsc's own in the root, not to the sandbox's layer: what sandboxd must avoid);
 - ``erofs``: the root as an EROFS image read by the sentry itself (no gofer for the root), writes in an
   overlay in memory (needs mkfs.erofs, from erofs-utils; skipped without it);
+- ``erofs-usr``: what sandboxd uses now: ``systrap`` with the image's /usr mounted read-only from an EROFS
+  image of it (backends/usr_erofs.py; needs mkfs.erofs);
 - ``one-cpu``: systrap with a cpuset of one CPU, so the guest sees 1 CPU (what ``cpus: 1`` would need);
 - ``small-root``: systrap on ``--small-root`` (e.g. a debootstrap minbase root), for boot time against the
   default image's size.
