@@ -4,6 +4,7 @@ mkfs.erofs on small trees, in an image store's layout), the record a checkpoint 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 from pathlib import Path
 
@@ -137,9 +138,10 @@ def test_a_checkpoint_restores_with_the_file_it_was_taken_with(tmp_path: Path) -
     erofs.unlink()
     with pytest.raises(BackendError, match=words):
         _checkpointed_usr(checkpoint)
-    (checkpoint / USR_RECORD).write_text("{")
-    with pytest.raises(BackendError, match="the snapshot's record of its /usr cannot be read"):
-        _checkpointed_usr(checkpoint)
+    for damaged in ("{", "{}", '{"path": "/x"}', "[]"):
+        (checkpoint / USR_RECORD).write_text(damaged)
+        with pytest.raises(BackendError, match="the snapshot's record of its /usr cannot be read"):
+            _checkpointed_usr(checkpoint)
     _write_usr_record(bundle, None)  # a fresh boot without one drops the record
     assert not (bundle / USR_RECORD).exists()
 
@@ -169,3 +171,16 @@ def test_only_runsc_releases_it_was_tested_on_mount_it(release: int, used: bool)
         path="runsc", version=f"release-{release}.0", release=release, flags=frozenset(), platforms=()
     )
     assert info.erofs_mounts is used
+
+
+async def test_a_build_another_process_holds_is_waited_for_not_repeated(tmp_path: Path) -> None:
+    root = image(tmp_path)
+    held = os.open(root.parent / f"{USR_EROFS}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another process's build (flock is per open file: this one conflicts)
+    images = UsrImages(mkfs="/bin/false")  # would fail if it ran: it must not
+    assert images.ready(root) is None
+    await asyncio.sleep(0.5)
+    (root.parent / USR_EROFS).write_bytes(b"made by the other")  # its build ends
+    os.close(held)
+    found = await images.wait(root)
+    assert found is not None and found.path.read_bytes() == b"made by the other"

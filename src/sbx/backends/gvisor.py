@@ -199,13 +199,13 @@ def _checkpointed_usr(image_dir: Path) -> ErofsFile | None:
     again since): its kernel holds files of the old one open."""
     try:
         raw = json.loads((image_dir / USR_RECORD).read_text(encoding="utf-8"))
+        path, recorded = Path(raw["path"]), str(raw["identity"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
-        raise BackendError(f"the snapshot's record of its /usr cannot be read: {exc}") from exc
-    path = Path(raw["path"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BackendError(f"the snapshot's record of its /usr cannot be read: {exc!r}") from exc
     try:
-        same = identity(path) == raw["identity"]
+        same = identity(path) == recorded
     except OSError:
         same = False
     if not same:
@@ -213,7 +213,7 @@ def _checkpointed_usr(image_dir: Path) -> ErofsFile | None:
             "the snapshot's image was removed or installed again since it was taken, so its memory cannot be "
             "restored; fork a disk snapshot of it instead, or delete it"
         )
-    return ErofsFile(path, raw["identity"])
+    return ErofsFile(path, recorded)
 
 
 def _alive(pid: int) -> bool:

@@ -51,6 +51,8 @@ _IMAGE_RECORD: Final = "image.json"
 #: mkfs.erofs without inline data: the sentry's EROFS reader needs each file's data in blocks of its own
 #: (measured on release 20240729, kept for the pinned release).
 MKFS_ARGS: Final = ("--quiet", "-E", "noinline_data")
+#: How often a process waiting for another's build tries the lock again, in seconds.
+_LOCK_POLL_SECS: Final = 0.2
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,13 @@ class UsrImages:
         tmp = directory / f".{USR_EROFS}.{os.getpid()}"
         try:
             # Another sandboxd on this image store may be building it: wait for it rather than build twice.
-            await asyncio.to_thread(fcntl.flock, lock_fd, fcntl.LOCK_EX)
+            # Polled, not a blocking flock on a thread, so a cancel never leaves a thread waiting on this fd.
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(_LOCK_POLL_SECS)
             if (directory / USR_EROFS).exists():
                 return
             found = await asyncio.to_thread(writable_entry, image_root / "usr")
