@@ -54,6 +54,7 @@ def test_which_trees_may_be_read_only(tmp_path: Path, change: object, found: str
 
 async def test_built_once_in_the_background_then_ready(tmp_path: Path) -> None:
     root = image(tmp_path)
+    (root.parent / f".{USR_EROFS}.999999").write_bytes(b"a killed build's")
     images = UsrImages(mkfs=None)
     if images.mkfs is None:
         pytest.fail("mkfs.erofs is missing: scripts/install.sh installs erofs-utils")

@@ -14,8 +14,9 @@ Layout, in the image's own directory of the image store (``<images>/<name>/``; r
 
     rootfs/             the image root (never written)
     usr.erofs           the EROFS image of rootfs/usr, complete once it has this name (one rename)
-    usr.erofs.lock      flock held while one process builds it (others wait or skip)
-    .usr.erofs.<pid>    a build in progress, removed when it fails or is cancelled
+    usr.erofs.lock      flock held while one process builds it (another waits, then finds it made)
+    .usr.erofs.<pid>    a build in progress, removed when it fails or is cancelled, or by the next build
+                        when a killed process left it
 
 The image is built in the background at the first boot of an image (about 6 s and as many bytes as ``/usr``
 holds, 790 MB for the default image); boots before it is ready get the host's ``/usr`` through the overlay as
@@ -152,6 +153,8 @@ class UsrImages:
                     await asyncio.sleep(_LOCK_POLL_SECS)
             if (directory / USR_EROFS).exists():
                 return
+            for leftover in directory.glob(f".{USR_EROFS}.*"):  # a killed builder's: the lock is ours now
+                leftover.unlink(missing_ok=True)
             found = await asyncio.to_thread(writable_entry, image_root / "usr")
             if found is not None:
                 self._refused.add(image_root)
