@@ -91,7 +91,7 @@ class UsrImages:
 
     def __init__(self, enabled: bool = True, mkfs: str | None = None) -> None:
         self.mkfs = (mkfs or shutil.which("mkfs.erofs")) if enabled else None
-        #: Image roots judged unfit this run (a writable entry, a failed build): not tried again.
+        #: Image roots judged unfit (a writable entry, a failed build): not tried again until sandboxd restarts.
         self._refused: set[Path] = set()
         self._builds: dict[Path, asyncio.Task[None]] = {}
         self._one_at_a_time = asyncio.Lock()
@@ -159,7 +159,10 @@ class UsrImages:
             if found is not None:
                 self._refused.add(image_root)
                 log.info(
-                    "image %s keeps its /usr on the host: %s is writable by a user", directory.name, found
+                    "image %s keeps its /usr on the host: %s is owned by a user other than root or writable by "
+                    "group or others",
+                    directory.name,
+                    found,
                 )
                 return
             started = asyncio.get_running_loop().time()
