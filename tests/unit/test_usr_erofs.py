@@ -4,17 +4,21 @@ mkfs.erofs on small trees, in an image store's layout), the record a checkpoint 
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 from pathlib import Path
 
 import pytest
 
+from sbx.agent.protocol import AgentFileError
+from sbx.api.errors import Conflict, Refused
 from sbx.api.network_policy import NetworkPolicy
-from sbx.backends.base import BackendError, BootSpec
+from sbx.backends.base import BackendError, BootSpec, GuestUser
 from sbx.backends.gvisor import USR_RECORD, _checkpointed_usr, _write_usr_record, oci_spec
 from sbx.backends.runsc import RunscInfo
 from sbx.backends.usr_erofs import USR_EROFS, ErofsFile, UsrImages, identity, writable_entry
+from sbx.node.routes.files import file_error
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the trees are made with root's ownership")
 
@@ -178,10 +182,36 @@ async def test_a_build_another_process_holds_is_waited_for_not_repeated(tmp_path
     root = image(tmp_path)
     held = os.open(root.parent / f"{USR_EROFS}.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)  # another process's build (flock is per open file: this one conflicts)
-    images = UsrImages(mkfs="/bin/false")  # would fail if it ran: it must not
+    images = UsrImages(mkfs="/bin/false")  # fails if it runs: a build that ignored the lock is refused
     assert images.ready(root) is None
-    await asyncio.sleep(0.5)
+    task = images._builds[root]
+    await asyncio.sleep(0.3)  # time to try the lock (a build ignoring it would run /bin/false meanwhile)
     (root.parent / USR_EROFS).write_bytes(b"made by the other")  # its build ends
     os.close(held)
-    found = await images.wait(root)
+    await task  # the lock taken at last: it finds the image made and builds nothing
+    assert root not in images._refused
+    found = images.ready(root)
     assert found is not None and found.path.read_bytes() == b"made by the other"
+
+
+GVISOR_GUEST = GuestUser(1000, 1000, "sandbox", "/sandbox/home", read_only_trees=("/usr",))
+PLAIN_GUEST = GuestUser(1000, 1000, "sandbox", "/sandbox/home")
+
+
+@pytest.mark.parametrize(
+    ("guest", "path", "err", "kind", "message"),
+    [
+        (GVISOR_GUEST, "/usr/bin/env", errno.EROFS, Refused, "permission denied: /usr/bin/env (files are accessed as the sandbox user, uid 1000)"),
+        (GVISOR_GUEST, "/usr", errno.EROFS, Refused, "permission denied: /usr (files are accessed as the sandbox user, uid 1000)"),
+        (GVISOR_GUEST, "/usrx/f", errno.EROFS, Conflict, "read-only file system"),
+        (GVISOR_GUEST, "/data/f", errno.EROFS, Conflict, "read-only file system"),
+        (PLAIN_GUEST, "/usr/bin/env", errno.EROFS, Conflict, "read-only file system"),
+        (GVISOR_GUEST, "/etc/passwd", errno.EACCES, Refused, "permission denied: /etc/passwd (files are accessed as the sandbox user, uid 1000)"),
+    ],
+    ids=["under-usr", "usr-itself", "a-name-that-only-starts-so", "a-read-only-volume", "a-backend-without-it", "eacces"],
+)  # fmt: skip
+def test_a_write_into_a_read_only_image_tree_is_refused_as_before(
+    guest: GuestUser, path: str, err: int, kind: type, message: str
+) -> None:
+    found = file_error(AgentFileError(err, os.strerror(err)), path, guest)
+    assert type(found) is kind and found.message == message

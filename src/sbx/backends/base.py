@@ -22,12 +22,19 @@ from sbx.api.node import Runtime
 @dataclass(frozen=True)
 class GuestUser:
     """Who processes and file transfers run as inside the backend's sandboxes: ``uid`` and ``gid``, the user
-    ``name`` (USER, LOGNAME) and ``home``, an absolute guest path, the default working directory and HOME."""
+    ``name`` (USER, LOGNAME) and ``home``, an absolute guest path, the default working directory and HOME.
+    ``read_only_trees``: guest directories the backend may mount read-only because nothing in them is this
+    user's to write (gVisor's EROFS /usr), where a write is refused as a permission the user lacks."""
 
     uid: int
     gid: int
     name: str
     home: str
+    read_only_trees: tuple[str, ...] = ()
+
+    def in_read_only_tree(self, path: str) -> bool:
+        """Whether the normalised guest ``path`` is in one of :attr:`read_only_trees`."""
+        return any(path == top or path.startswith(top + "/") for top in self.read_only_trees)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,9 @@ CHECKPOINT_FILE = "checkpoint.img"
 #: ``{"path": ..., "identity": ...}``; absent: the host's /usr. A memory restore must mount the same file.
 USR_RECORD = "usr-erofs.json"
 #: The sandbox user every image has (sbx.images.store makes its home), as the spec's ``/sandbox/home`` says.
-GUEST = GuestUser(uid=SANDBOX_UID, gid=SANDBOX_GID, name="sandbox", home=DEFAULT_CWD)
+GUEST = GuestUser(
+    uid=SANDBOX_UID, gid=SANDBOX_GID, name="sandbox", home=DEFAULT_CWD, read_only_trees=(GUEST_USR,)
+)
 
 #: Host threads and processes a sandbox may have (ptrace runs a stub per guest address space); stops a fork
 #: bomb from exhausting the host's pid space.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 from collections.abc import AsyncIterator
-from typing import Final
 
 from aiohttp import web
 
@@ -12,27 +11,21 @@ from sbx.agent.client import AgentClient, AgentFileError
 from sbx.api.errors import Conflict, InvalidRequest, NotFound, Refused, SandboxError, Unavailable
 from sbx.api.files import DirEntry, DirListing
 from sbx.api.validation import validate_guest_path
+from sbx.backends.base import GuestUser
 from sbx.node.context import NodeContext
 from sbx.node.sandbox import Sandbox
 from sbx.web.http import FILE_BODY_CAP, json_response, query_one, stream_body
 
-#: Image trees a backend may serve read-only because nothing in them is the sandbox user's to write (gVisor's
-#: EROFS /usr, sbx.backends.usr_erofs): a write there is refused as it was when the tree was writable by root
-#: only, with 403 (volumes are never mounted there, so a volume's 409 read-only is not hidden).
-READ_ONLY_IMAGE_TREES: Final = ("/usr",)
 
-
-def _in_image_tree(path: str) -> bool:
-    return any(path == top or path.startswith(top + "/") for top in READ_ONLY_IMAGE_TREES)
-
-
-def file_error(exc: AgentFileError, path: str, uid: int) -> SandboxError:
-    """The API error for a failed file operation in the guest, made as user ``uid``."""
+def file_error(exc: AgentFileError, path: str, guest: GuestUser) -> SandboxError:
+    """The API error for a failed file operation in the guest, made as the backend's ``guest`` user."""
     code = exc.errno
     if code == errno.ENOENT:
         return NotFound(f"no such file or directory: {path}")
-    if code in (errno.EACCES, errno.EPERM) or (code == errno.EROFS and _in_image_tree(path)):
-        return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {uid})")
+    # A read-only tree of the image (GuestUser.read_only_trees) was the user's to write no more than before it
+    # was read-only: refused as then (volumes are never mounted there, so a volume's 409 is not hidden).
+    if code in (errno.EACCES, errno.EPERM) or (code == errno.EROFS and guest.in_read_only_tree(path)):
+        return Refused(f"permission denied: {path} (files are accessed as the sandbox user, uid {guest.uid})")
     if code == errno.EROFS:
         return Conflict("read-only file system")
     if code == errno.ENOSPC:
@@ -58,7 +51,8 @@ def file_error(exc: AgentFileError, path: str, uid: int) -> SandboxError:
 def routes(ctx: NodeContext) -> list[web.RouteDef]:
     audit = ctx.audit
 
-    uid, gid = ctx.backend.guest.uid, ctx.backend.guest.gid
+    guest = ctx.backend.guest
+    uid, gid = guest.uid, guest.gid
 
     async def target(request: web.Request) -> tuple[Sandbox, str, AgentClient]:
         """The running sandbox (woken if parked, or if a dormant persistent one), the checked guest path, and the
@@ -74,7 +68,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         try:
             reader = await agent.open_read(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path, uid) from None
+            raise file_error(exc, path, guest) from None
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         response.content_length = reader.size
         total = 0
@@ -97,7 +91,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         try:
             await agent.write_file(path, counted, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path, uid) from None
+            raise file_error(exc, path, guest) from None
         audit.record("file.written", sandbox.record.id, path=path, bytes=counted.total)
         return web.Response(status=204)
 
@@ -109,7 +103,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
             size = (await agent.stat(path, uid, gid)).size
             await agent.remove(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path, uid) from None
+            raise file_error(exc, path, guest) from None
         audit.record("file.removed", sandbox.record.id, path=path, bytes=size)
         return web.Response(status=204)
 
@@ -118,7 +112,7 @@ def routes(ctx: NodeContext) -> list[web.RouteDef]:
         try:
             entries = await agent.list_dir(path, uid, gid)
         except AgentFileError as exc:
-            raise file_error(exc, path, uid) from None
+            raise file_error(exc, path, guest) from None
         return json_response(
             DirListing([DirEntry(e.name, e.type, e.size) for e in sorted(entries, key=lambda e: e.name)])
         )
