@@ -213,8 +213,12 @@ RUNSC_RELEASE=$(sed -n 's|^// release: \([^ ]*\).*|\1|p' "$RUNSC_MODULE/go.mod")
 [ -n "$RUNSC_PIN" ] && [ -n "$RUNSC_RELEASE" ] ||
     die "runsc/go.mod names no gvisor.dev/gvisor version or no '// release:' line" "restore it from git"
 RUNSC_BIN=$RUNSC_HOME/$RUNSC_PIN/runsc
+# How the binary is built, besides the pin, written beside it as build.txt: a binary of the same version built
+# another way (before the seccomp programs were precompiled, or copied in without this file) is built again.
+RUNSC_RECIPE="CGO_ENABLED=0; sentry seccomp programs precompiled by runsc/seccompgen"
 step "runsc $RUNSC_RELEASE ($RUNSC_BIN)"
-if [ -x "$RUNSC_BIN" ] && [ "$("$RUNSC_BIN" --version 2>/dev/null | head -n 1)" = "runsc version $RUNSC_RELEASE" ]; then
+if [ -x "$RUNSC_BIN" ] && [ "$("$RUNSC_BIN" --version 2>/dev/null | head -n 1)" = "runsc version $RUNSC_RELEASE" ] &&
+    [ "$(cat "$RUNSC_HOME/$RUNSC_PIN/build.txt" 2>/dev/null)" = "$RUNSC_RECIPE" ]; then
     note "up to date"
 else
     GO=$(find_go) || die "no Go to build runsc with although golang-go was to be installed" \
@@ -224,17 +228,33 @@ else
     build_dir=$(mktemp -d "$RUNSC_HOME/.build-XXXXXX")
     chmod 0755 "$build_dir"
     # GOTOOLCHAIN=auto: Debian's Go is older than the module asks and, as packaged, never fetches a newer one.
-    if ! (cd "$RUNSC_MODULE" && CGO_ENABLED=0 GOTOOLCHAIN=auto GOFLAGS=-mod=readonly "$GO" build -trimpath \
-            -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_RELEASE" \
-            -o "$build_dir/runsc" gvisor.dev/gvisor/runsc); then
+    # gVisor's Go branch ships runsc/boot/filter/filter_precompiled.go with no program in it, so every sandbox
+    # boot and restore would build its seccomp filter from the rules (10-15 ms each, docs/backends.md);
+    # seccompgen writes the file gVisor's own builds generate, and the build compiles it in the stub's place, in a
+    # vendored copy of the pinned modules (go refuses to compile over files of its module cache).
+    if ! (cd "$RUNSC_MODULE" && export CGO_ENABLED=0 GOTOOLCHAIN=auto GOFLAGS=-mod=readonly &&
+            "$GO" mod download gvisor.dev/gvisor &&
+            module_dir=$("$GO" list -m -f '{{.Dir}}' gvisor.dev/gvisor) &&
+            "$GO" run ./seccompgen -stub "$module_dir/runsc/boot/filter/filter_precompiled.go" \
+                -out "$build_dir/filter_precompiled.go" &&
+            mkdir "$build_dir/src" && cp go.mod go.sum tools.go "$build_dir/src/" &&
+            cd "$build_dir/src" && "$GO" mod vendor &&
+            cp "$build_dir/filter_precompiled.go" vendor/gvisor.dev/gvisor/runsc/boot/filter/filter_precompiled.go &&
+            "$GO" build -mod=vendor -trimpath \
+                -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_RELEASE" \
+                -o "$build_dir/runsc" gvisor.dev/gvisor/runsc); then
         rm -rf "$build_dir"
         die "building runsc failed (see go's messages above)" \
             "it needs the Go module proxy (GOPROXY, default https://proxy.golang.org) or a module cache holding" \
             "gvisor.dev/gvisor@$RUNSC_PIN; docs/install.md says how to build without them"
     fi
     "$build_dir/runsc" --version >/dev/null || { rm -rf "$build_dir"; die "the runsc just built does not run"; }
-    rm -rf "$(dirname "$RUNSC_BIN")"
-    mv "$build_dir" "$(dirname "$RUNSC_BIN")"
+    # Each file in one rename: a running sandboxd (a rebuild of the same version) never finds runsc missing.
+    install -d -m 0755 "$(dirname "$RUNSC_BIN")"
+    mv -f "$build_dir/runsc" "$RUNSC_BIN"
+    printf '%s\n' "$RUNSC_RECIPE" > "$build_dir/build.txt"
+    mv -f "$build_dir/build.txt" "$RUNSC_HOME/$RUNSC_PIN/build.txt"
+    rm -rf "$build_dir"
     note "built $("$RUNSC_BIN" --version | head -n 1)"
 fi
 # The path sandboxd runs by default: switched in one rename, so a running sandboxd never sees it missing.
