@@ -8,7 +8,8 @@ Starts sandboxd and times, per sample:
 - fork from a memory snapshot to the first run result (POST /v1/sandboxes with snapshot_id, then run `true`;
   the create and the first run are printed apart as well),
 
-and, on the same image root, raw `runsc checkpoint` and `runsc restore` of a sandbox running `sleep`.
+and, on the same image root, raw `runsc checkpoint` and `runsc restore` of a sandbox running `sleep`, one cycle
+before each of sandboxd's samples.
 Prints p50/p95 of each with ratios, and checks the target: fork to first result p50 under 300 ms.
 Exit status 1 when the target is missed.
 """
@@ -33,25 +34,36 @@ from bench_sandboxd import KeepAlive, RawRunsc, bench_node, default_rootfs, pct,
 TARGET_FORK_P50_MS = 300.0
 
 
-def raw_checkpoints(raw: RawRunsc, workdir: Path, samples: int) -> tuple[list[float], list[float]]:
-    raw.write_spec(["sleep", "1000000"])
-    checkpoints, restores = [], []
+class RawCycles:
+    """A raw sandbox running `sleep` on the same image root, checkpointed and restored one cycle at a time, so
+    that the raw samples are taken in turn with sandboxd's (a busy moment of this shared machine then weighs
+    on both alike)."""
+
     name = "bench-ckpt"
-    raw.cleanup(name)
-    subprocess.run(raw.argv("run", "--detach", "--bundle", str(raw.bundle), name), check=True)
-    for i in range(samples):
-        image = workdir / f"raw-image-{i}"
+
+    def __init__(self, raw: RawRunsc, workdir: Path) -> None:
+        self.raw, self.workdir = raw, workdir
+        self.checkpoints: list[float] = []
+        self.restores: list[float] = []
+        raw.write_spec(["sleep", "1000000"])
+        raw.cleanup(self.name)
+        subprocess.run(raw.argv("run", "--detach", "--bundle", str(raw.bundle), self.name), check=True)
+
+    def once(self) -> None:
+        """Time one `runsc checkpoint`, then (the sandbox deleted in between, untimed) one `runsc restore`."""
+        image = self.workdir / f"raw-image-{len(self.checkpoints)}"
         started = time.monotonic()
-        subprocess.run(raw.argv("checkpoint", "--image-path", str(image), name), check=True)
-        checkpoints.append(time.monotonic() - started)
-        subprocess.run(raw.argv("delete", "--force", name), check=True)
+        subprocess.run(self.raw.argv("checkpoint", "--image-path", str(image), self.name), check=True)
+        self.checkpoints.append(time.monotonic() - started)
+        subprocess.run(self.raw.argv("delete", "--force", self.name), check=True)
         started = time.monotonic()
-        subprocess.run(raw.argv("restore", "--detach", "--image-path", str(image), "--bundle", str(raw.bundle),
-                                name), check=True)  # fmt: skip
-        restores.append(time.monotonic() - started)
+        subprocess.run(self.raw.argv("restore", "--detach", "--image-path", str(image), "--bundle",
+                                     str(self.raw.bundle), self.name), check=True)  # fmt: skip
+        self.restores.append(time.monotonic() - started)
         shutil.rmtree(image, ignore_errors=True)
-    raw.cleanup(name)
-    return checkpoints, restores
+
+    def close(self) -> None:
+        self.raw.cleanup(self.name)
 
 
 def main() -> None:
@@ -62,9 +74,11 @@ def main() -> None:
     args = parser.parse_args()
     with bench_node("sbx-bench-") as (server, workdir):
         client = KeepAlive(server)
+        cycles = RawCycles(RawRunsc(workdir / "raw", default_rootfs()), workdir)
         ref = str(client.call("POST", "/v1/sandboxes", {})["id"])
         suspends, resumes = [], []
         for _ in range(args.samples):
+            cycles.once()
             took, _ = client.timed("POST", f"/v1/sandboxes/{ref}/suspend")
             suspends.append(took)
             started = time.monotonic()
@@ -78,6 +92,7 @@ def main() -> None:
         snapshot_secs = [took]
         forks, fork_creates, fork_first_runs = [], [], []
         for _ in range(args.samples):
+            cycles.once()
             started = time.monotonic()
             fork = client.call("POST", "/v1/sandboxes", {"snapshot_id": snap["id"]})
             created = time.monotonic()
@@ -94,8 +109,8 @@ def main() -> None:
             )
         client.call("DELETE", f"/v1/sandboxes/{ref}")
         client.close()
-        raw = RawRunsc(workdir / "raw", default_rootfs())
-        raw_ckpt, raw_restore = raw_checkpoints(raw, workdir, args.samples)
+        cycles.close()
+        raw_ckpt, raw_restore = cycles.checkpoints, cycles.restores
     print(summary("raw runsc checkpoint", raw_ckpt))
     print(summary("raw runsc restore", raw_restore))
     print(summary("suspend", suspends, raw_ckpt))
