@@ -226,7 +226,7 @@ class WritableLayer:
             await copy_sparse(disk_image, self.image_file)
             await resize_ext4(self.image_file, disk_mb)
             if journal:
-                await run_tool("tune2fs", "-q", "-O", "has_journal", str(self.image_file))
+                await run_tool("tune2fs", "-O", "has_journal", str(self.image_file))
             await mount_loop(self.image_file, self.disk_dir)
             self.rootfs.mkdir(exist_ok=True)
             self.lower_file.write_text(str(image_root), encoding="utf-8")
