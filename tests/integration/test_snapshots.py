@@ -258,6 +258,7 @@ def test_disk_fork_boots_afresh_with_the_files(server: Sandboxd) -> None:
         ("disk", {"image": "docker.io/library/alpine:3"}, 400, "invalid_request", "runs its image"),
         ("disk", {"disk_mb": 16}, 500, "internal", "do not fit in disk_mb 16"),
         ("memory", {"network": {"mode": "open"}}, 501, "unsupported", "cannot fork a memory snapshot"),
+        ("memory", {"persistent": True, "name": "pfork"}, 501, "unsupported", "cannot be persistent"),
     ],
 )
 def test_fork_rules(

@@ -242,3 +242,26 @@ def test_parking_is_refused_where_freezing_breaks_systrap(
             "guest's next process (its seccomp-notified syscall thread is interrupted), and an idle sandbox "
             "uses no CPU without it"
         )
+
+
+# (case, version line, sized root overlay)
+SIZED_OVERLAY_CASES = [
+    ("the pinned release", "runsc version release-20260803.0-49-g7a7d8c355", True),
+    ("the first with size= and tar rootfs-upper", "runsc version release-20250721.0", True),
+    ("size= but no tar rootfs-upper yet", "runsc version release-20250611.0", False),
+    ("bookworm-backports", "runsc version 0.0~20240729.0", False),
+    ("a build naming no release", "runsc version 0.0.0", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("version", "sized"), [c[1:] for c in SIZED_OVERLAY_CASES], ids=[c[0] for c in SIZED_OVERLAY_CASES]
+)
+def test_sized_root_overlay_by_release(tmp_path: Path, version: str, sized: bool) -> None:
+    assert inspect_runsc(fake_runsc(tmp_path, version, FLAGS_20240729)).sized_root_overlay is sized
+
+
+def test_root_overlay_flag_replaces_none() -> None:
+    info = inspect_runsc_from_flags("  -overlay2 value\n")
+    flags = info.start_flags("systrap", 0, "--overlay2=root:dir=/x,size=1048576")
+    assert "--overlay2=root:dir=/x,size=1048576" in flags and "--overlay2=none" not in flags

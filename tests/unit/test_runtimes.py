@@ -275,7 +275,7 @@ class StubCheckpoints(FakeBackend):
     def has_checkpoint(self, image_dir: Path) -> bool:
         return (image_dir / "checkpoint.img").is_file()
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, restored_at_once: bool = False) -> None:
         self.calls.append(("checkpoint", sandbox_id))
 
     async def restore(self, sandbox_id: str, image_dir: Path) -> None:
@@ -284,7 +284,7 @@ class StubCheckpoints(FakeBackend):
     async def wake(self, sandbox_id: str) -> None:
         self.calls.append(("wake", sandbox_id))
 
-    async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
+    async def copy_disk(self, sandbox_id: str, dest: Path, below_checkpoint: bool = False) -> None:
         self.calls.append(("copy_disk", sandbox_id))
         dest.write_bytes(b"ext4")
 

@@ -214,9 +214,12 @@ class CheckpointBackend(Backend, Protocol):
         """Whether ``image_dir`` holds a whole checkpoint :meth:`restore` can start from (the node asks after
         a crash which steps of a suspend or snapshot were done)."""
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        """Save the sandbox into ``image_dir``; the sandbox then stops, its disk stays. On failure
-        ``image_dir`` is removed and the sandbox may still run (then wake it) or be gone."""
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, restored_at_once: bool = False) -> None:
+        """Save the sandbox into ``image_dir``; the sandbox then stops, its disk stays (a disk copy of the
+        stopped sandbox gives every file it had). ``restored_at_once``: the caller restores it from
+        ``image_dir`` right after copying its disk with ``below_checkpoint`` (a memory snapshot), so its disk
+        need not be readable apart from the checkpoint meanwhile. On failure ``image_dir`` is removed and the
+        sandbox may still run (then wake it) or be gone."""
 
     async def restore(self, sandbox_id: str, image_dir: Path) -> None:
         """Start the checkpointed sandbox again from ``image_dir``, on its own disk."""
@@ -224,8 +227,11 @@ class CheckpointBackend(Backend, Protocol):
     async def wake(self, sandbox_id: str) -> None:
         """End the agent's quiesce in a sandbox that still runs."""
 
-    async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
-        """Copy the sandbox's disk to the file ``dest``, consistent (writers wait during the copy)."""
+    async def copy_disk(self, sandbox_id: str, dest: Path, below_checkpoint: bool = False) -> None:
+        """Copy the sandbox's disk to the file ``dest``, consistent (writers wait during the copy), holding
+        every file the sandbox sees. ``below_checkpoint``: the copy goes with the checkpoint just taken with
+        ``restored_at_once`` and is only restored with it (a memory snapshot): what that checkpoint holds of
+        the disk itself may be left out."""
 
     def disk_used_bytes(self, sandbox_id: str) -> int:
         """Bytes in use on the sandbox's disk."""

@@ -48,8 +48,16 @@ from sbx.backends.freezer import CgroupFreezer
 from sbx.backends.gvisor_net import SandboxNetworks
 from sbx.backends.host_counters import read_usage
 from sbx.backends.host_tool import run_tool
-from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, is_mounted, unmount_all
+from sbx.backends.layers import LayerPool, WritableLayer, bind_read_only, is_mounted, mount_loop, unmount_all
 from sbx.backends.loop_volumes import LoopVolumes
+from sbx.backends.root_overlay import (
+    SUSPENDED_TAR,
+    RootOverlay,
+    filestore_bytes,
+    read_record,
+    sized,
+    write_record,
+)
 from sbx.backends.runsc import (
     DEFAULT_RUNSC,
     DENTRY_FD_RESERVE,
@@ -60,6 +68,7 @@ from sbx.backends.runsc import (
     inspect_runsc,
     release_root,
 )
+from sbx.backends.upper_tar import apply_upper_tar
 from sbx.backends.usr_erofs import GUEST_USR, ErofsFile, UsrImages, identity
 from sbx.images.store import SANDBOX_GID, SANDBOX_UID
 from sbx.net.egress import Egress, EgressConfig, instance_tag
@@ -218,6 +227,21 @@ def _checkpointed_usr(image_dir: Path) -> ErofsFile | None:
     return ErofsFile(path, recorded)
 
 
+async def _apply_onto_image(tar: Path, image_file: Path, mount_point: Path) -> None:
+    """Apply the root overlay's ``tar`` onto the layer image ``image_file`` (not in use: a copy), mounted at
+    ``mount_point`` for it and unmounted after, flushed."""
+    mount_point.mkdir(exist_ok=True)
+    try:
+        await mount_loop(image_file, mount_point)
+        try:
+            await asyncio.to_thread(apply_upper_tar, tar, mount_point / "upper")
+        finally:
+            await unmount_all([mount_point])  # unmounting flushes the copy to its image file
+    finally:
+        with contextlib.suppress(OSError):
+            mount_point.rmdir()
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
@@ -244,9 +268,13 @@ class GVisorBackend:
         egress: EgressConfig | None = None,
         dentry_cache: int = 0,
         usr_erofs: bool = True,
+        root_overlay: bool = True,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``usr_erofs``: serve each image's /usr from an EROFS image of it once built (usr_erofs.py).
+        ``root_overlay``: an ephemeral sandbox writes into gVisor's own overlay sized to its disk, above its
+        ext4 layer, where this runsc has one (root_overlay.py); False: into the ext4 layer, as a persistent
+        one always does.
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
         none only. ``platform``: ``auto`` (systrap where a probe boots on it, else ptrace) or a platform
         name (runsc.py)."""
@@ -266,6 +294,7 @@ class GVisorBackend:
         self.layer_pool = LayerPool(self.base / "layer-pool", pooled_disk_mb) if pooled_disk_mb else None
         #: The EROFS images of the images' /usr trees, built in the background.
         self.usr_images = UsrImages(usr_erofs)
+        self.root_overlay = root_overlay
         #: Volumes are ext4 images loop-mounted on the host and bound into sandboxes (runsc's gofer serves them).
         self.volumes: VolumeDisks = LoopVolumes(GUEST)
         #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
@@ -453,6 +482,7 @@ class GVisorBackend:
                 spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
             )
             _write_usr_record(bundle, usr)
+            write_record(bundle, self._boot_overlay(spec, layer, memory_image))
             if self.net is not None and spec.network.mode != "none":
                 await self.net.create(spec.sandbox_id, spec.network)
                 self.net.configure_spec(spec.sandbox_id, config)
@@ -506,6 +536,7 @@ class GVisorBackend:
                     spec, layer.rootfs, self.agent_path, ctl_dir, ("--no-xattr",), usr.path if usr else None
                 )
                 _write_usr_record(bundle, usr)
+                write_record(bundle, None)  # a fresh run on the layer it kept: its writes go there
                 if self.net is not None and spec.network.mode != "none":
                     await self.net.ensure(sandbox_id, spec.network)  # a reboot took it: made again
                     self.net.configure_spec(sandbox_id, config)
@@ -517,6 +548,24 @@ class GVisorBackend:
             except BaseException:
                 await asyncio.shield(self._stop_locked(sandbox_id))
                 raise
+
+    def _boot_overlay(
+        self, spec: BootSpec, layer: WritableLayer, memory_image: Path | None
+    ) -> RootOverlay | None:
+        """The root overlay a new sandbox's sentry mounts: a restore's is the checkpoint's (its kernel holds
+        it); a fresh boot of an ephemeral sandbox gets one sized to ``disk_mb`` less what its layer holds,
+        where enabled and this runsc has it; a persistent sandbox never (its disk must outlive the sentry)."""
+        if memory_image is not None:
+            overlay = read_record(memory_image)
+            if overlay is not None and spec.durable_disk:
+                raise BackendError(
+                    "this memory snapshot's files are in gVisor's overlay of an ephemeral sandbox, which a "
+                    "persistent sandbox cannot keep; fork it without persistent, or fork a disk snapshot of it"
+                )
+            return overlay
+        if spec.durable_disk or not self.root_overlay or not self._runsc().sized_root_overlay:
+            return None
+        return sized(spec.disk_mb, layer.used_bytes())
 
     def _fresh_usr(self, image_root: Path) -> ErofsFile | None:
         """The EROFS /usr a fresh boot of ``image_root`` mounts: None when this runsc is too old for it
@@ -543,12 +592,16 @@ class GVisorBackend:
     ) -> None:
         """``runsc run`` the bundle, or ``runsc restore`` it from the checkpoint in ``image_dir``."""
         command = ("restore", "--image-path", str(image_dir)) if image_dir is not None else ("run",)
+        overlay = read_record(bundle)
+        flags = self._runsc().start_flags(
+            self.platform, self.dentry_cache, overlay.flag(bundle.parent / "layer") if overlay else None
+        )
         if image_dir is not None:
             await self.prepare_network_for_restore(sandbox_id)
         with open(console, "ab") as log:  # noqa: ASYNC230 - opening a log file does not wait on anything
             proc = await asyncio.create_subprocess_exec(
                 *self._sandbox_process_argv(
-                    sandbox_id, *self._runsc().start_flags(self.platform, self.dentry_cache), "--host-uds=create",
+                    sandbox_id, *flags, "--host-uds=create",
                     "--cpu-num-from-quota",
                     *command, "--detach", "--bundle", str(bundle), sandbox_id,
                 ),
@@ -589,27 +642,55 @@ class GVisorBackend:
     def has_checkpoint(self, image_dir: Path) -> bool:
         return (image_dir / CHECKPOINT_FILE).is_file()
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, restored_at_once: bool = False) -> None:
         """Save the sandbox's memory and processes into ``image_dir`` (created); the sandbox then stops, its
         writable layer stays. The agent must be quiesced first (gVisor cannot save a host socket).
 
-        On failure ``image_dir`` is removed; the sandbox may still run (then :meth:`wake` it) or be gone.
+        A sandbox in gVisor's root overlay (root_overlay.py) first has its overlay written as a tar beside its
+        layer, so that :meth:`copy_disk` can give its files while it is suspended: they are its files as its
+        suspend began (what its processes write in the moments between the tar and the checkpoint is in its
+        memory, which resumes with it, but not in that tar). Not when ``restored_at_once`` (a memory snapshot:
+        the caller restores it right after copying the disk below).
+
+        On failure ``image_dir`` (and that tar) is removed; the sandbox may still run (then :meth:`wake` it)
+        or be gone.
         """
         async with self._lock(sandbox_id):
             if sandbox_id in self._doomed:
                 raise BackendError("the sandbox is being deleted")
             image_dir.mkdir(parents=True, exist_ok=True)
+            bundle = self._dir(sandbox_id) / "bundle"
+            tar = self._dir(sandbox_id) / "layer" / SUSPENDED_TAR
             try:
-                record = self._dir(sandbox_id) / "bundle" / USR_RECORD
+                record = bundle / USR_RECORD
                 if record.is_file():  # a fork restored from this checkpoint must mount the same /usr
                     shutil.copyfile(record, image_dir / USR_RECORD)
+                overlay = read_record(bundle)
+                write_record(image_dir, overlay)  # and the same root overlay
+                if overlay is not None and not restored_at_once:
+                    # Not paused first: runsc cannot tar a paused sandbox's overlay (it waits for ever).
+                    await self._tar_upper(sandbox_id, tar)
                 await run_tool(
                     *self._runsc_for(sandbox_id, "checkpoint", "--image-path", str(image_dir), sandbox_id)
                 )
             except BaseException:
                 shutil.rmtree(image_dir, ignore_errors=True)
+                tar.unlink(missing_ok=True)
                 raise
             await self._forget_stopped(sandbox_id)
+
+    async def _tar_upper(self, sandbox_id: str, dest: Path) -> None:
+        """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
+        made beside it and renamed). The sentry holds the overlay's tree locked while it writes, so no file is
+        made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it."""
+        partial = dest.with_name(f".{dest.name}.partial")
+        try:
+            await run_tool(
+                *self._runsc_for(sandbox_id, "tar", "rootfs-upper", "--file", str(partial), sandbox_id)
+            )
+            os.replace(partial, dest)
+        finally:
+            partial.unlink(missing_ok=True)
 
     async def _forget_stopped(self, sandbox_id: str) -> None:
         """After a checkpoint: wait for the sandbox's processes to exit, then drop runsc's state file, which
@@ -663,23 +744,68 @@ class GVisorBackend:
                 await self.net.ensure(sandbox_id)
             touch_regular(directory / "ctl", WAKE_FILE_NAME)
             await self._start(sandbox_id, directory / "bundle", directory / "console.log", image_dir)
+            # It runs on: its overlay, back from the checkpoint, is no longer what the tar of its suspend holds.
+            (directory / "layer" / SUSPENDED_TAR).unlink(missing_ok=True)
 
     async def wake(self, sandbox_id: str) -> None:
         """End a quiesce of a sandbox that still runs (a checkpoint failed or was not needed)."""
         touch_regular(self._dir(sandbox_id) / "ctl", WAKE_FILE_NAME)
 
-    async def copy_disk(self, sandbox_id: str, dest: Path) -> None:
-        """Copy the sandbox's writable layer (an ext4 image) to ``dest``, consistent: the file system is
-        frozen for the copy, so writers wait meanwhile. Works whether the sandbox runs or is checkpointed."""
+    async def copy_disk(self, sandbox_id: str, dest: Path, below_checkpoint: bool = False) -> None:
+        """Copy the sandbox's disk to ``dest`` as an ext4 layer image, consistent. Works whether the sandbox
+        runs or is checkpointed.
+
+        The ext4 layer is copied frozen (writers wait meanwhile). A sandbox in gVisor's root overlay
+        (root_overlay.py) has its files above that layer: its overlay, as a tar (made now, or the one its
+        suspend made), is applied onto the copy (upper_tar.py), so the copy holds every file it sees.
+        ``below_checkpoint``: the copy goes with the checkpoint just taken (a memory snapshot), which holds the
+        overlay itself; only the layer below is copied.
+        """
         async with self._lock(sandbox_id):
             if sandbox_id in self._doomed:
                 raise BackendError("the sandbox is being deleted")
-            layer = WritableLayer(self._dir(sandbox_id) / "layer")
-            await copy_frozen(layer.disk_dir, layer.image_file, dest)
+            directory = self._dir(sandbox_id)
+            layer = WritableLayer(directory / "layer")
+            if below_checkpoint or read_record(directory / "bundle") is None:
+                await copy_frozen(layer.disk_dir, layer.image_file, dest)
+                return
+            tar = layer.directory / SUSPENDED_TAR
+            made = not tar.is_file()  # none: it runs, and is asked for its overlay now
+            if made:
+                tar = directory / "snapshot-upper.tar"
+                await self._tar_upper(sandbox_id, tar)
+            try:
+                await copy_frozen(layer.disk_dir, layer.image_file, dest)
+                await _apply_onto_image(tar, dest, directory / "snapshot-mount")
+            finally:
+                if made:
+                    tar.unlink(missing_ok=True)
 
     def disk_used_bytes(self, sandbox_id: str) -> int:
-        """Bytes in use on the sandbox's writable layer (0 when it has none)."""
-        return WritableLayer(self._dir(sandbox_id) / "layer").used_bytes()
+        """Bytes in use on the sandbox's disk: its ext4 layer's, and what its root overlay holds (the
+        filestore its sentry keeps open, or the tar its suspend made); 0 when it has none."""
+        directory = self._dir(sandbox_id)
+        layer = WritableLayer(directory / "layer")
+        used = layer.used_bytes()
+        try:
+            overlay = read_record(directory / "bundle")
+        except BackendError:
+            overlay = None
+        if overlay is None:
+            return used
+        tar = layer.directory / SUSPENDED_TAR
+        if tar.is_file():
+            return used + tar.stat().st_blocks * 512
+        return used + filestore_bytes(self._sentry_pids(sandbox_id), layer.directory)
+
+    def _sentry_pids(self, sandbox_id: str) -> list[int]:
+        """The pid of the sandbox's sentry from runsc's state file; empty when it has none or it is unreadable."""
+        for state_file in self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.state"):
+            try:
+                return [int(json.loads(state_file.read_text())["sandbox"]["pid"])]
+            except (OSError, ValueError, KeyError, TypeError):
+                return []
+        return []
 
     async def destroy(self, sandbox_id: str) -> None:
         # Marked first: a checkpoint or restore under way for it must not bring it back.

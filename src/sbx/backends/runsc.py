@@ -59,6 +59,10 @@ FREEZER_UNSAFE_ON_SYSTRAP_RELEASE: Final = 20250625
 #: measured and tested on. Debian's 20240729 boots with such a mount, but ``find /usr`` took 1.8 s there in one
 #: run on a busy host (not the 0.3-0.4 s of the pinned release), so older releases keep the host's /usr.
 EROFS_MOUNT_RELEASE: Final = 20260803
+#: From this release ``--overlay2=root:dir=...,size=N`` limits gVisor's own root overlay to N bytes (statfs
+#: reports it, a write past it is ENOSPC; upstream 32c91c391, b14059d71) and ``runsc tar rootfs-upper`` exists
+#: (8b9497569, release 20250721): what an ephemeral sandbox's root overlay needs (root_overlay.py).
+SIZED_OVERLAY_RELEASE: Final = 20250721
 
 Platform = Literal["systrap", "ptrace"]
 #: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
@@ -113,17 +117,24 @@ class RunscInfo:
         return self.release >= EROFS_MOUNT_RELEASE
 
     @property
+    def sized_root_overlay(self) -> bool:
+        """Whether ephemeral sandboxes may write into gVisor's own sized root overlay
+        (:data:`SIZED_OVERLAY_RELEASE`)."""
+        return self.release >= SIZED_OVERLAY_RELEASE
+
+    @property
     def netns_needs_procfs_mask(self) -> bool:
         """Whether ``--network=sandbox`` must run behind a tmpfs over /proc/sys/net (gvisor_net.py)."""
         return self.release == 0 or self.release < NETNS_CHECK_FIXED_RELEASE
 
-    def start_flags(self, platform: str, dentry_cache: int = 0) -> list[str]:
+    def start_flags(self, platform: str, dentry_cache: int = 0, root_overlay: str | None = None) -> list[str]:
         """The global flags of ``runsc run`` and ``runsc restore`` for sandboxes on ``platform``.
 
-        ``--overlay2=none``: the root's writes must land in the sandbox's own ext4 layer (its ``disk_mb``,
-        which disk snapshots copy). Since release 20230605 runsc's default, ``root:self``, keeps them in a
-        ``.gvisor.filestore`` file of its own that snapshots cannot use (a forked file went missing,
-        measured) and that ``df`` shows as an 8 EiB file system. directfs (the sentry opens the root's files
+        ``--overlay2=none``: the root's writes land in the sandbox's own ext4 layer (its ``disk_mb``, which
+        disk snapshots copy). Since release 20230605 runsc's default, ``root:self``, keeps them in a
+        ``.gvisor.filestore`` file of its own that ``df`` shows as an 8 EiB file system. ``root_overlay``
+        (an ephemeral sandbox's, root_overlay.py): the whole ``--overlay2=...`` flag to give instead, a sized
+        overlay whose content the backend snapshots itself. directfs (the sentry opens the root's files
         itself, default since 20230807) is kept: measured as fast as or faster than the gofer.
 
         ``--dcache``: ``dentry_cache`` unused file-system entries kept cached per sandbox, across its mounts
@@ -132,7 +143,9 @@ class RunscInfo:
         that holds them (docs/benchmarks.md).
         """
         flags = [f"--platform={platform}"]
-        if "overlay2" in self.flags:
+        if root_overlay is not None:
+            flags.append(root_overlay)
+        elif "overlay2" in self.flags:
             flags.append("--overlay2=none")
         if dentry_cache > 0 and "dcache" in self.flags:
             flags.append(f"--dcache={dentry_cache}")

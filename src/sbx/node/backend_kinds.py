@@ -30,6 +30,7 @@ def _gvisor(config: NodeConfig, state_dir: Path) -> Backend:
         runsc=str(config.paths.runsc),
         dentry_cache=config.gvisor.dentry_cache,
         usr_erofs=config.gvisor.usr_erofs,
+        root_overlay=config.gvisor.root_overlay,
         pooled_disk_mb=config.defaults.disk_mb,
         egress=config.egress,
     )

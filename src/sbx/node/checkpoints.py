@@ -332,14 +332,14 @@ class Checkpoints:
             image = sandbox.directory / CAPTURE_IMAGE
             shutil.rmtree(image, ignore_errors=True)
             try:
-                await self.backend.checkpoint(record.id, image)
+                await self.backend.checkpoint(record.id, image, restored_at_once=True)
             except BackendError:
                 await self._recover(sandbox)
                 raise
             try:
                 # Complete up to the quiesce: the agent sent everything before it closed the connection.
                 await asyncio.to_thread(shutil.copytree, sandbox.processes.directory, staging / "processes")
-                await self.backend.copy_disk(record.id, staging / "disk.img")
+                await self.backend.copy_disk(record.id, staging / "disk.img", below_checkpoint=True)
             except BaseException:
                 await asyncio.shield(self._restart(sandbox, image))
                 shutil.rmtree(image, ignore_errors=True)
@@ -402,6 +402,14 @@ class Checkpoints:
                 raise Unsupported(
                     "the gvisor backend cannot fork a memory snapshot into a sandbox with a network "
                     "(rule 3 of forks); ask for network mode none, or fork a disk snapshot"
+                )
+            if req.persistent:
+                # An ephemeral sandbox's files live in its kernel's own overlay (backends/root_overlay.py),
+                # which the restored kernel keeps in memory: no disk a persistent sandbox could start from.
+                raise Unsupported(
+                    f"a fork of memory snapshot {snapshot.id} cannot be persistent: the files of a memory fork "
+                    "may live in its restored memory, not on a disk it could start from again; omit "
+                    "persistent, or fork a disk snapshot (which a persistent sandbox can)"
                 )
 
         def pick(key: str) -> int:

@@ -196,11 +196,14 @@ class GVisorConfig:
     docs/backends.md) or a platform name used as told. ``dentry_cache``: unused file-system entries each
     sandbox's sentry keeps cached (runsc ``--dcache``); 0 means sized from the open-file limit sandboxd runs
     with (sbx.backends.runsc.dentry_cache_size). ``usr_erofs``: serve each image's /usr, when nothing in it is
-    writable by a user, from an EROFS image of it the sentry reads itself (sbx.backends.usr_erofs)."""
+    writable by a user, from an EROFS image of it the sentry reads itself (sbx.backends.usr_erofs).
+    ``root_overlay``: an ephemeral sandbox's writes go to gVisor's own overlay, sized to its disk, above its ext4
+    layer (sbx.backends.root_overlay); false: to the ext4 layer, as a persistent sandbox's always do."""
 
     platform: str = "auto"
     dentry_cache: int = 0
     usr_erofs: bool = True
+    root_overlay: bool = True
 
 
 @dataclass(frozen=True)
@@ -398,6 +401,7 @@ def _build(raw: Mapping[str, Any], source: Path | None) -> NodeConfig:
         gvisor=GVisorConfig(
             platform=platform, dentry_cache=dentry_cache,
             usr_erofs=_bool(gvi, "gvisor.usr_erofs", GVisorConfig.usr_erofs),
+            root_overlay=_bool(gvi, "gvisor.root_overlay", GVisorConfig.root_overlay),
         ),
         source=source,
     )  # fmt: skip

@@ -1,0 +1,107 @@
+"""gVisor's own overlay as the writable top of an ephemeral sandbox's root (runsc ``--overlay2=root:dir=,size=``).
+
+Every sandbox's root is the image under its ext4 layer (layers.py), served by the gofer. For an ephemeral
+sandbox (one whose disk need not outlive its sentry: not persistent), the sentry puts an overlay of its own on
+top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore", which
+runsc opens and unlinks), limited to ``size`` bytes. Every write of the guest lands there, at memory speed
+(docs/benchmarks.md: the battery's file tasks 0.2-0.6x the host's ext4), and the ext4 layer stays as it was at
+boot. What that changes, and what keeps each guarantee (docs/backends.md, "Ephemeral sandboxes in gVisor's
+overlay"):
+
+- ``disk_mb``: ``size`` is ``disk_mb`` less what the ext4 layer below holds, so a write past the disk is ENOSPC
+  in the guest and ``df /`` shows the overlay's size.
+- Memory snapshots, suspend and memory forks: the checkpoint holds the overlay with the rest of the kernel's
+  memory, and the restore puts it back (into a new filestore in the restoring sandbox's directory); the disk
+  below it is the unchanged ext4 layer. The record of the overlay (:data:`RECORD`, its size) goes with the
+  bundle and with each checkpoint, so a restore mounts the same.
+- Disk snapshots: ``runsc tar rootfs-upper`` writes the overlay as a tar (the sandbox paused for it, so the tar
+  is of one moment), which upper_tar.py applies onto a copy of the ext4 layer: the snapshot is an ext4 layer
+  like any other, and forks of it boot as from any disk snapshot. A suspended sandbox has no sentry to ask, so
+  its checkpoint keeps that tar beside the layer (:data:`SUSPENDED_TAR`) unless the caller restores it at once.
+- ``disk_used_bytes``: the ext4 layer's use plus the filestore's allocated bytes (found through the sentry's
+  open descriptors; the suspended tar's size while it has none).
+
+A persistent sandbox never gets it: its disk must come back whole after a crash of its sentry or of the host,
+and the overlay lives only as long as its sentry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sbx.backends.base import BackendError
+
+#: In a sandbox's bundle and in each checkpoint taken of it: the overlay its sentry mounts (JSON, ``size_bytes``);
+#: no file, no overlay (the ext4 layer takes the writes).
+RECORD = "root-overlay.json"
+#: In the layer's directory of a suspended sandbox whose checkpoint holds its overlay: the overlay as a tar, for
+#: a disk snapshot taken before it resumes; removed by the restore.
+SUSPENDED_TAR = "upper.tar"
+#: The smallest overlay given, in bytes, whatever the ext4 layer below already holds: the guest can still write.
+MIN_SIZE_BYTES = 1024 * 1024
+#: How runsc names the filestore it makes in the overlay's directory (then unlinks, keeping it open).
+_FILESTORE_PREFIX = "runsc-filestore-"
+
+
+@dataclass(frozen=True)
+class RootOverlay:
+    """The overlay of one sandbox: ``size_bytes`` of writes the guest may make above its ext4 layer."""
+
+    size_bytes: int
+
+    def flag(self, directory: Path) -> str:
+        """runsc's flag for this overlay with its filestore in ``directory`` (absolute)."""
+        return f"--overlay2=root:dir={directory},size={self.size_bytes}"
+
+
+def sized(disk_mb: int, layer_used_bytes: int) -> RootOverlay:
+    """The overlay of a sandbox of ``disk_mb`` MiB whose ext4 layer already holds ``layer_used_bytes``."""
+    return RootOverlay(max(MIN_SIZE_BYTES, disk_mb * 1024 * 1024 - layer_used_bytes))
+
+
+def write_record(directory: Path, overlay: RootOverlay | None) -> None:
+    """Record ``overlay`` in ``directory`` (a bundle or a checkpoint); None removes the record."""
+    path = directory / RECORD
+    if overlay is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"size_bytes": overlay.size_bytes}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_record(directory: Path) -> RootOverlay | None:
+    """The overlay recorded in ``directory``; None without a record; BackendError when it is damaged."""
+    try:
+        raw = json.loads((directory / RECORD).read_text(encoding="utf-8"))
+        size = raw["size_bytes"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BackendError(f"the record of the sandbox's root overlay cannot be read: {exc!r}") from exc
+    if not isinstance(size, int) or isinstance(size, bool) or size < MIN_SIZE_BYTES:
+        raise BackendError(f"the record of the sandbox's root overlay names no valid size: {raw!r}")
+    return RootOverlay(size)
+
+
+def filestore_bytes(pids: list[int], directory: Path) -> int:
+    """Allocated bytes of the filestore the processes ``pids`` (the sandbox's sentry) hold open in
+    ``directory``; 0 when none does (the sandbox is not running). Read from /proc, no subprocess."""
+    prefix = f"{directory}/{_FILESTORE_PREFIX}"
+    seen: dict[tuple[int, int], int] = {}  # a file held through several descriptors counts once
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd).startswith(prefix):
+                    st = os.stat(fd)  # the open file, unlinked or not
+                    seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:
+                continue
+    return sum(seen.values())

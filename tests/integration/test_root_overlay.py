@@ -1,0 +1,196 @@
+"""Ephemeral sandboxes write into gVisor's own overlay above their ext4 layer (backends/root_overlay.py), and
+every guarantee of the disk holds (docs/backends.md, "Ephemeral sandboxes in gVisor's overlay"): the disk's
+size and ENOSPC, disk snapshots of a running and of a suspended sandbox holding every kind of change (new,
+changed and deleted files of the image, a directory made again over one below, links, modes, times), forks of
+them (a persistent fork too), memory forks and suspend/resume, and a node with ``root_overlay = false``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from guest_counter import text
+from sandboxd_harness import Sandboxd
+
+#: Run by the sandbox user in its home: one change of each kind the overlay records.
+CHANGES = r"""
+set -e
+cd /sandbox/home
+echo new > new.txt
+printf 'changed\n' > .profile
+rm .bashrc
+mkdir -p tree/sub && echo deep > tree/sub/f && echo two > tree/g
+ln -s new.txt link && ln -s /etc/hostname abs && ln new.txt hard
+chmod 640 new.txt && chmod 750 tree
+touch -d 2020-01-01 tree/g
+head -c 1000000 /dev/urandom > blob && md5sum blob > blob.md5
+: > empty
+echo spaced > 'a name with spaces'
+sync
+"""
+#: What a sandbox holding CHANGES shows; the same in every copy of it.
+VIEW = r"""
+cd /sandbox/home
+cat new.txt .profile tree/sub/f tree/g 'a name with spaces'
+test ! -e .bashrc && echo bashrc-gone
+readlink link abs
+test "$(stat -c %i new.txt)" = "$(stat -c %i hard)" && echo same-inode
+stat -c '%n %a %U %s' new.txt empty; stat -c '%n %a %U' tree  # a directory's size is its file system's
+stat -c '%Y' tree/g
+md5sum -c blob.md5
+ls -a | tr '\n' ' '
+"""
+
+
+@pytest.fixture(scope="module")
+def server(sandboxd: Sandboxd) -> Sandboxd:
+    """The module's sandboxd, with the default configuration (the overlay on)."""
+    return sandboxd
+
+
+def snapshot(server: Sandboxd, ref: str, kind: str) -> dict[str, Any]:
+    resp = server.request("POST", f"/v1/sandboxes/{ref}/snapshots", {"kind": kind})
+    assert resp.status == 201, (resp.status, resp.body)
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def layer_dir(server: Sandboxd, ref: str) -> Path:
+    return server.state_dir / "gvisor" / ref / "layer"
+
+
+@pytest.fixture
+def changed(server: Sandboxd) -> Iterator[tuple[str, str]]:
+    """A sandbox holding CHANGES, and what it shows."""
+    ref = server.create(disk_mb=300)["id"]
+    text(server, ref, "bash", "-c", CHANGES)
+    yield ref, text(server, ref, "bash", "-c", VIEW)
+    server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_writes_go_to_the_overlay_sized_to_the_disk(server: Sandboxd) -> None:
+    ref = server.create(disk_mb=300, memory_mb=256)["id"]
+    try:
+        size = int(text(server, ref, "df", "-B1M", "--output=size", "/").split()[-1])
+        assert 290 <= size <= 300  # disk_mb less what the ext4 layer below holds
+        text(server, ref, "sh", "-c", "head -c 52428800 /dev/urandom > /sandbox/home/big && sync")
+        layer = layer_dir(server, ref)
+        assert json.loads((server.state_dir / "gvisor" / ref / "bundle" / "root-overlay.json").read_text())
+        assert not (layer / "disk" / "upper" / "sandbox" / "home" / "big").exists()  # above the ext4 layer
+        full = server.run(ref, ["sh", "-c", "head -c 400000000 /dev/zero > /sandbox/home/more"])
+        assert full["exit_code"] != 0 and b"No space left on device" in full["stderr"]
+        used = int(text(server, ref, "df", "-B1M", "--output=used", "/").split()[-1])
+        assert used >= 290
+        # Freed again: the guest can write after deleting.
+        text(server, ref, "sh", "-c", "rm /sandbox/home/more /sandbox/home/big && echo ok > /sandbox/home/f")
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_a_disk_snapshot_of_a_running_sandbox_holds_every_change(
+    server: Sandboxd, changed: tuple[str, str]
+) -> None:
+    ref, view = changed
+    assert "bashrc-gone" in view and "same-inode" in view and "blob: OK" in view
+    snap = snapshot(server, ref, "disk")
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    try:
+        assert text(server, fork, "bash", "-c", VIEW) == view
+        # The fork writes into an overlay of its own; the original is untouched.
+        text(server, fork, "sh", "-c", "echo fork > /sandbox/home/new.txt")
+        assert text(server, ref, "cat", "/sandbox/home/new.txt") == "new\n"
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+
+
+def test_a_directory_made_again_hides_what_the_layer_below_had(server: Sandboxd) -> None:
+    """Two generations: a fork's ext4 layer holds ``tree``; the fork deletes and makes it again (an opaque
+    directory in its overlay); a fork of that shows only the new contents."""
+    first = server.create()["id"]
+    text(server, first, "sh", "-c", "mkdir /sandbox/home/tree && echo old > /sandbox/home/tree/old")
+    second = server.create(snapshot_id=snapshot(server, first, "disk")["id"])["id"]
+    text(server, second, "sh", "-c", "cd /sandbox/home && rm -r tree && mkdir tree && echo new > tree/new")
+    third = server.create(snapshot_id=snapshot(server, second, "disk")["id"])["id"]
+    try:
+        assert text(server, third, "ls", "/sandbox/home/tree") == "new\n"
+    finally:
+        for ref in (first, second, third):
+            server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_a_suspended_sandbox_gives_its_files_and_resumes_with_them(
+    server: Sandboxd, changed: tuple[str, str]
+) -> None:
+    ref, view = changed
+    assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+    assert (layer_dir(server, ref) / "upper.tar").is_file()
+    snap = snapshot(server, ref, "disk")
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    try:
+        assert text(server, fork, "bash", "-c", VIEW) == view
+        assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
+        assert text(server, ref, "bash", "-c", VIEW) == view
+        assert not (layer_dir(server, ref) / "upper.tar").exists()  # its overlay runs on from the checkpoint
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+
+
+def test_memory_forks_keep_the_overlay_and_its_processes(server: Sandboxd, changed: tuple[str, str]) -> None:
+    ref, view = changed
+    text(server, ref, "sh", "-c", "nohup sh -c 'sleep 1000; echo late' >/dev/null 2>&1 &")
+    snap = snapshot(server, ref, "memory")
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    try:
+        assert text(server, fork, "bash", "-c", VIEW) == view
+        assert "sleep 1000" in text(server, fork, "ps", "-eo", "args")
+        text(server, fork, "sh", "-c", "rm /sandbox/home/new.txt")  # diverges from the original
+        assert text(server, ref, "cat", "/sandbox/home/new.txt") == "new\n"
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+
+
+def test_a_persistent_fork_of_a_disk_snapshot_keeps_every_file_on_its_own_disk(
+    server: Sandboxd, changed: tuple[str, str]
+) -> None:
+    ref, view = changed
+    snap = snapshot(server, ref, "disk")
+    fork = server.create(snapshot_id=snap["id"], persistent=True, name="overlay-keeper")["id"]
+    try:
+        assert text(server, fork, "bash", "-c", VIEW) == view
+        # A persistent sandbox has no overlay: its writes land in its journaled ext4 layer of disk_mb.
+        assert not (server.state_dir / "gvisor" / fork / "bundle" / "root-overlay.json").exists()
+        size = int(text(server, fork, "df", "-B1M", "--output=size", "/").split()[-1])
+        assert 250 <= size <= 300  # ext4 of 300 MiB less its metadata and journal
+        text(server, fork, "sh", "-c", "echo kept > /sandbox/home/kept && sync")
+        assert (
+            layer_dir(server, fork) / "disk" / "upper" / "sandbox" / "home" / "kept"
+        ).read_text() == "kept\n"
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+
+
+def test_disk_use_counts_the_overlay_running_and_suspended(server: Sandboxd) -> None:
+    """A snapshot's estimate reads the sandbox's disk use: the overlay's 20 MiB are counted, from the sentry's
+    filestore while it runs and from its suspend's tar while suspended (the estimate of a running one's is
+    also checked by test_snapshots.py's progress test); the snapshot itself holds them."""
+    ref = server.create()["id"]
+    try:
+        text(server, ref, "sh", "-c", "head -c 20971520 /dev/urandom > /sandbox/home/x && sync")
+        assert snapshot(server, ref, "disk")["bytes"] >= 20 * 1024 * 1024
+        assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
+        assert (layer_dir(server, ref) / "upper.tar").stat().st_size >= 20 * 1024 * 1024
+        assert snapshot(server, ref, "disk")["bytes"] >= 20 * 1024 * 1024
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{ref}")
+
+
+def test_a_node_without_the_overlay_writes_to_the_layer(sandboxd_factory: Callable[..., Sandboxd]) -> None:
+    server = sandboxd_factory("[gvisor]\nroot_overlay = false\n")
+    ref = server.create()["id"]
+    text(server, ref, "sh", "-c", "echo x > /sandbox/home/f && sync")
+    assert not (server.state_dir / "gvisor" / ref / "bundle" / "root-overlay.json").exists()
+    assert (layer_dir(server, ref) / "disk" / "upper" / "sandbox" / "home" / "f").read_text() == "x\n"
+    fork = server.create(snapshot_id=snapshot(server, ref, "disk")["id"])["id"]
+    assert text(server, fork, "cat", "/sandbox/home/f") == "x\n"
