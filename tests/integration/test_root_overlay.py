@@ -7,6 +7,7 @@ them (a persistent fork too), memory forks and suspend/resume, and a node with `
 from __future__ import annotations
 
 import json
+import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -194,3 +195,23 @@ def test_a_node_without_the_overlay_writes_to_the_layer(sandboxd_factory: Callab
     assert (layer_dir(server, ref) / "disk" / "upper" / "sandbox" / "home" / "f").read_text() == "x\n"
     fork = server.create(snapshot_id=snapshot(server, ref, "disk")["id"])["id"]
     assert text(server, fork, "cat", "/sandbox/home/f") == "x\n"
+
+
+def test_a_stale_suspend_tar_beside_a_running_sandbox_is_never_read(server: Sandboxd, tmp_path: Path) -> None:
+    """A sandboxd killed between a suspend's tar and its checkpoint leaves the tar beside a sandbox that runs
+    on; its next disk snapshot asks the sandbox again, and removes the stale one."""
+    ref = server.create()["id"]
+    try:
+        text(server, ref, "sh", "-c", "echo now > /sandbox/home/now")
+        stale = tmp_path / "stale"
+        stale.write_text("old\n")
+        with tarfile.open(layer_dir(server, ref) / "upper.tar", "w") as tar:
+            tar.add(stale, arcname="./sandbox/home/stale")
+        fork = server.create(snapshot_id=snapshot(server, ref, "disk")["id"])["id"]
+        assert text(
+            server, fork, "sh", "-c", "cat /sandbox/home/now; ls /sandbox/home/stale 2>&1 || true"
+        ) == ("now\nls: cannot access '/sandbox/home/stale': No such file or directory\n")
+        assert not (layer_dir(server, ref) / "upper.tar").exists()
+        server.request("DELETE", f"/v1/sandboxes/{fork}")
+    finally:
+        server.request("DELETE", f"/v1/sandboxes/{ref}")

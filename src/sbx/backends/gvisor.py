@@ -242,6 +242,16 @@ async def _apply_onto_image(tar: Path, image_file: Path, mount_point: Path) -> N
             mount_point.rmdir()
 
 
+def _fsync_tree(directory: Path) -> None:
+    """fsync every file of ``directory`` (one level: a checkpoint's) and the directory itself."""
+    for path in [*directory.iterdir(), directory]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
@@ -678,6 +688,11 @@ class GVisorBackend:
                 tar.unlink(missing_ok=True)
                 raise
             await self._forget_stopped(sandbox_id)
+            if not restored_at_once:
+                # A suspended sandbox must wake after a host crash: its layer (a fresh one's journal commits
+                # only every 5 s) and its checkpoint on the host's disk first (test_persistent's reboot case).
+                await WritableLayer(self._dir(sandbox_id) / "layer").sync()
+                await asyncio.to_thread(_fsync_tree, image_dir)
 
     async def _tar_upper(self, sandbox_id: str, dest: Path) -> None:
         """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
@@ -770,10 +785,18 @@ class GVisorBackend:
                 await copy_frozen(layer.disk_dir, layer.image_file, dest)
                 return
             tar = layer.directory / SUSPENDED_TAR
-            made = not tar.is_file()  # none: it runs, and is asked for its overlay now
+            made = self._sentry_running(sandbox_id)  # asked for its overlay now; else its suspend's tar
             if made:
+                # A tar beside a running sandbox is stale (a sandboxd killed between a suspend's tar and its
+                # checkpoint left it): never to be read for it.
+                tar.unlink(missing_ok=True)
                 tar = directory / "snapshot-upper.tar"
                 await self._tar_upper(sandbox_id, tar)
+            elif not tar.is_file():
+                raise BackendError(
+                    "the suspended sandbox's files are only in its checkpoint (its suspend kept no tar of them); "
+                    "resume it, then take the disk snapshot"
+                )
             try:
                 await copy_frozen(layer.disk_dir, layer.image_file, dest)
                 await _apply_onto_image(tar, dest, directory / "snapshot-mount")
@@ -793,10 +816,15 @@ class GVisorBackend:
             overlay = None
         if overlay is None:
             return used
-        tar = layer.directory / SUSPENDED_TAR
-        if tar.is_file():
-            return used + tar.stat().st_blocks * 512
-        return used + filestore_bytes(self._sentry_pids(sandbox_id), layer.directory)
+        if self._sentry_running(sandbox_id):
+            return used + filestore_bytes(self._sentry_pids(sandbox_id), layer.directory)
+        with contextlib.suppress(OSError):  # suspended: its overlay is as large as its suspend's tar
+            return used + (layer.directory / SUSPENDED_TAR).stat().st_blocks * 512
+        return used
+
+    def _sentry_running(self, sandbox_id: str) -> bool:
+        """Whether the sandbox's sentry runs (a checkpointed one has no runsc state left: _forget_stopped)."""
+        return any(_alive(pid) for pid in self._sentry_pids(sandbox_id))
 
     def _sentry_pids(self, sandbox_id: str) -> list[int]:
         """The pid of the sandbox's sentry from runsc's state file; empty when it has none or it is unreadable."""
