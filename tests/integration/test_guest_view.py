@@ -87,15 +87,17 @@ def test_df_shows_the_sandbox_disk_and_writes_stay_in_it(sandboxd: Sandboxd) -> 
         sizes = sandboxd.run(ref, ["df", "-B1M", "--output=size,used", "/", "/tmp", "/dev/shm"])
         rows = [line.split() for line in sizes["stdout"].decode().splitlines()[1:]]
         root, tmp, shm = ([int(v) for v in row] for row in rows)
-        # gVisor's overlay of 300 MiB less what the ext4 layer below holds (test_root_overlay.py says where
-        # the writes go, and checks a persistent sandbox's: ext4 of 300 MiB less its metadata).
-        assert 280 <= root[0] <= 300, rows
+        assert 280 <= root[0] <= 300, rows  # ext4 of 300 MiB less its metadata
         assert tmp[0] == shm[0] == 128, rows  # half of memory_mb each
-        # 50 MiB written by the guest are used on that disk.
+        # 50 MiB written by the guest are used on that disk, and nowhere else in the sandbox's layer.
         wrote = sandboxd.run(
             ref, ["sh", "-c", "head -c 52428800 /dev/urandom > big && sync && df -B1M --output=used /"]
         )
         assert int(wrote["stdout"].split()[-1]) >= root[1] + 50
+        layer = sandboxd.state_dir / "gvisor" / ref / "layer"
+        assert not list(layer.rglob(".gvisor.filestore*"))
+        big = layer / "disk" / "upper" / "sandbox" / "home" / "big"
+        assert big.stat().st_size == 52428800
         # Past the disk: ENOSPC inside, the host's disk untouched.
         full = sandboxd.run(ref, ["sh", "-c", "head -c 400000000 /dev/zero > more; echo $?"])
         assert full["stdout"].strip() != b"0" and b"No space left on device" in full["stderr"]

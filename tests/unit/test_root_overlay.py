@@ -12,10 +12,12 @@ from sbx.backends.base import BackendError
 from sbx.backends.root_overlay import (
     MIN_SIZE_BYTES,
     RECORD,
+    TAR_MARGIN_BYTES,
     RootOverlay,
     filestore_bytes,
     read_record,
     sized,
+    tar_refusal,
     write_record,
 )
 
@@ -78,3 +80,26 @@ def test_filestore_bytes_reads_the_open_unlinked_file(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         os.close(other)
+
+
+# (case, overlay bytes, unreclaimable memory, limit, refused)
+TAR_CASES = [
+    ("small files, much free", 10 * MIB, 100 * MIB, 512 * MIB, False),
+    ("just fits with the margin", 512 * MIB - 100 * MIB - TAR_MARGIN_BYTES, 100 * MIB, 512 * MIB, False),
+    ("one byte over", 512 * MIB - 100 * MIB - TAR_MARGIN_BYTES + 1, 100 * MIB, 512 * MIB, True),
+    ("the measured kill: 500 MB in 512 MiB", 500_000_000, 40 * MIB, 512 * MIB, True),
+    ("memory already over the limit", 1, 600 * MIB, 512 * MIB, True),
+    ("no limit known", 10**12, 0, 0, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overlay", "memory", "limit", "refused"), [c[1:] for c in TAR_CASES], ids=[c[0] for c in TAR_CASES]
+)
+def test_saving_the_overlay_needs_its_bytes_free_in_memory(
+    overlay: int, memory: int, limit: int, refused: bool
+) -> None:
+    refusal = tar_refusal(overlay, memory, limit)
+    assert (refusal is not None) is refused
+    if refusal is not None:
+        assert f"free of {limit // MIB} MiB" in refusal and "Delete large files in it" in refusal

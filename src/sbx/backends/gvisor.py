@@ -56,6 +56,7 @@ from sbx.backends.root_overlay import (
     filestore_bytes,
     read_record,
     sized,
+    tar_refusal,
     write_record,
 )
 from sbx.backends.runsc import (
@@ -278,7 +279,7 @@ class GVisorBackend:
         egress: EgressConfig | None = None,
         dentry_cache: int = 0,
         usr_erofs: bool = True,
-        root_overlay: bool = True,
+        root_overlay: bool = False,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``usr_erofs``: serve each image's /usr from an EROFS image of it once built (usr_erofs.py).
@@ -698,6 +699,10 @@ class GVisorBackend:
         """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
         made beside it and renamed). The sentry holds the overlay's tree locked while it writes, so no file is
         made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it."""
+        usage = read_usage(f"{CGROUP_PARENT}/{sandbox_id}", None)
+        held = filestore_bytes(self._sentry_pids(sandbox_id), self._dir(sandbox_id) / "layer")
+        if usage is not None and (refusal := tar_refusal(held, usage.memory_bytes, usage.memory_limit_bytes)):
+            raise BackendError(refusal)
         partial = dest.with_name(f".{dest.name}.partial")
         try:
             await run_tool(

@@ -1,8 +1,8 @@
 """gVisor's own overlay as the writable top of an ephemeral sandbox's root (runsc ``--overlay2=root:dir=,size=``).
 
-Every sandbox's root is the image under its ext4 layer (layers.py), served by the gofer. For an ephemeral
-sandbox (one whose disk need not outlive its sentry: not persistent), the sentry puts an overlay of its own on
-top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore", which
+Every sandbox's root is the image under its ext4 layer (layers.py), served by the gofer. With ``[gvisor]
+root_overlay = true`` (off by default: see :func:`tar_refusal`), for an ephemeral sandbox (one whose disk need
+not outlive its sentry: not persistent), the sentry puts an overlay of its own on top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore", which
 runsc opens and unlinks), limited to ``size`` bytes. Every write of the guest lands there, at memory speed
 (docs/benchmarks.md: the battery's file tasks 0.2-0.6x the host's ext4), and the ext4 layer stays as it was at
 boot. What that changes, and what keeps each guarantee (docs/backends.md, "Ephemeral sandboxes in gVisor's
@@ -18,6 +18,8 @@ overlay"):
   is of one moment), which upper_tar.py applies onto a copy of the ext4 layer: the snapshot is an ext4 layer
   like any other, and forks of it boot as from any disk snapshot. A suspended sandbox has no sentry to ask, so
   its checkpoint keeps that tar beside the layer (:data:`SUSPENDED_TAR`) unless the caller restores it at once.
+  Writing the tar needs the overlay's files free in the sandbox's memory (:func:`tar_refusal`), else the
+  snapshot or suspend is refused and the sandbox runs on.
 - ``disk_used_bytes``: the ext4 layer's use plus the filestore's allocated bytes (found through the sentry's
   open descriptors; the suspended tar's size while it has none).
 
@@ -85,6 +87,34 @@ def read_record(directory: Path) -> RootOverlay | None:
     if not isinstance(size, int) or isinstance(size, bool) or size < MIN_SIZE_BYTES:
         raise BackendError(f"the record of the sandbox's root overlay names no valid size: {raw!r}")
     return RootOverlay(size)
+
+
+#: Memory kept free besides the overlay's bytes when gVisor writes the overlay out (its own buffers, the guest).
+TAR_MARGIN_BYTES = 64 * 1024 * 1024
+
+
+def tar_refusal(overlay_bytes: int, memory_bytes: int, limit_bytes: int) -> str | None:
+    """Why the sandbox's overlay must not be written out as a tar now, or None when it may.
+
+    The pinned runsc's ``tar rootfs-upper`` reads each file of the overlay whole into the sentry's memory
+    (gVisor's tmpfs ``tarDefaultWriterCallbacks.regularFileWrite``), which counts against the sandbox's limit:
+    a file larger than what is free gets the sentry, and the whole sandbox, killed by the OOM killer (measured:
+    a 500 MB file in a sandbox of 512 MiB). So the overlay's bytes (an upper bound of its largest file) plus
+    :data:`TAR_MARGIN_BYTES` must fit in ``limit_bytes`` less ``memory_bytes`` (what the sandbox holds that the
+    host cannot reclaim: its guest memory and the sentry's own). ``limit_bytes`` 0: no limit known, no refusal.
+    """
+    if limit_bytes <= 0:
+        return None
+    free = limit_bytes - memory_bytes
+    if overlay_bytes + TAR_MARGIN_BYTES <= free:
+        return None
+    mib = 1024 * 1024
+    return (
+        f"the sandbox's files above its image take {overlay_bytes // mib} MiB, and gVisor reads each one whole "
+        f"into the sandbox's memory to save it, which has {max(0, free) // mib} MiB free of {limit_bytes // mib} "
+        "MiB: saving them now could get the sandbox killed. Delete large files in it (or free memory), then retry; "
+        "a node with [gvisor] root_overlay = false keeps sandboxes' files where this is never needed"
+    )
 
 
 def filestore_bytes(pids: list[int], directory: Path) -> int:
