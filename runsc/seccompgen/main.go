@@ -4,8 +4,9 @@
 // gVisor's own (Bazel) builds generate that file, so a sandbox's boot or restore renders a ready program; the
 // file its Go branch ships registers none, and every boot and restore then builds and optimises the filter from
 // its rules instead (measured here: 10-15 ms of each runsc run and restore, "No precompiled program found" in
-// runsc's debug log). scripts/install.sh runs this against the stub of the pinned module and builds runsc with
-// `go build -overlay`, which compiles the generated file in the stub's place.
+// runsc's debug log). scripts/install.sh runs this against the stub of the pinned module and builds runsc from a
+// `go mod vendor` copy of the modules with the generated file in the stub's place (go refuses to compile over
+// files of its module cache, `-overlay` included).
 //
 //	go run ./seccompgen -stub <module dir>/runsc/boot/filter/filter_precompiled.go -out <file>
 //
@@ -44,6 +45,9 @@ func main() {
 	text, err := os.ReadFile(*stub)
 	if err != nil {
 		fail("cannot read the stub: %v", err)
+	}
+	if _, err := fill(string(text), ""); err != nil { // refused before the minute of precompiling
+		fail("%s: %v", *stub, err)
 	}
 	programs, err := config.PrecompiledPrograms()
 	if err != nil {

@@ -698,7 +698,9 @@ class GVisorBackend:
     async def _tar_upper(self, sandbox_id: str, dest: Path) -> None:
         """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
         made beside it and renamed). The sentry holds the overlay's tree locked while it writes, so no file is
-        made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it."""
+        made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it.
+        Refused (BackendError, nothing written) when the overlay's files would not fit in what the sandbox's
+        memory has free, which runsc's tar needs (root_overlay.tar_refusal)."""
         usage = read_usage(f"{CGROUP_PARENT}/{sandbox_id}", None)
         held = filestore_bytes(self._sentry_pids(sandbox_id), self._dir(sandbox_id) / "layer")
         if usage is not None and (refusal := tar_refusal(held, usage.memory_bytes, usage.memory_limit_bytes)):

@@ -404,8 +404,8 @@ class Checkpoints:
                     "(rule 3 of forks); ask for network mode none, or fork a disk snapshot"
                 )
             if req.persistent:
-                # An ephemeral sandbox's files live in its kernel's own overlay (backends/root_overlay.py),
-                # which the restored kernel keeps in memory: no disk a persistent sandbox could start from.
+                # A persistent sandbox starts again from its disk alone, and a memory fork's files may be in its
+                # restored kernel's own overlay (backends/root_overlay.py, [gvisor] root_overlay), never on it.
                 raise Unsupported(
                     f"a fork of memory snapshot {snapshot.id} cannot be persistent: the files of a memory fork "
                     "may live in its restored memory, not on a disk it could start from again; omit "
