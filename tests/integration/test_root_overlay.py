@@ -65,6 +65,13 @@ def snapshot(server: Sandboxd, ref: str, kind: str) -> dict[str, Any]:
     return resp.json()  # type: ignore[no-any-return]
 
 
+def fork_showing(server: Sandboxd, snapshot_id: str, view: str, **fields: Any) -> str:
+    """A fork of ``snapshot_id`` (with ``fields``), checked to show ``view`` (VIEW's output); its id."""
+    fork = str(server.create(snapshot_id=snapshot_id, **fields)["id"])
+    assert text(server, fork, "bash", "-c", VIEW) == view
+    return fork
+
+
 def layer_dir(server: Sandboxd, ref: str) -> Path:
     return server.state_dir / "gvisor" / ref / "layer"
 
@@ -103,9 +110,8 @@ def test_a_disk_snapshot_of_a_running_sandbox_holds_every_change(
     ref, view = changed
     assert "bashrc-gone" in view and "same-inode" in view and "blob: OK" in view
     snap = snapshot(server, ref, "disk")
-    fork = server.create(snapshot_id=snap["id"])["id"]
+    fork = fork_showing(server, snap["id"], view)
     try:
-        assert text(server, fork, "bash", "-c", VIEW) == view
         # The fork writes into an overlay of its own; the original is untouched.
         text(server, fork, "sh", "-c", "echo fork > /sandbox/home/new.txt")
         assert text(server, ref, "cat", "/sandbox/home/new.txt") == "new\n"
@@ -135,9 +141,8 @@ def test_a_suspended_sandbox_gives_its_files_and_resumes_with_them(
     assert server.request("POST", f"/v1/sandboxes/{ref}/suspend").status == 200
     assert (layer_dir(server, ref) / "upper.tar").is_file()
     snap = snapshot(server, ref, "disk")
-    fork = server.create(snapshot_id=snap["id"])["id"]
+    fork = fork_showing(server, snap["id"], view)
     try:
-        assert text(server, fork, "bash", "-c", VIEW) == view
         assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
         assert text(server, ref, "bash", "-c", VIEW) == view
         assert not (layer_dir(server, ref) / "upper.tar").exists()  # its overlay runs on from the checkpoint
@@ -149,9 +154,8 @@ def test_memory_forks_keep_the_overlay_and_its_processes(server: Sandboxd, chang
     ref, view = changed
     text(server, ref, "sh", "-c", "nohup sh -c 'sleep 1000; echo late' >/dev/null 2>&1 &")
     snap = snapshot(server, ref, "memory")
-    fork = server.create(snapshot_id=snap["id"])["id"]
+    fork = fork_showing(server, snap["id"], view)
     try:
-        assert text(server, fork, "bash", "-c", VIEW) == view
         assert "sleep 1000" in text(server, fork, "ps", "-eo", "args")
         text(server, fork, "sh", "-c", "rm /sandbox/home/new.txt")  # diverges from the original
         assert text(server, ref, "cat", "/sandbox/home/new.txt") == "new\n"
@@ -164,9 +168,8 @@ def test_a_persistent_fork_of_a_disk_snapshot_keeps_every_file_on_its_own_disk(
 ) -> None:
     ref, view = changed
     snap = snapshot(server, ref, "disk")
-    fork = server.create(snapshot_id=snap["id"], persistent=True, name="overlay-keeper")["id"]
+    fork = fork_showing(server, snap["id"], view, persistent=True, name="overlay-keeper")
     try:
-        assert text(server, fork, "bash", "-c", VIEW) == view
         # A persistent sandbox has no overlay: its writes land in its journaled ext4 layer of disk_mb.
         assert not (server.state_dir / "gvisor" / fork / "bundle" / "root-overlay.json").exists()
         size = int(text(server, fork, "df", "-B1M", "--output=size", "/").split()[-1])

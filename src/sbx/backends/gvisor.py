@@ -722,12 +722,7 @@ class GVisorBackend:
         stop; the cgroup is kept and reused by the restore. Falls back to ``runsc delete`` when the state
         cannot be read or a process outlives the wait.
         """
-        states = list(self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.state"))
-        try:
-            state = json.loads(states[0].read_text()) if states else {}
-            pids = [int(state["sandbox"]["pid"]), int(state.get("goferPid") or 0)]
-        except (OSError, ValueError, KeyError, TypeError):
-            pids = []
+        pids = self._runsc_pids(sandbox_id)
         deadline = asyncio.get_running_loop().time() + STOP_WAIT_SECS
         while pids and any(_alive(pid) for pid in pids if pid > 0):
             if asyncio.get_running_loop().time() > deadline:
@@ -834,10 +829,16 @@ class GVisorBackend:
         return any(_alive(pid) for pid in self._sentry_pids(sandbox_id))
 
     def _sentry_pids(self, sandbox_id: str) -> list[int]:
-        """The pid of the sandbox's sentry from runsc's state file; empty when it has none or it is unreadable."""
+        """The pid of the sandbox's sentry (first of :meth:`_runsc_pids`); empty when it has none."""
+        return self._runsc_pids(sandbox_id)[:1]
+
+    def _runsc_pids(self, sandbox_id: str) -> list[int]:
+        """The pids of the sandbox's sentry and of its gofer (0 when it has none) from runsc's state file;
+        empty when there is no state file or it cannot be read."""
         for state_file in self.runsc_root.glob(f"{sandbox_id}_sandbox:{sandbox_id}.state"):
             try:
-                return [int(json.loads(state_file.read_text())["sandbox"]["pid"])]
+                state = json.loads(state_file.read_text())
+                return [int(state["sandbox"]["pid"]), int(state.get("goferPid") or 0)]
             except (OSError, ValueError, KeyError, TypeError):
                 return []
         return []
