@@ -49,6 +49,7 @@ APT_PACKAGES=(
     e2fsprogs               # mkfs.ext4, e2fsck, resize2fs: writable layers, volumes, snapshot copies
     erofs-utils             # mkfs.erofs: each image's /usr as an EROFS image gVisor reads itself
     util-linux mount        # umount, fsfreeze (disk snapshots), setsid, flock
+    patch                   # applies runsc/patches/ onto gVisor's source before runsc is built
     iproute2                # ip, for sandbox networking
     nftables                # nft: sandbox egress rules (docs/network.md)
     procps                  # ps, pkill used by tests and diagnostics
@@ -215,7 +216,11 @@ RUNSC_RELEASE=$(sed -n 's|^// release: \([^ ]*\).*|\1|p' "$RUNSC_MODULE/go.mod")
 RUNSC_BIN=$RUNSC_HOME/$RUNSC_PIN/runsc
 # How the binary is built, besides the pin, written beside it as build.txt: a binary of the same version built
 # another way (before the seccomp programs were precompiled, or copied in without this file) is built again.
-RUNSC_RECIPE="CGO_ENABLED=0; sentry seccomp programs precompiled by runsc/seccompgen"
+# Each patch of runsc/patches/ (applied onto the vendored gVisor) is named with its digest, so a changed patch is
+# built again; sandboxd reads the names (sbx.backends.runsc.RunscInfo.overlay_tar_streams).
+RUNSC_PATCHES=$(cd "$RUNSC_MODULE/patches" && for p in *.patch; do
+    printf ' %s@%s' "${p%.patch}" "$(sha256sum "$p" | cut -c1-12)"; done)
+RUNSC_RECIPE="CGO_ENABLED=0; sentry seccomp programs precompiled by runsc/seccompgen; patches:$RUNSC_PATCHES"
 step "runsc $RUNSC_RELEASE ($RUNSC_BIN)"
 if [ -x "$RUNSC_BIN" ] && [ "$("$RUNSC_BIN" --version 2>/dev/null | head -n 1)" = "runsc version $RUNSC_RELEASE" ] &&
     [ "$(cat "$RUNSC_HOME/$RUNSC_PIN/build.txt" 2>/dev/null)" = "$RUNSC_RECIPE" ]; then
@@ -231,7 +236,8 @@ else
     # gVisor's Go branch ships runsc/boot/filter/filter_precompiled.go with no program in it, so every sandbox
     # boot and restore would build its seccomp filter from the rules (10-15 ms each, docs/backends.md);
     # seccompgen writes the file gVisor's own builds generate, and the build compiles it in the stub's place, in a
-    # vendored copy of the pinned modules (go refuses to compile over files of its module cache).
+    # vendored copy of the pinned modules (go refuses to compile over files of its module cache), after the
+    # patches of runsc/patches/ (each says why) are applied there.
     if ! (cd "$RUNSC_MODULE" && export CGO_ENABLED=0 GOTOOLCHAIN=auto GOFLAGS=-mod=readonly &&
             "$GO" mod download gvisor.dev/gvisor &&
             module_dir=$("$GO" list -m -f '{{.Dir}}' gvisor.dev/gvisor) &&
@@ -240,6 +246,10 @@ else
             mkdir "$build_dir/src" && cp go.mod go.sum tools.go "$build_dir/src/" &&
             cd "$build_dir/src" && "$GO" mod vendor &&
             cp "$build_dir/filter_precompiled.go" vendor/gvisor.dev/gvisor/runsc/boot/filter/filter_precompiled.go &&
+            for p in "$RUNSC_MODULE"/patches/*.patch; do
+                patch -p1 --forward --batch --fuzz=0 --no-backup-if-mismatch -d vendor/gvisor.dev/gvisor < "$p" ||
+                    { echo "$p does not apply onto gvisor.dev/gvisor@$RUNSC_PIN" >&2; exit 1; }
+            done &&
             "$GO" build -mod=vendor -trimpath \
                 -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_RELEASE" \
                 -o "$build_dir/runsc" gvisor.dev/gvisor/runsc); then

@@ -15,11 +15,13 @@ from sbx.backends.root_overlay import (
     TAR_MARGIN_BYTES,
     RootOverlay,
     filestore_bytes,
+    overlay_refusal,
     read_record,
     sized,
     tar_refusal,
     write_record,
 )
+from sbx.backends.runsc import RunscInfo
 
 MIB = 1024 * 1024
 
@@ -103,3 +105,26 @@ def test_saving_the_overlay_needs_its_bytes_free_in_memory(
     assert (refusal is not None) is refused
     if refusal is not None:
         assert f"free of {limit // MIB} MiB" in refusal and "Delete large files in it" in refusal
+
+
+# (case, release, patches it was built with, why not (None: the overlay is used))
+REFUSAL_CASES = [
+    ("the runsc scripts/install.sh builds", 20260803, {"tmpfs-tar-streams-files"}, None),
+    ("the same release built another way", 20260803, set(), "not built by scripts/install.sh with runsc/patches/"),
+    ("bookworm-backports", 20240729, set(), "cannot size it or write it out (release 20250721 or later can)"),
+    ("a build naming no release", 0, {"tmpfs-tar-streams-files"}, "cannot size it"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("release", "patches", "why"), [c[1:] for c in REFUSAL_CASES], ids=[c[0] for c in REFUSAL_CASES]
+)
+def test_the_overlay_needs_a_runsc_that_sizes_it_and_streams_its_tar(
+    release: int, patches: set[str], why: str | None
+) -> None:
+    info = RunscInfo("/r/runsc", f"v{release}", release, frozenset(), ("systrap",), frozenset(patches))
+    refusal = overlay_refusal(info)
+    if why is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and why in refusal and f"runsc v{release}" in refusal, refusal

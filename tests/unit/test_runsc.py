@@ -265,3 +265,33 @@ def test_root_overlay_flag_replaces_none() -> None:
     info = inspect_runsc_from_flags("  -overlay2 value\n")
     flags = info.start_flags("systrap", 0, "--overlay2=root:dir=/x,size=1048576")
     assert "--overlay2=root:dir=/x,size=1048576" in flags and "--overlay2=none" not in flags
+
+
+# (case, build.txt beside the binary (None: no file), patches read)
+BUILD_RECORD_CASES = [
+    ("no record: Debian's or another build", None, frozenset()),
+    ("a record before patches were named", "CGO_ENABLED=0; sentry seccomp programs precompiled by runsc/seccompgen",
+     frozenset()),
+    ("the patch that streams the tar", "CGO_ENABLED=0; patches: tmpfs-tar-streams-files@30cf98401d5c\n",
+     frozenset({"tmpfs-tar-streams-files"})),
+    ("two patches", "x; patches: a@111 b@222", frozenset({"a", "b"})),
+    ("none listed", "x; patches:", frozenset()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("record", "patches"), [c[1:] for c in BUILD_RECORD_CASES], ids=[c[0] for c in BUILD_RECORD_CASES]
+)
+def test_patches_are_read_from_the_build_record_beside_the_binary(
+    tmp_path: Path, record: str | None, patches: frozenset[str]
+) -> None:
+    """Through the link scripts/install.sh makes (``runsc`` -> ``<version>/runsc``), as sandboxd finds it."""
+    (tmp_path / "v1").mkdir()
+    binary = fake_runsc(tmp_path / "v1", "runsc version release-20260803.0", FLAGS_20240729)
+    if record is not None:
+        (tmp_path / "v1" / "build.txt").write_text(record)
+    (tmp_path / "runsc").symlink_to("v1/runsc")
+    info = inspect_runsc(str(tmp_path / "runsc"))
+    assert info.patches == patches
+    assert info.overlay_tar_streams is ("tmpfs-tar-streams-files" in patches)
+    assert binary == str(tmp_path / "v1" / "runsc")

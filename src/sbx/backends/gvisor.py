@@ -54,6 +54,7 @@ from sbx.backends.root_overlay import (
     SUSPENDED_TAR,
     RootOverlay,
     filestore_bytes,
+    overlay_refusal,
     read_record,
     sized,
     tar_refusal,
@@ -279,13 +280,13 @@ class GVisorBackend:
         egress: EgressConfig | None = None,
         dentry_cache: int = 0,
         usr_erofs: bool = True,
-        root_overlay: bool = False,
+        root_overlay: bool = True,
     ) -> None:
         """``pooled_disk_mb`` > 0 keeps writable layers of that size (the default disk) ready ahead of time.
         ``usr_erofs``: serve each image's /usr from an EROFS image of it once built (usr_erofs.py).
         ``root_overlay``: an ephemeral sandbox writes into gVisor's own overlay sized to its disk, above its
-        ext4 layer, where this runsc has one (root_overlay.py); False: into the ext4 layer, as a persistent
-        one always does.
+        ext4 layer, where this runsc has one and writes it out in bounded memory (root_overlay.py; else
+        :attr:`root_overlay_refused` says why not); False: into the ext4 layer, as a persistent one always does.
         ``egress``: enforce modes allowlist and open with that configuration (gvisor_net.py); None: mode
         none only. ``platform``: ``auto`` (systrap where a probe boots on it, else ptrace) or a platform
         name (runsc.py)."""
@@ -306,6 +307,9 @@ class GVisorBackend:
         #: The EROFS images of the images' /usr trees, built in the background.
         self.usr_images = UsrImages(usr_erofs)
         self.root_overlay = root_overlay
+        #: Why ephemeral sandboxes write into their ext4 layer although ``root_overlay`` asked for gVisor's
+        #: overlay (check() decides from this runsc), or None.
+        self.root_overlay_refused: str | None = None
         #: Volumes are ext4 images loop-mounted on the host and bound into sandboxes (runsc's gofer serves them).
         self.volumes: VolumeDisks = LoopVolumes(GUEST)
         #: One checkpoint, restore, disk copy or teardown at a time per sandbox.
@@ -378,6 +382,7 @@ class GVisorBackend:
             if not self.freezer.usable()
             else info.parking_refused(self.platform)
         )
+        self.root_overlay_refused = overlay_refusal(info) if self.root_overlay else None
         if self.net is not None:
             self.net.procfs_mask = info.netns_needs_procfs_mask
         log.info(
@@ -391,6 +396,8 @@ class GVisorBackend:
         limitations = info.limitations(self.platform) if info is not None else []
         if self.parking_refused is not None:
             limitations.append(self.parking_refused)
+        if self.root_overlay_refused is not None:
+            limitations.append(self.root_overlay_refused)
         return Runtime(
             platform=self.platform,
             platform_reason=self.platform_reason,
@@ -574,7 +581,7 @@ class GVisorBackend:
                     "persistent sandbox cannot keep; fork it without persistent, or fork a disk snapshot of it"
                 )
             return overlay
-        if spec.durable_disk or not self.root_overlay or not self._runsc().sized_root_overlay:
+        if spec.durable_disk or not self.root_overlay or self.root_overlay_refused is not None:
             return None
         return sized(spec.disk_mb, layer.used_bytes())
 
@@ -699,12 +706,16 @@ class GVisorBackend:
         """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
         made beside it and renamed). The sentry holds the overlay's tree locked while it writes, so no file is
         made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it.
-        Refused (BackendError, nothing written) when the overlay's files would not fit in what the sandbox's
-        memory has free, which runsc's tar needs (root_overlay.tar_refusal)."""
-        usage = read_usage(f"{CGROUP_PARENT}/{sandbox_id}", None)
-        held = filestore_bytes(self._sentry_pids(sandbox_id), self._dir(sandbox_id) / "layer")
-        if usage is not None and (refusal := tar_refusal(held, usage.memory_bytes, usage.memory_limit_bytes)):
-            raise BackendError(refusal)
+        A runsc whose tar reads each file whole (not :attr:`RunscInfo.overlay_tar_streams`: the sandbox was
+        booted by a runsc that streams, which was replaced since) refuses (BackendError, nothing written) when
+        the overlay's files would not fit in what the sandbox's memory has free (root_overlay.tar_refusal)."""
+        if not self._runsc().overlay_tar_streams:
+            usage = read_usage(f"{CGROUP_PARENT}/{sandbox_id}", None)
+            held = filestore_bytes(self._sentry_pids(sandbox_id), self._dir(sandbox_id) / "layer")
+            if usage is not None and (
+                refusal := tar_refusal(held, usage.memory_bytes, usage.memory_limit_bytes)
+            ):
+                raise BackendError(refusal)
         partial = dest.with_name(f".{dest.name}.partial")
         try:
             await run_tool(

@@ -1,9 +1,10 @@
 """gVisor's own overlay as the writable top of an ephemeral sandbox's root (runsc ``--overlay2=root:dir=,size=``).
 
 Every sandbox's root is the image under its ext4 layer (layers.py), served by the gofer. With ``[gvisor]
-root_overlay = true`` (off by default: see :func:`tar_refusal`), for an ephemeral sandbox (one whose disk need
-not outlive its sentry: not persistent), the sentry puts an overlay of its own on top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore", which
-runsc opens and unlinks), limited to ``size`` bytes. Every write of the guest lands there, at memory speed
+root_overlay = true`` (the default) and a runsc scripts/install.sh built (:func:`overlay_refusal`), for an
+ephemeral sandbox (one whose disk need not outlive its sentry: not persistent), the sentry puts an overlay of its
+own on top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore",
+which runsc opens and unlinks), limited to ``size`` bytes. Every write of the guest lands there, at memory speed
 (docs/benchmarks.md: the battery's file tasks 0.2-0.6x the host's ext4), and the ext4 layer stays as it was at
 boot. What that changes, and what keeps each guarantee (docs/backends.md, "Ephemeral sandboxes in gVisor's
 overlay"):
@@ -18,8 +19,8 @@ overlay"):
   is of one moment), which upper_tar.py applies onto a copy of the ext4 layer: the snapshot is an ext4 layer
   like any other, and forks of it boot as from any disk snapshot. A suspended sandbox has no sentry to ask, so
   its checkpoint keeps that tar beside the layer (:data:`SUSPENDED_TAR`) unless the caller restores it at once.
-  Writing the tar needs the overlay's files free in the sandbox's memory (:func:`tar_refusal`), else the
-  snapshot or suspend is refused and the sandbox runs on.
+  runsc writes it 1 MiB at a time (runsc/patches/tmpfs-tar-streams-files.patch: gVisor itself reads each file
+  whole into the sandbox's memory, see :func:`tar_refusal`).
 - ``disk_used_bytes``: the ext4 layer's use plus the filestore's allocated bytes (found through the sentry's
   open descriptors; the suspended tar's size while it has none).
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sbx.backends.base import BackendError
+from sbx.backends.runsc import SIZED_OVERLAY_RELEASE, RunscInfo
 
 #: In a sandbox's bundle and in each checkpoint taken of it: the overlay its sentry mounts (JSON, ``size_bytes``);
 #: no file, no overlay (the ext4 layer takes the writes).
@@ -89,6 +91,24 @@ def read_record(directory: Path) -> RootOverlay | None:
     return RootOverlay(size)
 
 
+def overlay_refusal(info: RunscInfo) -> str | None:
+    """Why ephemeral sandboxes on ``info`` must write into their ext4 layer instead of gVisor's overlay, or
+    None when they may use it: a runsc that can size it and whose tar of it streams each file (a runsc without
+    :attr:`RunscInfo.overlay_tar_streams` reads each whole into the sandbox's memory, see :func:`tar_refusal`)."""
+    if not info.sized_root_overlay:
+        return (
+            f"ephemeral sandboxes write into their ext4 layer, not gVisor's faster overlay: runsc {info.version} "
+            f"cannot size it or write it out (release {SIZED_OVERLAY_RELEASE} or later can)"
+        )
+    if not info.overlay_tar_streams:
+        return (
+            f"ephemeral sandboxes write into their ext4 layer, not gVisor's faster overlay: runsc {info.version} "
+            "was not built by scripts/install.sh with runsc/patches/, and its tar of the overlay reads each file "
+            "whole into the sandbox's memory (a snapshot of a large file would get the sandbox killed)"
+        )
+    return None
+
+
 #: Memory kept free besides the overlay's bytes when gVisor writes the overlay out (its own buffers, the guest).
 TAR_MARGIN_BYTES = 64 * 1024 * 1024
 
@@ -96,8 +116,9 @@ TAR_MARGIN_BYTES = 64 * 1024 * 1024
 def tar_refusal(overlay_bytes: int, memory_bytes: int, limit_bytes: int) -> str | None:
     """Why the sandbox's overlay must not be written out as a tar now, or None when it may.
 
-    The pinned runsc's ``tar rootfs-upper`` reads each file of the overlay whole into the sentry's memory
-    (gVisor's tmpfs ``tarDefaultWriterCallbacks.regularFileWrite``), which counts against the sandbox's limit:
+    Only for a sandbox whose runsc lacks :attr:`RunscInfo.overlay_tar_streams` (booted by one that had it,
+    replaced since). gVisor's own ``tar rootfs-upper`` reads each file of the overlay whole into the sentry's
+    memory (its tmpfs ``tarDefaultWriterCallbacks.regularFileWrite``), which counts against the sandbox's limit:
     a file larger than what is free gets the sentry, and the whole sandbox, killed by the OOM killer (measured:
     a 500 MB file in a sandbox of 512 MiB). So the overlay's bytes (an upper bound of its largest file) plus
     :data:`TAR_MARGIN_BYTES` must fit in ``limit_bytes`` less ``memory_bytes`` (what the sandbox holds that the
@@ -113,7 +134,8 @@ def tar_refusal(overlay_bytes: int, memory_bytes: int, limit_bytes: int) -> str 
         f"the sandbox's files above its image take {overlay_bytes // mib} MiB, and gVisor reads each one whole "
         f"into the sandbox's memory to save it, which has {max(0, free) // mib} MiB free of {limit_bytes // mib} "
         "MiB: saving them now could get the sandbox killed. Delete large files in it (or free memory), then retry; "
-        "a node with [gvisor] root_overlay = false keeps sandboxes' files where this is never needed"
+        "the runsc scripts/install.sh builds streams each file, and a node with [gvisor] root_overlay = false keeps "
+        "sandboxes' files where this is never needed"
     )
 
 

@@ -63,6 +63,13 @@ EROFS_MOUNT_RELEASE: Final = 20260803
 #: reports it, a write past it is ENOSPC; upstream 32c91c391, b14059d71) and ``runsc tar rootfs-upper`` exists
 #: (8b9497569, release 20250721): what an ephemeral sandbox's root overlay needs (root_overlay.py).
 SIZED_OVERLAY_RELEASE: Final = 20250721
+#: The patch of runsc/patches/ after which ``runsc tar rootfs-upper`` reads each file in chunks of 1 MiB: gVisor
+#: itself reads each one whole into the sentry's memory, which counts against the sandbox's limit (a file larger
+#: than what is free gets the sandbox killed), so only with it may a root overlay be written out whatever its
+#: files (root_overlay.py).
+STREAMED_TAR_PATCH: Final = "tmpfs-tar-streams-files"
+#: Beside a runsc scripts/install.sh built: how it was built, one line ending in ``patches: <name>@<digest> ...``.
+BUILD_RECORD: Final = "build.txt"
 
 Platform = Literal["systrap", "ptrace"]
 #: Platforms sandboxd knows how to use, fastest first (kvm needs a host whose /dev/kvm runs guests).
@@ -92,13 +99,15 @@ MAX_AUTO_DENTRY_CACHE: Final = 16384
 @dataclass(frozen=True)
 class RunscInfo:
     """What one runsc binary is. ``release`` is its gVisor release date (``yyyymmdd``), 0 when its version
-    string names none (a build from source): then every workaround below stays on, which is only slower."""
+    string names none (a build from source): then every workaround below stays on, which is only slower.
+    ``patches``: the names of the patches of runsc/patches/ it was built with (:func:`read_patches`)."""
 
     path: str
     version: str
     release: int
     flags: frozenset[str]
     platforms: tuple[str, ...]
+    patches: frozenset[str] = frozenset()
 
     def parking_refused(self, platform: str) -> str | None:
         """Why sandboxes on ``platform`` must not be frozen (parked), or None when they may. A build naming no
@@ -121,6 +130,12 @@ class RunscInfo:
         """Whether ephemeral sandboxes may write into gVisor's own sized root overlay
         (:data:`SIZED_OVERLAY_RELEASE`)."""
         return self.release >= SIZED_OVERLAY_RELEASE
+
+    @property
+    def overlay_tar_streams(self) -> bool:
+        """Whether ``runsc tar rootfs-upper`` writes a file of any size in a sandbox's memory
+        (:data:`STREAMED_TAR_PATCH`)."""
+        return STREAMED_TAR_PATCH in self.patches
 
     @property
     def netns_needs_procfs_mask(self) -> bool:
@@ -215,7 +230,18 @@ def inspect_runsc(runsc: str = DEFAULT_RUNSC) -> RunscInfo:
         )
     flags_text = _output([path, "flags"])
     flags = frozenset(re.findall(r"^\s+-([A-Za-z0-9_-]+)", flags_text, re.MULTILINE))
-    return RunscInfo(path, version, release, flags, _platforms(flags_text))
+    return RunscInfo(path, version, release, flags, _platforms(flags_text), read_patches(path))
+
+
+def read_patches(path: str) -> frozenset[str]:
+    """The patches the runsc at ``path`` (a link is followed) was built with, from the :data:`BUILD_RECORD`
+    beside it; none for a runsc without one (Debian's, another build)."""
+    try:
+        text = (Path(os.path.realpath(path)).parent / BUILD_RECORD).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return frozenset()
+    _, found, listed = text.strip().rpartition("patches:")
+    return frozenset(entry.split("@", 1)[0] for entry in listed.split()) if found else frozenset()
 
 
 def read_version(path: str) -> str:

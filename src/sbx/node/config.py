@@ -197,14 +197,14 @@ class GVisorConfig:
     sandbox's sentry keeps cached (runsc ``--dcache``); 0 means sized from the open-file limit sandboxd runs
     with (sbx.backends.runsc.dentry_cache_size). ``usr_erofs``: serve each image's /usr, when nothing in it is
     writable by a user, from an EROFS image of it the sentry reads itself (sbx.backends.usr_erofs).
-    ``root_overlay``: an ephemeral sandbox's writes go to gVisor's own overlay, sized to its disk, above its ext4
-    layer (sbx.backends.root_overlay); false (the default): to the ext4 layer, as a persistent sandbox's always
-    do (a snapshot or suspend of an overlay needs its largest file free in the sandbox's memory)."""
+    ``root_overlay``: true (the default): an ephemeral sandbox's writes go to gVisor's own overlay, sized to its
+    disk, above its ext4 layer (sbx.backends.root_overlay), where the runsc is one scripts/install.sh built;
+    false: to the ext4 layer, as a persistent sandbox's always do."""
 
     platform: str = "auto"
     dentry_cache: int = 0
     usr_erofs: bool = True
-    root_overlay: bool = False
+    root_overlay: bool = True
 
 
 @dataclass(frozen=True)
