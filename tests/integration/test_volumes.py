@@ -369,3 +369,39 @@ def test_a_suspended_sandbox_still_holds_its_volumes(sandboxd_factory: Callable[
     assert server.request("POST", f"/v1/sandboxes/{box['id']}/resume").status == 200
     assert sh(server, box["id"], "echo two >> /data/f; cat /data/f")["stdout"] == b"one\ntwo\n"
     assert (server.state_dir / "volumes" / "held" / "mnt" / "f").read_bytes() == b"one\ntwo\n"
+
+
+def test_a_mount_namespace_holding_a_copy_of_the_volume_never_gets_it_a_second_loop_device(
+    sandboxd_factory: Callable[..., Sandboxd],
+) -> None:
+    """A program on the host that makes a mount namespace while a volume is mounted (``unshare -m``, ``ip
+    netns exec``: another test's server did, and the next mount was refused for 5 s) keeps a copy of the
+    mount that sandboxd's unmount does not reach where the host's mounts are private (this machine's). The
+    next sandbox mounts the loop device still bound to the volume's image (the same file system, with what
+    was written), never a second one over the same file, which would corrupt it."""
+    from sbx.backends.layers import loop_devices_of
+
+    server = sandboxd_factory()
+    assert server.request("POST", "/v1/volumes", {"name": "keep", "size_mb": 16}).status == 201
+    writer = server.create(volumes=[{"name": "keep", "path": "/data"}])["id"]
+    sh(server, writer, "echo before > /data/f")
+    image = server.state_dir / "volumes" / "keep" / "disk.img"
+    (device,) = loop_devices_of(image)
+    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "120"])
+    try:
+        time.sleep(0.2)  # the namespace is made
+        assert server.request("DELETE", f"/v1/sandboxes/{writer}").status == 204
+        deadline = time.monotonic() + 10
+        while volumes(server)["keep"]["attached_to"] is not None or host_mounted(server, "keep"):
+            assert time.monotonic() < deadline, volumes(server)
+            time.sleep(0.05)
+        assert loop_devices_of(image) == [device]  # still bound: the other namespace holds the file system
+        reader = server.create(volumes=[{"name": "keep", "path": "/data"}])["id"]
+        assert loop_devices_of(image) == [device]
+        assert sh(server, reader, "cat /data/f; echo after >> /data/f; cat /data/f")["stdout"] == (
+            b"before\nbefore\nafter\n"
+        )
+        assert server.request("DELETE", f"/v1/sandboxes/{reader}").status == 204
+    finally:
+        holder.kill()
+        holder.wait()

@@ -158,8 +158,43 @@ def _attach_loop(image_file: Path) -> int:
         os.close(control)
 
 
+def loop_devices_of(image_file: Path) -> list[str]:
+    """Loop devices (``loop3``) whose backing file is ``image_file``."""
+    target = os.path.realpath(image_file)
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text(encoding="utf-8").strip() == target:
+                found.append(backing.parent.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+def _open_bound_loop(image_file: Path) -> int | None:
+    """An open descriptor of a loop device still bound to ``image_file``, or None.
+
+    One outlives our unmount when another mount namespace holds the file system: one that a process on the
+    host made while it was mounted (``unshare -m``, ``ip netns exec``) keeps its own copy of the mount, which
+    our unmount does not reach where the host's mounts are private (no systemd: this machine's), and a
+    stopping sandbox's file server holds one until it exits. Mounting that device again gives the same
+    superblock; a second loop device over the file would give a second one, and two ext4 superblocks
+    writing one file corrupt it. Held open, it cannot be cleared meanwhile."""
+    for name in loop_devices_of(image_file):
+        try:
+            device = os.open(f"/dev/{name}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # cleared meanwhile
+        if name in loop_devices_of(image_file):
+            return device
+        os.close(device)
+    return None
+
+
 def _mount_loop(image_file: Path, target: Path) -> None:
-    device = _attach_loop(image_file)
+    device = _open_bound_loop(image_file)
+    if device is None:
+        device = _attach_loop(image_file)
     try:
         source = os.readlink(f"/proc/self/fd/{device}").encode()
         if _libc.mount(source, str(target).encode(), b"ext4", _MS_NODEV | _MS_NOSUID, None) != 0:
@@ -170,7 +205,8 @@ def _mount_loop(image_file: Path, target: Path) -> None:
 
 
 async def mount_loop(image_file: Path, target: Path) -> None:
-    """Mount the ext4 image ``image_file`` on ``target`` through a loop device (nodev, nosuid).
+    """Mount the ext4 image ``image_file`` on ``target`` through a loop device (nodev, nosuid): the one still
+    bound to it where there is one (:func:`_open_bound_loop`), else a new one.
 
     With ioctl and mount(2) directly: a ``mount`` process costs 10 to 30 ms per call here (measured).
     """

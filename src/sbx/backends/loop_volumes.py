@@ -25,7 +25,7 @@ from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop
 log = logging.getLogger(__name__)
 
 #: How long a detach waits for a stopping sandbox's file server to let go, in seconds, before detaching
-#: lazily; and how long an attach waits for a lazily detached loop device to go.
+#: lazily (the next attach mounts the loop device that stays bound meanwhile: layers.mount_loop).
 UNMOUNT_WAIT_SECS = 5.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -44,19 +44,6 @@ def _syncfs(path: Path) -> None:
             log.warning("volume flush failed", extra={"path": str(path), "error": os.strerror(err)})
     finally:
         os.close(fd)
-
-
-def _loop_devices_of(image_file: Path) -> list[str]:
-    """Loop devices whose backing file is ``image_file`` (one may outlive a lazy unmount while busy)."""
-    target = os.path.realpath(image_file)
-    found = []
-    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-        try:
-            if backing.read_text(encoding="utf-8").strip() == target:
-                found.append(backing.parent.parent.name)
-        except OSError:
-            continue
-    return found
 
 
 class LoopVolumes:
@@ -95,19 +82,10 @@ class LoopVolumes:
         mnt = directory / "mnt"
         if is_mounted(mnt):
             return mnt
-        image = directory / "disk.img"
-        # Never two loop mounts of one ext4 image: that corrupts it. One left by a lazy unmount while a
-        # stopped sandbox's file server still held it goes away when that server exits.
-        for _ in range(int(UNMOUNT_WAIT_SECS / 0.1)):
-            if not _loop_devices_of(image):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise BackendError(
-                f"volume {directory.name!r} is still attached from an earlier mount; retry in a moment"
-            )
+        # A loop device left bound to the image by an earlier mount (a lazy unmount while a stopped sandbox's
+        # file server held it, or another mount namespace's copy of the mount) is mounted again: never two.
         mnt.mkdir(exist_ok=True)
-        await mount_loop(image, mnt)
+        await mount_loop(directory / "disk.img", mnt)
         log.info("volume mounted", extra={"volume": directory.name})
         return mnt
 
