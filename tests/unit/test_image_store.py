@@ -195,6 +195,16 @@ def test_remove(tmp_path: Path) -> None:
         store.remove("default")
 
 
+def test_remove_counts_what_a_backend_built_beside_the_root(tmp_path: Path) -> None:
+    """The gVisor backend's usr.erofs is not the image's ``bytes`` (the root's), but its removal frees it."""
+    store = ImageStore(tmp_path)
+    image = store.install_rootfs("default", fake_build())
+    (image.path / "usr.erofs").write_bytes(os.urandom(64 * 1024))
+    (image.path / "usr.erofs.lock").touch()
+    assert store.get("default") == image  # bytes unchanged
+    assert store.remove("default") == image.bytes + 64 * 1024
+
+
 ODD_REFERENCES = [
     "default",
     "DEFAULT",

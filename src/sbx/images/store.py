@@ -6,7 +6,8 @@ Layout under ``images_dir`` (``/var/lib/sandboxd/images`` by default, mode 0700)
         image.json              reference, digest, bytes, installed_at, config, annotations, layers
         rootfs/                 the image root, shared read-only by every sandbox started from it
         usr.erofs, usr.erofs.lock  the gVisor backend's EROFS image of rootfs/usr, once built (not counted in
-                                ``bytes``; sbx.backends.usr_erofs), removed with the image
+                                ``bytes``, which is the root's; sbx.backends.usr_erofs), removed with the image
+                                (and counted in what its removal frees)
     .tmp-<slug>-<hash>-<rand>/  an install in progress (or left by a killed one): never listed
     .trash-<slug>-<hash>-<rand>/ an image being removed or replaced: never listed
     .locks/<slug>-<hash>.lock   flock held while an image is installed or removed
@@ -314,7 +315,8 @@ class ImageStore:
         return image
 
     def remove(self, reference: str) -> int:
-        """Delete the installed image ``reference``; returns the bytes it held (as recorded; 0 if damaged).
+        """Delete the installed image ``reference``; returns the bytes it held: its root's (as recorded; 0 if
+        damaged) and what backends built beside it (:func:`derived_bytes`).
 
         It disappears from listings at once (one rename), then its files are deleted. Raises NotFound when
         it is not installed. Whether a sandbox still uses it is the caller's check.
@@ -329,6 +331,7 @@ class ImageStore:
                 freed = 0
             if not image_dir.is_dir():
                 raise NotFound(f"image {reference!r} is not installed")
+            freed += derived_bytes(image_dir)
             trash = Path(tempfile.mkdtemp(prefix=f"{_TRASH_PREFIX}{image_dir.name}-", dir=self.images_dir))
             os.rename(image_dir, trash / "image")
             fsync_dir(self.images_dir)
@@ -467,6 +470,17 @@ def _open_dir(root_fd: int, rel: str, mode: int, owner: tuple[int, int]) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def derived_bytes(image_dir: Path) -> int:
+    """Allocated bytes of the files a backend built beside an image's root from it (``usr.erofs``): every
+    regular file directly in ``image_dir`` but image.json, which go with the image."""
+    total = 0
+    for entry in image_dir.iterdir():
+        st = entry.lstat()
+        if stat.S_ISREG(st.st_mode) and entry.name != _IMAGE_JSON:
+            total += st.st_blocks * 512
+    return total
 
 
 def disk_usage_bytes(path: Path) -> int:
