@@ -105,6 +105,8 @@ class Worker:
     name: str
     created: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    #: Deletes sent without an answer (the replica killed while it served one): they may have been done.
+    unanswered_deletes: list[str] = field(default_factory=list)
     failures: list[tuple[float, str]] = field(default_factory=list)
     #: When each request was answered with success (monotonic seconds).
     answered: list[float] = field(default_factory=list)
@@ -147,10 +149,11 @@ class Worker:
                 self.failures.append((time.monotonic(), f"run exited {ran.json()['exit_code']}"))
             # A few are kept (the node's capacity is bounded: 32 CPUs given out on this 2-core machine).
             kept = len(self.created) - len(self.deleted) - 1
-            if (i % 4 != 0 or kept >= KEPT_PER_WORKER) and self._call(
-                "DELETE", f"/v1/sandboxes/{sandbox}", None, (200, 202, 204)
-            ):
-                self.deleted.append(sandbox)
+            if i % 4 != 0 or kept >= KEPT_PER_WORKER:
+                if self._call("DELETE", f"/v1/sandboxes/{sandbox}", None, (200, 202, 204)):
+                    self.deleted.append(sandbox)
+                else:
+                    self.unanswered_deletes.append(sandbox)
 
     def longest_gap(self) -> float:
         return max((b - a for a, b in itertools.pairwise(self.answered)), default=0.0)
@@ -271,6 +274,12 @@ def test_sigkill_of_the_leader_under_load_loses_nothing_and_the_survivors_client
                 for load in sorted((load1, load2), key=lambda x: x.gw is not new_leader[0])
             )
         )
+        leaders_client = [w for w in workers if w.gw is leader]
+        print(
+            "the killed replica's client: "
+            f"{[f for w in leaders_client for f in w.failures][:5]}, unanswered deletes "
+            f"{[s for w in leaders_client for s in w.unanswered_deletes]}"
+        )
         # The survivors' clients never noticed; the work done once was taken over within the bound.
         assert took < TAKEOVER_BOUND_SECS
         for worker in survivor_workers:
@@ -282,10 +291,13 @@ def test_sigkill_of_the_leader_under_load_loses_nothing_and_the_survivors_client
 
         # No acknowledged write lost: every acknowledged create (on any replica, the killed one's included) is
         # there unless an acknowledged delete ended it, and every acknowledged delete is ended (its record stays,
-        # terminated, until the node forgets the sandbox).
+        # terminated, until the node forgets the sandbox). A delete the killed replica never answered may have
+        # been done before it died, or not: either is right (the node ended the sandbox and the new leader forgot
+        # its record, 404), so that sandbox is not checked; the survivors' clients had none (no failures above).
         created = {s for w in workers for s in w.created}
         deleted = {s for w in workers for s in w.deleted}
-        for sandbox in sorted(created):
+        unanswered = {s for w in workers for s in w.unanswered_deletes}
+        for sandbox in sorted(created - unanswered):
             got = s2.request("GET", f"/v1/sandboxes/{sandbox}", key=alice)
             if sandbox in deleted:
                 assert got.status == 404 or got.json()["state"] == "terminated", (
