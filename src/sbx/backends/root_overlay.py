@@ -5,7 +5,7 @@ root_overlay = true`` (the default) and a runsc scripts/install.sh built (:func:
 ephemeral sandbox (one whose disk need not outlive its sentry: not persistent), the sentry puts an overlay of its
 own on top of that: a tmpfs whose pages live in a file in the layer's directory on the host (the "filestore",
 which runsc opens and unlinks), limited to ``size`` bytes. Every write of the guest lands there, at memory speed
-(docs/benchmarks.md: the battery's file tasks 0.2-0.6x the host's ext4), and the ext4 layer stays as it was at
+(docs/benchmarks.md: the battery's file tasks 0.3-0.8x the host's ext4), and the ext4 layer stays as it was at
 boot. What that changes, and what keeps each guarantee (docs/backends.md, "Ephemeral sandboxes in gVisor's
 overlay"):
 
