@@ -234,7 +234,7 @@ async def _apply_onto_image(tar: Path, image_file: Path, mount_point: Path) -> N
     ``mount_point`` for it and unmounted after, flushed."""
     mount_point.mkdir(exist_ok=True)
     try:
-        await mount_loop(image_file, mount_point)
+        await mount_loop(image_file, mount_point, fresh=True)
         try:
             await asyncio.to_thread(apply_upper_tar, tar, mount_point / "upper")
         finally:

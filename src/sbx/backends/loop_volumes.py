@@ -60,7 +60,7 @@ class LoopVolumes:
         mnt.mkdir()
         # A journal: a volume's contents must come back whole after a host crash.
         await make_ext4_image(image, size_mb, journal=True)
-        await mount_loop(image, mnt)
+        await mount_loop(image, mnt, fresh=True)
         try:
             shutil.rmtree(mnt / "lost+found", ignore_errors=True)
             os.chown(mnt, self.owner.uid, self.owner.gid)
