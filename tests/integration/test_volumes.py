@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mount_holder import holding_mounts
 from sandboxd_harness import RUNSC, Sandboxd
 
 MiB = 1024 * 1024
@@ -388,13 +388,7 @@ def test_a_mount_namespace_holding_a_copy_of_the_volume_never_gets_it_a_second_l
     sh(server, writer, "echo before > /data/f")
     image = server.state_dir / "volumes" / "keep" / "disk.img"
     (device,) = loop_devices_of(image)
-    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "120"])
-    try:
-        # Until the holder runs `sleep` in a namespace of its own, which then holds a copy of the mount.
-        deadline = time.monotonic() + 30
-        while not _in_own_mount_namespace(holder.pid, "sleep"):
-            assert time.monotonic() < deadline, "unshare made no mount namespace"
-            time.sleep(0.02)
+    with holding_mounts():
         assert server.request("DELETE", f"/v1/sandboxes/{writer}").status == 204
         deadline = time.monotonic() + 10
         while volumes(server)["keep"]["attached_to"] is not None or host_mounted(server, "keep"):
@@ -407,15 +401,3 @@ def test_a_mount_namespace_holding_a_copy_of_the_volume_never_gets_it_a_second_l
             b"before\nbefore\nafter\n"
         )
         assert server.request("DELETE", f"/v1/sandboxes/{reader}").status == 204
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-def _in_own_mount_namespace(pid: int, comm: str) -> bool:
-    """Whether process ``pid`` runs ``comm`` in another mount namespace than this process's."""
-    try:
-        named = Path(f"/proc/{pid}/comm").read_text().strip() == comm
-        return named and os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        return False

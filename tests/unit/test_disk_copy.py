@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+from mount_holder import holding_mounts
 
 from sbx.backends.base import BackendError
 from sbx.backends.disk_copy import allocated_bytes, copy_frozen, copy_sparse, resize_ext4
 from sbx.backends.host_tool import run_tool
-from sbx.backends.layers import is_mounted, make_ext4_image, mount_loop
+from sbx.backends.layers import (
+    WritableLayer,
+    is_mounted,
+    loop_devices_of,
+    make_ext4_image,
+    mount_loop,
+    unmount_all,
+)
 
 MIB = 1024 * 1024
 needs_root = pytest.mark.skipif(
@@ -75,3 +86,42 @@ async def test_frozen_copy_resize_and_mount(tmp_path: Path) -> None:
         await resize_ext4(copy, 8)
     # No loop device is left behind once unmounted (autoclear).
     assert str(tmp_path) not in await run_tool("losetup", "-a")
+
+
+@needs_root
+@pytest.mark.parametrize("held", [False, True], ids=["unmounted everywhere", "held by another namespace"])
+async def test_a_layer_is_checked_before_it_is_mounted_again_only_when_no_namespace_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    """ensure_mounted runs e2fsck on a layer that is mounted nowhere (a reboot took its mounts), and never on
+    one whose file system another mount namespace still holds: e2fsck would repair a file system in use,
+    and does not see that it is. Either way the layer comes back with what it held."""
+    lower = tmp_path / "lower"
+    lower.mkdir()
+    layer = WritableLayer(tmp_path / "layer")
+    await layer.create(lower, 32)
+    (layer.rootfs / "kept").write_text("written before", encoding="utf-8")
+    checked: list[tuple[str, ...]] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def spy(*args: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        if args[0] == "e2fsck":
+            checked.append(args)
+        return await spawn(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
+    with contextlib.ExitStack() as stack:
+        if held:
+            stack.enter_context(holding_mounts())
+        (device,) = loop_devices_of(layer.image_file)
+        await unmount_all([layer.rootfs, layer.disk_dir])
+        assert loop_devices_of(layer.image_file) == ([device] if held else [])
+        try:
+            await layer.ensure_mounted()
+            assert checked == ([] if held else [("e2fsck", "-p", str(layer.image_file))])
+            # The same device again where the kernel held it; a new one (the old was cleared) where it did not.
+            assert len(loop_devices_of(layer.image_file)) == 1
+            assert (loop_devices_of(layer.image_file) == [device]) or not held
+            assert (layer.rootfs / "kept").read_text(encoding="utf-8") == "written before"
+        finally:
+            await layer.remove()

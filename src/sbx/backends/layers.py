@@ -303,20 +303,17 @@ class WritableLayer:
     async def ensure_mounted(self, image_root: Path | None = None) -> None:
         """Mount the layer and its overlay on ``image_root`` (default: the one it was made on) again wherever
         they are not (a host reboot took the mounts), the journal replayed first; nothing when both are
-        mounted. BackendError when the layer's file is gone or its file system cannot be repaired."""
+        mounted. BackendError when the layer's file is gone or its file system cannot be repaired.
+
+        The check is skipped while a loop device is still bound to the file: the kernel then still holds its
+        file system (another mount namespace has a copy of the mount, :func:`_open_bound_loop`), which is
+        mounted again as it is. e2fsck would repair, and replay the journal of, a file system in use, and
+        does not see that it is: the mount is not in this namespace."""
         if not is_mounted(self.disk_dir):
             if not self.image_file.is_file():
                 raise BackendError(f"the sandbox's disk {self.image_file} is missing")
-            proc = await asyncio.create_subprocess_exec(
-                "e2fsck", "-p", str(self.image_file),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-            out, _ = await proc.communicate()
-            if proc.returncode not in (0, 1):  # 1: errors found and corrected
-                detail = out.decode(errors="replace").strip()[-500:]
-                raise BackendError(
-                    f"the sandbox's disk needs a manual fsck (e2fsck exit {proc.returncode}): {detail}"
-                )
+            if not loop_devices_of(self.image_file):
+                await self._repair()
             self.disk_dir.mkdir(exist_ok=True)
             await mount_loop(self.image_file, self.disk_dir)
         if not is_mounted(self.rootfs):
@@ -327,6 +324,20 @@ class WritableLayer:
                     raise BackendError(f"the image root of {self.rootfs} is not recorded: {exc}") from exc
             self.rootfs.mkdir(exist_ok=True)
             mount_overlay(image_root, self.disk_dir / "upper", self.disk_dir / "work", self.rootfs)
+
+    async def _repair(self) -> None:
+        """``e2fsck -p`` the layer's file (not mounted anywhere): the journal replayed, what it can fix
+        fixed; BackendError when it needs a person."""
+        proc = await asyncio.create_subprocess_exec(
+            "e2fsck", "-p", str(self.image_file),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        if proc.returncode not in (0, 1):  # 1: errors found and corrected
+            detail = out.decode(errors="replace").strip()[-500:]
+            raise BackendError(
+                f"the sandbox's disk needs a manual fsck (e2fsck exit {proc.returncode}): {detail}"
+            )
 
     async def sync(self) -> None:
         """Write what the layer holds to its file on the host's disk (syncfs of its file system and the file)."""
