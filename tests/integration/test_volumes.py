@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mount_holder import holding_mounts
+from mount_holder import holding_mount
 from sandboxd_harness import RUNSC, Sandboxd
 
 MiB = 1024 * 1024
@@ -379,7 +379,8 @@ def test_a_mount_namespace_holding_a_copy_of_the_volume_never_gets_it_a_second_l
     netns exec``: another test's server did, and the next mount was refused for 5 s) keeps a copy of the
     mount that sandboxd's unmount does not reach where the host's mounts are private (this machine's). The
     next sandbox mounts the loop device still bound to the volume's image (the same file system, with what
-    was written), never a second one over the same file, which would corrupt it."""
+    was written), never a second one over the same file, which would corrupt it. The test holds a copy of
+    that one mount (tests/support/mount_holder.py), which leaves the kernel in the same state."""
     from sbx.backends.layers import loop_devices_of
 
     server = sandboxd_factory()
@@ -388,13 +389,13 @@ def test_a_mount_namespace_holding_a_copy_of_the_volume_never_gets_it_a_second_l
     sh(server, writer, "echo before > /data/f")
     image = server.state_dir / "volumes" / "keep" / "disk.img"
     (device,) = loop_devices_of(image)
-    with holding_mounts():
+    with holding_mount(server.state_dir / "volumes" / "keep" / "mnt"):
         assert server.request("DELETE", f"/v1/sandboxes/{writer}").status == 204
         deadline = time.monotonic() + 10
         while volumes(server)["keep"]["attached_to"] is not None or host_mounted(server, "keep"):
             assert time.monotonic() < deadline, volumes(server)
             time.sleep(0.05)
-        assert loop_devices_of(image) == [device]  # still bound: the other namespace holds the file system
+        assert loop_devices_of(image) == [device]  # still bound: the copy holds the file system
         reader = server.create(volumes=[{"name": "keep", "path": "/data"}])["id"]
         assert loop_devices_of(image) == [device]
         assert sh(server, reader, "cat /data/f; echo after >> /data/f; cat /data/f")["stdout"] == (

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mount_holder import holding_mounts
+from mount_holder import holding_mount
 
 from sbx.backends.base import BackendError
 from sbx.backends.disk_copy import allocated_bytes, copy_frozen, copy_sparse, resize_ext4
@@ -89,13 +89,14 @@ async def test_frozen_copy_resize_and_mount(tmp_path: Path) -> None:
 
 
 @needs_root
-@pytest.mark.parametrize("held", [False, True], ids=["unmounted everywhere", "held by another namespace"])
+@pytest.mark.parametrize("held", [False, True], ids=["unmounted everywhere", "held by a copy of its mount"])
 async def test_a_layer_is_checked_before_it_is_mounted_again_only_when_no_namespace_holds_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
 ) -> None:
     """ensure_mounted runs e2fsck on a layer that is mounted nowhere (a reboot took its mounts), and never on
     one whose file system another mount namespace still holds: e2fsck would repair a file system in use,
-    and does not see that it is. Either way the layer comes back with what it held."""
+    and does not see that it is. Either way the layer comes back with what it held. The test holds a copy of
+    the one mount (tests/support/mount_holder.py), the state another namespace's copy leaves."""
     lower = tmp_path / "lower"
     lower.mkdir()
     layer = WritableLayer(tmp_path / "layer")
@@ -112,7 +113,7 @@ async def test_a_layer_is_checked_before_it_is_mounted_again_only_when_no_namesp
     monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
     with contextlib.ExitStack() as stack:
         if held:
-            stack.enter_context(holding_mounts())
+            stack.enter_context(holding_mount(layer.disk_dir))
         (device,) = loop_devices_of(layer.image_file)
         await unmount_all([layer.rootfs, layer.disk_dir])
         assert loop_devices_of(layer.image_file) == ([device] if held else [])
