@@ -27,6 +27,8 @@ UNIT=/etc/systemd/system/sandboxd.service
 # Kernel limits a node of many sandboxes needs (docs/install.md, "Limits for many sandboxes").
 SYSCTL_FILE=/etc/sysctl.d/60-sandboxd.conf
 PID_MAX=4194304
+# Default send buffer of new sockets (bytes): caps each write gVisor makes to a host unix socket (tunnels).
+WMEM_DEFAULT=1048576
 # sandboxd's open files: one or two per sandbox, plus its clients' connections and the egress proxy's.
 NOFILE_LIMIT=1048576
 VENV=$REPO/.venv
@@ -378,9 +380,14 @@ step "default image in $IMAGES_DIR"
 # stubs; more per guest process): the default kernel.pid_max of 32768 stops a node near 1,000 sandboxes with
 # everything else the host runs, so it is raised to the 64-bit maximum (it only widens the range of pid numbers).
 # kernel.threads-max (sized from memory by the kernel: about 190,000 on 24 GiB) is left as it is.
+# net.core.wmem_default: gVisor writes to a host unix socket (the agent's channel and tunnel connections) at
+# most the socket's send buffer at a time and may not change it (SO_SNDBUF is ignored for host-backed
+# sockets), so the default of 208 KiB held tunnels to 550-800 MiB/s; 1 MiB gives 1.1-1.3 GiB/s
+# (docs/benchmarks.md). It is a default (TCP has its own), memory is taken only by bytes queued.
 step "kernel limits ($SYSCTL_FILE)"
-sysctl_text="# Written by sbx's scripts/install.sh: room for thousands of gVisor sandboxes (docs/install.md).
-kernel.pid_max = $PID_MAX"
+sysctl_text="# Written by sbx's scripts/install.sh: room for thousands of gVisor sandboxes, fast tunnels (docs/install.md).
+kernel.pid_max = $PID_MAX
+net.core.wmem_default = $WMEM_DEFAULT"
 if [ "$(cat "$SYSCTL_FILE" 2>/dev/null)" != "$sysctl_text" ]; then
     printf '%s\n' "$sysctl_text" >"$SYSCTL_FILE"
 fi
@@ -388,6 +395,11 @@ current_pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)
 if [ "$current_pid_max" -lt "$PID_MAX" ]; then
     sysctl -q -w "kernel.pid_max=$PID_MAX" >/dev/null 2>&1 ||
         note "kernel.pid_max stays $current_pid_max here (read-only /proc/sys, e.g. a container): sandboxd then holds fewer sandboxes and says why in GET /v1/node"
+fi
+current_wmem=$(cat /proc/sys/net/core/wmem_default 2>/dev/null || echo 0)
+if [ "$current_wmem" -lt "$WMEM_DEFAULT" ]; then
+    sysctl -q -w "net.core.wmem_default=$WMEM_DEFAULT" >/dev/null 2>&1 ||
+        note "net.core.wmem_default stays $current_wmem here (read-only /proc/sys): tunnels out of sandboxes are slower (docs/install.md)"
 fi
 
 if [ "$START" -eq 0 ]; then

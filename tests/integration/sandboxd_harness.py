@@ -299,8 +299,9 @@ class Sandboxd:
 
     def follow(self, ref: str, pid: int) -> Iterator[dict[str, Any]]:
         """Output events of a process as they come (the ndjson stream, read line by line)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else None
         yield from ndjson_lines(UnixHTTPConnection(self.socket_path, timeout=60),
-                                f"/v1/sandboxes/{ref}/processes/{pid}/output")  # fmt: skip
+                                f"/v1/sandboxes/{ref}/processes/{pid}/output", headers)  # fmt: skip
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None

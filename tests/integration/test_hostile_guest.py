@@ -306,3 +306,58 @@ def test_a_wake_file_replaced_by_a_symlink_is_never_followed_by_the_host(node: S
     assert node.request("GET", "/v1/node").status == 200
     assert not target.exists()
     node.request("DELETE", f"/v1/sandboxes/{box}")
+
+
+# Streams a fixed 1 MiB to each connection on 127.0.0.1:PORT, then closes it.
+BLOB_SERVER = """
+import socket, sys
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[1]))); srv.listen(8)
+print("listening", flush=True)
+while True:
+    c, _ = srv.accept(); c.sendall(bytes(range(256)) * 4096); c.close()
+"""
+
+
+def test_a_tunnel_socket_replaced_by_a_symlink_is_never_followed_by_the_host(node: Sandboxd) -> None:
+    """Root in the guest replaces the agent's tunnel socket with a link to a host socket: sandboxd never
+    connects through it, and the sandbox's tunnels go on working over the agent's main connection."""
+    bait_dir = Path(tempfile.mkdtemp(prefix="sbxbait-", dir="/var/tmp"))
+    bait = socket.socket(socket.AF_UNIX)
+    bait.bind(str(bait_dir / "bait.sock"))
+    bait.listen(8)
+    bait.setblocking(False)
+    box = node.create()["id"]
+    try:
+        started = node.request(
+            "POST", f"/v1/sandboxes/{box}/processes", {"argv": ["python3", "-c", BLOB_SERVER, "8010"]}
+        )
+        assert started.status == 201, started.body
+        assert b"listening" in base64.b64decode(next(node.follow(box, started.json()["pid"]))["data"])
+        as_guest_root(
+            node,
+            box,
+            "sh",
+            "-c",
+            f"rm /.sbx/ctl/tunnel.sock && ln -s {bait_dir / 'bait.sock'} /.sbx/ctl/tunnel.sock",
+        )
+        assert (node.state_dir / "gvisor" / box / "ctl" / "tunnel.sock").is_symlink()
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(60)
+        sock.connect(str(node.socket_path))
+        sock.sendall(f"GET /v1/sandboxes/{box}/tunnel?port=8010 HTTP/1.1\r\nHost: localhost\r\n"
+                     "Connection: Upgrade\r\nUpgrade: sbx-tunnel/1\r\n\r\n".encode())  # fmt: skip
+        data = b""
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+        sock.close()
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 101"), data
+        assert body == bytes(range(256)) * 4096  # a framed tunnel carried it
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # sandboxd never connected to the host socket the link names
+        assert "takes no raw tunnels" in node.log_text()
+    finally:
+        bait.close()
+        shutil.rmtree(bait_dir, ignore_errors=True)
+        node.request("DELETE", f"/v1/sandboxes/{box}")

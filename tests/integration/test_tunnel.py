@@ -6,10 +6,12 @@ import base64
 import hashlib
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sandboxd_harness import Sandboxd
+from sandboxd_harness import Sandboxd, free_port, localhost_certificate
 
 MiB = 1024 * 1024
 
@@ -258,3 +260,61 @@ def test_tunnels_per_sandbox_are_capped(sandboxd: Sandboxd) -> None:
         for sock in opened:
             sock.close()
         sandboxd.request("DELETE", f"/v1/sandboxes/{sandbox['id']}")
+
+
+def fetch_blob(sock: socket.socket, rest: bytes = b"") -> bytes:
+    """GET /blob over an open tunnel: the body."""
+    sock.sendall(b"GET /blob HTTP/1.0\r\nHost: x\r\n\r\n")
+    data = bytearray(rest)
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return bytes(data).split(b"\r\n\r\n", 1)[1]
+
+
+def test_tunnels_are_raw_connections_relayed_by_the_kernel(
+    sandboxd: Sandboxd, sandbox: dict[str, Any], small_guest: dict[str, Any]
+) -> None:
+    """An agent of protocol version 4 takes each tunnel on a connection of its own (no framed fallback)."""
+    sock, head = open_tunnel(sandboxd, sandbox["id"], small_guest["port"])
+    body = fetch_blob(sock, head.split(b"\r\n\r\n", 1)[1])
+    sock.close()
+    assert hashlib.sha256(body).hexdigest() == expected_digest(small_guest["size"])
+    assert "takes no raw tunnels" not in sandboxd.log_text()
+
+
+def test_a_tunnel_over_tls_is_relayed_through_the_event_loop(
+    sandboxd_factory: Callable[..., Sandboxd], tmp_path: Path
+) -> None:
+    """TLS cannot be spliced: a client on sandboxd's TLS listener still gets every byte, and the half-close."""
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    localhost_certificate(cert, key)
+    (tmp_path / "token").write_text("tls-token")
+    port = free_port()
+    server = sandboxd_factory(
+        args=["--socket", str(tmp_path / "s.sock"), "--listen", f"127.0.0.1:{port}",
+              "--token-file", str(tmp_path / "token"), "--tls-cert", str(cert), "--tls-key", str(key)],
+        wait=False,
+    )  # fmt: skip
+    server.socket_path = tmp_path / "s.sock"
+    server.token = "tls-token"
+    server.wait_ready()
+    ref = server.create()["id"]
+    guest = start_guest_server(server, ref, 8003, 4 * MiB)
+    context = ssl.create_default_context(cafile=str(cert))
+    with context.wrap_socket(
+        socket.create_connection(("127.0.0.1", port), timeout=60), server_hostname="localhost"
+    ) as sock:
+        sock.sendall(
+            f"GET /v1/sandboxes/{ref}/tunnel?port={guest['port']} HTTP/1.1\r\nHost: localhost\r\n"
+            "Authorization: Bearer tls-token\r\nConnection: Upgrade\r\nUpgrade: sbx-tunnel/1\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 101"), head
+        body = fetch_blob(sock, head.split(b"\r\n\r\n", 1)[1])
+    assert hashlib.sha256(body).hexdigest() == expected_digest(guest["size"])

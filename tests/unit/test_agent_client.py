@@ -215,9 +215,15 @@ async def test_an_agent_of_version_1_is_still_served_without_tunnels() -> None:
     fake = FakeAgent(*await asyncio.open_connection(sock=b), p.FrameReader())
     reader, writer = await asyncio.open_connection(sock=a)
     connecting = asyncio.create_task(AgentClient.from_streams(reader, writer))
-    [(hello, hid)] = await fake.recv()
-    assert hello == p.Hello(version=3)
-    fake.send(p.Error(errno.EPROTONOSUPPORT, "protocol version 3 is not supported; this agent speaks 1"), hid)
+    for version in (4, 3):
+        [(hello, hid)] = await fake.recv()
+        assert hello == p.Hello(version=version)
+        fake.send(
+            p.Error(
+                errno.EPROTONOSUPPORT, f"protocol version {version} is not supported; this agent speaks 1"
+            ),
+            hid,
+        )
     [(hello, hid)] = await fake.recv()
     assert hello == p.Hello(version=2)
     fake.send(p.Error(errno.EPROTONOSUPPORT, "protocol version 2 is not supported; this agent speaks 1"), hid)
@@ -229,6 +235,7 @@ async def test_an_agent_of_version_1_is_still_served_without_tunnels() -> None:
     with pytest.raises(AgentRequestError, match="recreate the sandbox") as info:
         await client.open_tcp(80)
     assert info.value.errno == errno.ENOSYS
+    assert await client.open_raw_tcp(80) is None  # nor raw tunnels (version 4)
     assert await fake.recv_all() == []  # refused here, without asking the agent
     await client.close()
     fake.writer.close()

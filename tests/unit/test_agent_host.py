@@ -67,7 +67,7 @@ def test_build_is_idempotent(agent_bin: Path) -> None:
     assert ensure_agent(agent_bin) == agent_bin
     assert agent_bin.stat().st_mtime_ns == before
     out = subprocess.run([str(agent_bin), "--version"], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "sbx-agent protocol 3"
+    assert out.stdout.strip() == "sbx-agent protocol 4"
 
 
 @dataclass
@@ -75,6 +75,7 @@ class Agent:
     proc: subprocess.Popen[bytes]
     dir: Path
     sock: Path
+    tunnel_sock: Path
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -101,8 +102,11 @@ def agent(agent_bin: Path) -> Iterator[Agent]:
     d = Path(tempfile.mkdtemp(prefix="sbxa-"))  # short: unix socket paths are limited to 107 bytes
     d.chmod(0o755)
     with open(d / "agent.log", "wb") as log:
-        proc = subprocess.Popen([str(agent_bin), "--listen", str(d / "agent.sock")], stderr=log)
-    a = Agent(proc, d, d / "agent.sock")
+        proc = subprocess.Popen(
+            [str(agent_bin), "--listen", str(d / "agent.sock"), "--tunnel-listen", str(d / "tunnel.sock")],
+            stderr=log,
+        )
+    a = Agent(proc, d, d / "agent.sock", d / "tunnel.sock")
     yield a
     # Kill what a failed test left running (each child leads its own group; orphans were
     # reparented to the agent, a subreaper), then the agent.
@@ -116,7 +120,7 @@ def agent(agent_bin: Path) -> Iterator[Agent]:
 
 @pytest.fixture
 async def client(agent: Agent) -> AsyncIterator[AgentClient]:
-    c = await AgentClient.connect(agent.sock, 5)
+    c = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
     yield c
     await c.close()
 
@@ -998,6 +1002,264 @@ async def test_losing_the_channel_closes_every_tunnel(agent: Agent, how: str) ->
         await first.close()
 
 
+# ---- raw tunnels (protocol version 4) ----------------------------------------------------------------------
+
+
+async def sock_read_digest(sock: socket.socket) -> tuple[int, str]:
+    loop = asyncio.get_running_loop()
+    return await read_digest(lambda: loop.sock_recv(sock, 1 << 20))
+
+
+async def sock_read_all(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    out = bytearray()
+    while data := await loop.sock_recv(sock, 65536):
+        out += data
+    return bytes(out)
+
+
+async def _wait_fds(agent: Agent, count: int) -> None:
+    await _wait_for(lambda: fd_count(agent) <= count)
+
+
+async def test_raw_tunnel_carries_100_mib_each_way(client: AgentClient, agent: Agent) -> None:
+    size = 100 * 1024 * 1024
+    got_by_guest: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+
+    async def server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def send() -> None:
+            for b in blocks(size, b"down"):
+                w.write(b)
+                await w.drain()
+            w.write_eof()
+
+        sending = asyncio.create_task(send())
+        got_by_guest.set_result(await read_digest(lambda: r.read(1 << 20)))
+        await sending
+        w.close()
+
+    loop = asyncio.get_running_loop()
+    async with tcp_server(server) as port:
+        before = fd_count(agent)
+        sock = await client.open_raw_tcp(port)
+        assert sock is not None
+
+        async def upload() -> None:
+            for b in blocks(size, b"up"):
+                await loop.sock_sendall(sock, b)
+            sock.shutdown(socket.SHUT_WR)
+
+        _, got_by_host = await asyncio.wait_for(asyncio.gather(upload(), sock_read_digest(sock)), 120)
+        assert got_by_host == expected_digest(size, b"down")
+        assert await asyncio.wait_for(got_by_guest, 10) == expected_digest(size, b"up")
+        sock.close()
+        await _wait_fds(agent, before)  # both directions ended: the agent freed both sockets
+    assert agent.rss_kib() < 8 * 1024
+    assert await client.list_processes() == []  # the main connection carried none of it and is still fine
+
+
+@pytest.mark.parametrize("first", ["host", "guest"])
+async def test_raw_tunnel_half_closes_pass_through(client: AgentClient, agent: Agent, first: str) -> None:
+    """Whichever side ends its data first, the other still reads that end and can go on sending."""
+    loop = asyncio.get_running_loop()
+
+    async def guest(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if first == "host":
+            data = await r.read()  # to the host's end of data
+            w.write(f"got {len(data)} bytes".encode())
+            await w.drain()
+            w.close()
+        else:
+            w.write(b"banner")
+            w.write_eof()
+            data = await r.read()  # the host still sends after our end of data
+            assert data == b"x" * 100_000
+            w.close()
+
+    async with tcp_server(guest) as port:
+        before = fd_count(agent)
+        sock = await client.open_raw_tcp(port)
+        assert sock is not None
+        if first == "host":
+            await loop.sock_sendall(sock, b"x" * 100_000)
+            sock.shutdown(socket.SHUT_WR)
+            assert await asyncio.wait_for(sock_read_all(sock), 10) == b"got 100000 bytes"
+        else:
+            assert await asyncio.wait_for(sock_read_all(sock), 10) == b"banner"
+            await loop.sock_sendall(sock, b"x" * 100_000)
+            sock.shutdown(socket.SHUT_WR)
+        await _wait_fds(agent, before + 1)  # ours stays open until we close it; the agent's are gone
+        sock.close()
+        await _wait_fds(agent, before)
+
+
+async def _raw_answer(path: Path, header: bytes) -> tuple[bytes, bytes]:
+    """Send ``header`` on a fresh tunnel connection: (the answer, what followed it until the agent closed)."""
+
+    def call() -> tuple[bytes, bytes]:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(path))
+            s.sendall(header)
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got[:4], got[4:]
+
+    return await asyncio.to_thread(call)
+
+
+@pytest.mark.parametrize(
+    ("header", "err"),
+    [
+        (b"SBXA" + struct.pack(">HH", 80, 0), errno.EINVAL),  # the main socket's magic
+        (b"SBXT" + struct.pack(">HH", 0, 0), errno.EINVAL),  # port 0
+        (b"SBXT" + struct.pack(">HH", 80, 1), errno.EINVAL),  # reserved bits set
+    ],
+)
+async def test_raw_tunnel_refuses_a_malformed_header(
+    client: AgentClient, agent: Agent, header: bytes, err: int
+) -> None:
+    before = fd_count(agent)
+    answer, rest = await _raw_answer(agent.tunnel_sock, header)
+    assert (struct.unpack(">I", answer)[0], rest) == (err, b"")
+    await _wait_fds(agent, before)  # nothing kept
+    assert await client.list_processes() == []  # and nothing else disturbed
+
+
+async def test_raw_tunnel_to_a_closed_port_is_refused_before_any_byte(
+    client: AgentClient, agent: Agent
+) -> None:
+    before = fd_count(agent)
+    with pytest.raises(AgentRequestError) as info:
+        await client.open_raw_tcp(free_port())
+    assert info.value.errno == errno.ECONNREFUSED
+    assert "nothing is listening" in info.value.message
+    await _wait_fds(agent, before)
+
+
+async def test_a_header_sent_in_pieces_is_still_one_header(agent: Agent) -> None:
+    async def hello(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"hi")
+        w.close()
+
+    async with tcp_server(hello) as port:
+
+        def call() -> bytes:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(5)
+                s.connect(str(agent.tunnel_sock))
+                for byte in b"SBXT" + struct.pack(">HH", port, 0):
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.005)
+                got = b""
+                while chunk := s.recv(4096):
+                    got += chunk
+                return got
+
+        assert await asyncio.to_thread(call) == b"\0\0\0\0hi"
+
+
+async def test_raw_tunnels_outlive_the_main_connection(agent: Agent) -> None:
+    """Unlike framed tunnels, a raw one has its own connection: a new host taking over leaves it alone."""
+    loop = asyncio.get_running_loop()
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    first = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
+    async with tcp_server(echo) as port:
+        sock = await first.open_raw_tcp(port)
+        assert sock is not None
+        second = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
+        await asyncio.wait_for(first.closed.wait(), 5)
+        await loop.sock_sendall(sock, b"still here")
+        assert await asyncio.wait_for(loop.sock_recv(sock, 100), 5) == b"still here"
+        sock.close()
+        await second.close()
+
+
+async def test_quiesce_closes_raw_tunnels_and_their_socket_until_the_wake(agent: Agent) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read()
+        w.close()
+
+    client = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
+    async with tcp_server(silent) as port:
+        sock = await client.open_raw_tcp(port)
+        assert sock is not None
+        wake = agent.dir / "wake"
+        await client.quiesce(str(wake))
+        # The checkpoint that follows may find no host socket: the tunnel is cut and its socket gone.
+        assert await asyncio.wait_for(loop.sock_recv(sock, 100), 5) == b""
+        sock.close()
+        assert not agent.tunnel_sock.exists() and not agent.sock.exists()
+        wake.touch()
+        await _wait_for(agent.sock.exists)
+        assert agent.tunnel_sock.exists()  # listened on again before the main socket
+        again = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
+        sock = await again.open_raw_tcp(port)
+        assert sock is not None
+        sock.close()
+        await again.close()
+
+
+async def test_an_absent_or_replaced_tunnel_socket_means_a_framed_tunnel(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """The tunnel socket is in a directory root in the guest can write: a removed one makes the host use
+    framed tunnels, and a symlink planted there is never followed to the socket it names."""
+    bait = socket.socket(socket.AF_UNIX)
+    bait.bind(str(tmp_path / "host.sock"))  # a host socket the guest would like sandboxd to reach
+    bait.listen(1)
+    bait.setblocking(False)
+    client = await AgentClient.connect(agent.sock, 5, agent.tunnel_sock)
+    try:
+        agent.tunnel_sock.unlink()
+        assert await client.open_raw_tcp(80) is None
+        agent.tunnel_sock.symlink_to(tmp_path / "host.sock")
+        assert await client.open_raw_tcp(80) is None
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # nobody connected to it
+        agent.tunnel_sock.unlink()
+        agent.tunnel_sock.write_bytes(b"")  # a plain file
+        assert await client.open_raw_tcp(80) is None
+        assert await client.list_processes() == []
+    finally:
+        bait.close()
+        await client.close()
+
+
+async def test_raw_tunnel_with_a_host_not_reading_holds_the_guest_writer(
+    client: AgentClient, agent: Agent
+) -> None:
+    size = 64 * 1024 * 1024
+    written = [0]
+
+    async def firehose(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for b in blocks(size, b"hose"):
+            w.write(b)
+            await w.drain()
+            written[0] += len(b)
+        w.close()
+
+    async with tcp_server(firehose) as port:
+        sock = await client.open_raw_tcp(port)
+        assert sock is not None
+        await asyncio.sleep(1.0)  # the host does not read: the agent must stop reading the guest socket
+        stalled = written[0]
+        await asyncio.sleep(0.5)
+        assert written[0] == stalled < size // 4, "the guest's writer was never held back"
+        assert agent.rss_kib() < 8 * 1024
+        assert await asyncio.wait_for(sock_read_digest(sock), 60) == expected_digest(size, b"hose")
+        sock.close()
+
+
 def _raw_call(sock: Path, *frames: tuple[p.Message, int]) -> list[p.Message]:
     """Send frames on a fresh connection, return one decoded reply per frame."""
     with socket.socket(socket.AF_UNIX) as s:
@@ -1031,7 +1293,14 @@ def _raw_call(sock: Path, *frames: tuple[p.Message, int]) -> list[p.Message]:
                 p.Error(errno.EINVAL, ""),
             ],
         ),
-        (4, [p.Error(errno.EPROTONOSUPPORT, ""), p.Error(errno.EPROTO, "")]),
+        (
+            4,
+            [
+                p.HelloOk(4, 0, p.MAX_PAYLOAD, 1 << 20, 1 << 20, 1 << 20, 1 << 20),
+                p.Error(errno.EINVAL, ""),
+            ],
+        ),
+        (5, [p.Error(errno.EPROTONOSUPPORT, ""), p.Error(errno.EPROTO, "")]),
     ],
 )
 async def test_hello_versions(agent: Agent, version: int, reply: list[p.Message]) -> None:

@@ -11,7 +11,7 @@ from sbx.agent import protocol as p
 
 # (message, frame id, exact bytes): the layout docs/agent-protocol.md promises and agent.c parses.
 ENCODINGS: list[tuple[p.Message, int, bytes]] = [
-    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x03"),
+    (p.Hello(), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x04"),
     (p.Hello(version=1), 1, b"\x01\x00\x00\x00\x01\x00\x00\x00\x08SBXA\x00\x00\x00\x01"),
     # HELLO_OK of version 1 ends at read_window; version 2 adds tcp_window.
     (

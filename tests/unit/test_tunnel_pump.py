@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
-from sbx.node.routes.tunnel import _pump
+from sbx.node.routes.tunnel import _pump, _splice
 from sbx.web.upgrade import RawStream
 
 
@@ -77,3 +78,66 @@ async def test_an_open_client_keeps_a_silent_tunnel() -> None:
     assert not task.done()  # no EOF from the client: silence on both sides is an idle tunnel, kept
     peer.close()  # a client that goes away ends it
     await asyncio.wait_for(task, 5)
+
+
+# ---- the same rules for a raw tunnel relayed in the kernel (_splice) ------------------------------------------
+
+
+def _plain_pairs() -> tuple[socket.socket, socket.socket, socket.socket, socket.socket]:
+    """(client end for _splice, the client's peer, guest end for _splice, the guest's peer)."""
+    client, client_peer = socket.socketpair()
+    guest, guest_peer = socket.socketpair()
+    for s in (client, guest):
+        s.setblocking(False)
+    for s in (client_peer, guest_peer):
+        s.settimeout(5)
+    return client, client_peer, guest, guest_peer
+
+
+async def test_a_half_closed_spliced_tunnel_ends_after_the_guest_is_silent() -> None:
+    client, client_peer, guest, guest_peer = _plain_pairs()
+    touched: list[float] = []
+    client_peer.sendall(b"request")
+    client_peer.shutdown(socket.SHUT_WR)
+    started = time.monotonic()
+    await asyncio.wait_for(_splice(guest, client, lambda: touched.append(1), half_closed_idle_secs=0.3), 5)
+    assert 0.25 <= time.monotonic() - started < 3
+    assert (
+        guest_peer.recv(100) == b"request" and guest_peer.recv(100) == b""
+    )  # the half-close passed on first
+    assert touched  # the client's bytes count as activity
+    for s in (client, client_peer, guest, guest_peer):
+        s.close()
+
+
+async def test_a_guest_still_answering_keeps_a_half_closed_spliced_tunnel() -> None:
+    client, client_peer, guest, guest_peer = _plain_pairs()
+    client_peer.shutdown(socket.SHUT_WR)
+
+    async def answer() -> None:
+        for _ in range(6):  # 0.6 s of answers, each within the 0.3 s allowance
+            await asyncio.sleep(0.1)
+            guest_peer.sendall(b"tick")
+
+    answering = asyncio.create_task(answer())
+    await asyncio.wait_for(_splice(guest, client, lambda: None, half_closed_idle_secs=0.3), 5)
+    await answering
+    got = b""
+    client_peer.settimeout(0.5)
+    with contextlib.suppress(TimeoutError):
+        while chunk := client_peer.recv(1024):
+            got += chunk
+    assert got == b"tick" * 6
+    for s in (client, client_peer, guest, guest_peer):
+        s.close()
+
+
+async def test_an_open_client_keeps_a_silent_spliced_tunnel() -> None:
+    client, client_peer, guest, guest_peer = _plain_pairs()
+    task = asyncio.create_task(_splice(guest, client, lambda: None, half_closed_idle_secs=0.1))
+    await asyncio.sleep(0.4)
+    assert not task.done()  # no EOF from the client: an idle tunnel, kept
+    client_peer.close()  # a client that goes away ends it
+    await asyncio.wait_for(task, 5)
+    for s in (client, guest, guest_peer):
+        s.close()

@@ -57,7 +57,7 @@
 /* ---- protocol constants (docs/agent-protocol.md) ---------------------------------------- */
 
 #define PROTO_MAGIC "SBXA"
-#define PROTO_VERSION 3u               /* 2 adds TCP tunnels, 3 QUIESCE; older hosts are still served */
+#define PROTO_VERSION 4u               /* 2 TCP tunnels, 3 QUIESCE, 4 raw tunnel connections; older hosts are served */
 #define PROTO_MIN_VERSION 1u
 #define HDR_LEN 9u                     /* type u8, id u32, length u32 */
 #define MAX_PAYLOAD (1u << 20)         /* larger frames are a protocol error: the stream is dropped */
@@ -73,6 +73,9 @@
 #define TCP_HARD_MAX (TCP_WINDOW + MAX_PAYLOAD)
 #define MAX_PROCS 4096u
 #define MAX_TUNNELS 1024u
+#define RAW_BUF (1024u * 1024u)      /* per raw tunnel and direction: bytes read but not yet written */
+#define RAW_MAGIC "SBXT"
+#define RAW_HDR_LEN 8u                 /* magic, port u16, reserved u16 (zero) */
 #define DIR_BATCH 256
 
 enum {
@@ -328,6 +331,36 @@ struct tun {
     uint64_t sent, acked;             /* guest -> host: bytes sent in TCP_DATA, acknowledged */
     uint64_t written, written_acked;  /* host -> guest: bytes written, last TCP_SEND_ACK */
 };
+
+/* A raw tunnel (protocol version 4): a connection of its own on the tunnel socket, carrying the bytes of one TCP
+ * connection to 127.0.0.1:port unframed, so neither side parses or acknowledges anything per chunk. The host
+ * sends RAW_HDR_LEN bytes (RAW_MAGIC, port u16, zero u16), the agent connects and answers errno u32 (0:
+ * connected; else it closes), and from then on each direction is a plain copy through a buffer of RAW_BUF bytes
+ * that is only refilled once written, so TCP's flow control on both sockets bounds what the agent holds. A
+ * half-close is passed on with shutdown(SHUT_WR) once the buffer is written; the tunnel is freed when both
+ * directions have ended or either socket fails. Raw tunnels do not depend on the main connection. */
+struct raw_dir {
+    uint8_t *p;
+    size_t head, len;
+    int eof;  /* the source read end of file */
+    int shut; /* ... and the destination was shut for writing after the last byte */
+};
+
+struct rtun {
+    struct rtun *next;
+    int hfd;          /* the host's connection */
+    int gfd;          /* the guest's TCP socket; -1 until the header is in */
+    int connecting;
+    uint8_t hdr[RAW_HDR_LEN];
+    size_t hdr_got;
+    struct raw_dir up;   /* guest -> host; its first 4 bytes are the connect answer */
+    struct raw_dir down; /* host -> guest */
+};
+
+static struct rtun *rtuns;
+static unsigned nrtuns;
+static int tun_listen_fd = -1;
+static const char *tun_listen_path;
 
 static struct proc *procs;
 static unsigned nprocs;
@@ -1622,6 +1655,192 @@ static void pump_tunnels(void)
     }
 }
 
+/* ---- raw tunnels (protocol version 4) -------------------------------------------------------- */
+
+static void rtun_free(struct rtun *t)
+{
+    for (struct rtun **pp = &rtuns; *pp; pp = &(*pp)->next) {
+        if (*pp == t) {
+            *pp = t->next;
+            nrtuns--;
+            break;
+        }
+    }
+    close_fd(&t->hfd);
+    close_fd(&t->gfd);
+    free(t->up.p);
+    free(t->down.p);
+    free(t);
+}
+
+static void rtun_accept(void)
+{
+    int fd = accept4(tun_listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0)
+        return;
+    if (nrtuns >= MAX_TUNNELS) {
+        close(fd); /* the host reads end of file before an answer: it counts as refused */
+        return;
+    }
+    struct rtun *t = xrealloc(NULL, sizeof *t);
+    memset(t, 0, sizeof *t);
+    t->hfd = fd;
+    t->gfd = -1;
+    t->next = rtuns;
+    rtuns = t;
+    nrtuns++;
+}
+
+/* Queue the connect answer; on an error the tunnel closes once it is written. */
+static void rtun_answer(struct rtun *t, int err)
+{
+    t->up.p = xrealloc(NULL, RAW_BUF);
+    t->up.p[0] = (uint8_t)(err >> 24), t->up.p[1] = (uint8_t)(err >> 16);
+    t->up.p[2] = (uint8_t)(err >> 8), t->up.p[3] = (uint8_t)err;
+    t->up.len = 4;
+    if (err) {
+        t->up.eof = 1;   /* nothing follows the answer */
+        t->down.eof = 1; /* and nothing of the host's is read */
+        t->down.shut = 1;
+        close_fd(&t->gfd);
+    }
+}
+
+/* Read the header, then connect. Returns 1 if `t` was freed. */
+static int rtun_header(struct rtun *t)
+{
+    ssize_t n;
+    do
+        n = read(t->hfd, t->hdr + t->hdr_got, RAW_HDR_LEN - t->hdr_got);
+    while (n < 0 && errno == EINTR);
+    if (n < 0 && errno == EAGAIN)
+        return 0;
+    if (n <= 0) {
+        rtun_free(t);
+        return 1;
+    }
+    t->hdr_got += (size_t)n;
+    if (t->hdr_got < RAW_HDR_LEN)
+        return 0;
+    uint32_t port = (uint32_t)t->hdr[4] << 8 | t->hdr[5];
+    if (memcmp(t->hdr, RAW_MAGIC, 4) != 0 || t->hdr[6] || t->hdr[7] || port == 0) {
+        rtun_answer(t, EINVAL);
+        return 0;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        rtun_answer(t, errno);
+        return 0;
+    }
+    /* Guest loopback only, as for TCP_OPEN: the address is fixed here. */
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr = {.s_addr = htonl(INADDR_LOOPBACK)}};
+    t->gfd = fd;
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (errno != EINPROGRESS && errno != EINTR) {
+            rtun_answer(t, errno);
+            return 0;
+        }
+        t->connecting = 1;
+        return 0;
+    }
+    rtun_answer(t, 0);
+    return 0;
+}
+
+/* Move what can be moved from `from` through `d` to `to`, at most a few buffers at a time so that one busy
+ * tunnel does not hold up the rest of the loop. Returns an errno, or 0. */
+static int raw_copy(struct raw_dir *d, int from, int to)
+{
+    for (int reads = 0;; reads++) {
+        while (d->len) {
+            ssize_t n = write(to, d->p + d->head, d->len);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n < 0 && errno == EAGAIN)
+                return 0;
+            if (n <= 0)
+                return n < 0 ? errno : EIO;
+            d->head += (size_t)n;
+            d->len -= (size_t)n;
+        }
+        d->head = 0;
+        if (d->eof) {
+            if (!d->shut) {
+                if (to >= 0 && shutdown(to, SHUT_WR) < 0 && errno != ENOTCONN)
+                    return errno;
+                d->shut = 1;
+            }
+            return 0;
+        }
+        if (from < 0 || reads == 4)
+            return 0;
+        if (!d->p)
+            d->p = xrealloc(NULL, RAW_BUF); /* host -> guest: only once the host sends something */
+        ssize_t n;
+        do
+            n = read(from, d->p, RAW_BUF);
+        while (n < 0 && errno == EINTR);
+        if (n < 0 && errno == EAGAIN)
+            return 0;
+        if (n < 0)
+            return errno;
+        if (n == 0)
+            d->eof = 1;
+        d->len = (size_t)n;
+    }
+}
+
+/* poll() reported something for one of `t`'s sockets (or it was just set up). Returns 1 if freed. */
+static int rtun_event(struct rtun *t)
+{
+    if (t->gfd < 0 && !t->up.p)
+        return rtun_header(t);
+    if (t->connecting) {
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (getsockopt(t->gfd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+            err = errno;
+        if (err == EINPROGRESS || err == EALREADY)
+            return 0;
+        t->connecting = 0;
+        rtun_answer(t, err);
+    }
+    if (raw_copy(&t->up, t->gfd, t->hfd) || raw_copy(&t->down, t->hfd, t->gfd) ||
+        (t->up.shut && t->down.shut)) {
+        rtun_free(t);
+        return 1;
+    }
+    return 0;
+}
+
+static void rtun_poll(const struct rtun *t, struct pollfd *h, struct pollfd *g)
+{
+    *h = (struct pollfd){.fd = -1};
+    *g = (struct pollfd){.fd = -1};
+    if (t->gfd < 0 && !t->up.p) {
+        *h = (struct pollfd){.fd = t->hfd, .events = POLLIN};
+        return;
+    }
+    if (t->connecting) {
+        *g = (struct pollfd){.fd = t->gfd, .events = POLLOUT};
+        return;
+    }
+    short he = 0, ge = 0;
+    if (t->up.len)
+        he |= POLLOUT;
+    else if (!t->up.eof)
+        ge |= POLLIN;
+    if (t->down.len)
+        ge |= POLLOUT;
+    else if (!t->down.eof)
+        he |= POLLIN;
+    if (he)
+        *h = (struct pollfd){.fd = t->hfd, .events = he};
+    if (ge && t->gfd >= 0)
+        *g = (struct pollfd){.fd = t->gfd, .events = ge};
+}
+
 /* ---- dispatch ------------------------------------------------------------------------------- */
 
 static void do_hello(uint32_t id, struct rd *r)
@@ -1665,6 +1884,13 @@ static void do_quiesce(uint32_t id, struct rd *r)
     }
     close_fd(&listen_fd);
     unlink(listen_path);
+    /* Raw tunnels hold host sockets too; like framed ones they do not survive a checkpoint. */
+    if (tun_listen_fd >= 0) {
+        close_fd(&tun_listen_fd);
+        unlink(tun_listen_path);
+    }
+    while (rtuns)
+        rtun_free(rtuns);
     unlink(path); /* a stale wake file must not end this quiesce at once */
     free(wake_path);
     wake_path = path;
@@ -1680,6 +1906,13 @@ static void check_wake(void)
 {
     if (!wake_path || access(wake_path, F_OK) != 0)
         return;
+    if (tun_listen_path && tun_listen_fd < 0) {
+        tun_listen_fd = listen_on(tun_listen_path);
+        if (tun_listen_fd < 0) {
+            logmsg("cannot listen again on the tunnel socket after a wake: %s", strerror(errno));
+            return; /* retried on the next poll */
+        }
+    }
     int fd = listen_on(listen_path);
     if (fd < 0) {
         logmsg("cannot listen again after a wake: %s", strerror(errno));
@@ -2093,7 +2326,7 @@ static int deny_xattrs(void)
 
 static void usage(void)
 {
-    fputs("usage: sbx-agent [--no-xattr] --listen SOCKET_PATH | --fd N\n"
+    fputs("usage: sbx-agent [--no-xattr] --listen SOCKET_PATH [--tunnel-listen SOCKET_PATH] | --fd N\n"
           "Runs processes for the sandbox host over one channel; see docs/agent-protocol.md.\n",
           stderr);
     exit(2);
@@ -2108,6 +2341,8 @@ int main(int argc, char **argv)
             no_xattr = 1;
         else if (!strcmp(argv[i], "--listen") && i + 1 < argc)
             listen_path = argv[++i];
+        else if (!strcmp(argv[i], "--tunnel-listen") && i + 1 < argc)
+            tun_listen_path = argv[++i];
         else if (!strcmp(argv[i], "--fd") && i + 1 < argc)
             fd_arg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--version")) {
@@ -2116,7 +2351,7 @@ int main(int argc, char **argv)
         } else
             usage();
     }
-    if (!!listen_path == (fd_arg >= 0))
+    if (!!listen_path == (fd_arg >= 0) || (tun_listen_path && !listen_path))
         usage();
     if (no_xattr && deny_xattrs() < 0) {
         logmsg("cannot install the xattr filter: %s", strerror(errno));
@@ -2149,6 +2384,11 @@ int main(int argc, char **argv)
     }
 
     if (listen_path) {
+        /* The tunnel socket first: once the main one accepts, a host may use both. */
+        if (tun_listen_path && (tun_listen_fd = listen_on(tun_listen_path)) < 0) {
+            logmsg("cannot listen on the tunnel socket: %s", strerror(errno));
+            return 1;
+        }
         listen_fd = listen_on(listen_path);
         if (listen_fd < 0) {
             logmsg("cannot listen on the socket: %s", strerror(errno));
@@ -2165,7 +2405,7 @@ int main(int argc, char **argv)
     struct pollfd *pfd = NULL;
     size_t pfd_cap = 0;
     for (;;) {
-        size_t need = 3 + 3 * (size_t)nprocs + ntuns;
+        size_t need = 4 + 3 * (size_t)nprocs + ntuns + 2 * (size_t)nrtuns;
         if (need > pfd_cap) {
             pfd_cap = need * 2;
             pfd = xrealloc(pfd, pfd_cap * sizeof *pfd);
@@ -2188,6 +2428,11 @@ int main(int argc, char **argv)
             short ev = tun_poll_events(t);
             pfd[n++] = (struct pollfd){.fd = ev ? t->fd : -1, .events = ev};
         }
+        size_t rtun_base = n;
+        for (struct rtun *t = rtuns; t; t = t->next, n += 2)
+            rtun_poll(t, &pfd[n], &pfd[n + 1]);
+        size_t tun_listen_i = n;
+        pfd[n++] = (struct pollfd){.fd = tun_listen_fd, .events = POLLIN};
         if (poll(pfd, n, files_ready() ? 0 : wake_path ? WAKE_POLL_MS : -1) < 0) {
             if (errno == EINTR)
                 continue;
@@ -2204,6 +2449,16 @@ int main(int argc, char **argv)
             if (pfd[ti].revents)
                 tun_event(t, pfd[ti].revents);
         }
+        /* Raw tunnels are independent of everything else; their list changes only here. */
+        struct rtun *rnext;
+        size_t ri = rtun_base;
+        for (struct rtun *t = rtuns; t && ri < tun_listen_i; t = rnext, ri += 2) {
+            rnext = t->next;
+            if (pfd[ri].revents || pfd[ri + 1].revents)
+                rtun_event(t);
+        }
+        if (pfd[tun_listen_i].revents & POLLIN)
+            rtun_accept();
         if (pfd[0].revents)
             reap();
         if (wake_path)

@@ -31,6 +31,7 @@ import contextlib
 import errno as errno_mod
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Protocol, Self
 
 from sbx.agent import protocol as p
+from sbx.agent import raw_tunnel
 from sbx.agent.protocol import (
     AgentConnectionLost,
     AgentError,
@@ -186,16 +188,21 @@ class AgentClient:
         self.stdin_window = 64 * 1024
         self.read_window = 64 * 1024
         self.tcp_window = 0
+        self.tunnel_socket: Path | None = None
+        """Where the agent takes raw tunnel connections (protocol version 4), if it does."""
         self._task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, socket_path: Path, timeout_secs: float = 10.0) -> AgentClient:
+    async def connect(
+        cls, socket_path: Path, timeout_secs: float = 10.0, tunnel_socket: Path | None = None
+    ) -> AgentClient:
         """Connect and handshake, retrying every 2 ms while the socket is not there yet.
 
-        Raises AgentUnavailable after ``timeout_secs`` (seconds), AgentProtocolError if the agent
-        speaks no protocol version this client knows.
+        ``tunnel_socket`` is where an agent of protocol version 4 takes raw tunnel connections
+        (:meth:`open_raw_tcp`); None when it has none. Raises AgentUnavailable after ``timeout_secs``
+        (seconds), AgentProtocolError if the agent speaks no protocol version this client knows.
         """
         deadline = time.monotonic() + timeout_secs
         last: Exception | None = None
@@ -213,9 +220,11 @@ class AgentClient:
             # The socket appears a few ms after runsc returns; a short poll keeps that off create latency.
             await asyncio.sleep(0.002)
         try:
-            return await asyncio.wait_for(
+            client = await asyncio.wait_for(
                 cls.from_streams(reader, writer), max(0.1, deadline - time.monotonic())
             )
+            client.tunnel_socket = tunnel_socket
+            return client
         except TimeoutError:
             writer.close()
             raise AgentUnavailable(
@@ -635,6 +644,22 @@ class AgentClient:
         if not isinstance(reply, p.Ok):
             raise AgentProtocolError(f"unexpected reply {type(reply).__name__} to TCP_OPEN")
         return stream
+
+    async def open_raw_tcp(self, port: int, timeout_secs: float = 10.0) -> socket.socket | None:
+        """Like :meth:`open_tcp`, but a connection of its own on the agent's tunnel socket that carries the
+        TCP connection's bytes unframed (:mod:`sbx.agent.raw_tunnel`), for the caller to relay and close.
+
+        None when this agent takes no raw tunnels (protocol version below 4, no tunnel socket, or one that
+        was removed inside the sandbox): :meth:`open_tcp` then carries the tunnel. Raises as open_tcp does.
+        """
+        self._check_open()
+        if self.version < raw_tunnel.VERSION or self.tunnel_socket is None:
+            return None
+        try:
+            return await raw_tunnel.open_raw_tcp(self.tunnel_socket, port, timeout_secs)
+        except raw_tunnel.NoTunnelSocket as exc:
+            log.info("the agent takes no raw tunnels; using a framed one", extra={"reason": str(exc)})
+            return None
 
     # ---- internals -----------------------------------------------------------------------
 

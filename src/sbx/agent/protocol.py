@@ -34,8 +34,9 @@ from typing import Any, ClassVar, Literal
 from sbx.api.errors import Internal
 
 MAGIC = b"SBXA"
-VERSION = 3
-"""The protocol version this host speaks: 2 is version 1 plus TCP tunnels, 3 adds QUIESCE."""
+VERSION = 4
+"""The protocol version this host speaks: 2 is version 1 plus TCP tunnels, 3 adds QUIESCE, 4 raw tunnel
+connections on the agent's tunnel socket (:mod:`sbx.agent.raw_tunnel`)."""
 MIN_VERSION = 1
 """The oldest agent protocol the client still talks to (an agent started before an upgrade)."""
 HEADER = struct.Struct(">BII")

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sbx.agent import raw_tunnel
 from sbx.agent.client import AgentClient
 from sbx.api.codec import to_builtins
 from sbx.api.network_policy import NetworkPolicy
@@ -126,7 +127,14 @@ def oci_spec(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [GUEST_AGENT_PATH, *agent_args, "--listen", f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}"],
+            "args": [
+                GUEST_AGENT_PATH,
+                *agent_args,
+                "--listen",
+                f"{GUEST_CTL_DIR}/{AGENT_SOCKET_NAME}",
+                "--tunnel-listen",
+                f"{GUEST_CTL_DIR}/{raw_tunnel.SOCKET_NAME}",
+            ],
             "env": [f"PATH={_GUEST_PATH}"],
             "cwd": "/",
             "capabilities": {
@@ -419,7 +427,11 @@ class GVisorBackend:
         return self._dir(sandbox_id) / "ctl" / AGENT_SOCKET_NAME
 
     async def connect_agent(self, sandbox_id: str, timeout_secs: float) -> AgentClient:
-        return await AgentClient.connect(self.agent_socket(sandbox_id), timeout_secs)
+        return await AgentClient.connect(
+            self.agent_socket(sandbox_id),
+            timeout_secs,
+            self._dir(sandbox_id) / "ctl" / raw_tunnel.SOCKET_NAME,
+        )
 
     def _runsc_argv(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.runsc_root), *args]

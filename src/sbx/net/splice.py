@@ -13,6 +13,7 @@ import asyncio
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from typing import Final
 
 #: Bytes moved per splice call.
@@ -26,10 +27,11 @@ _FLAGS: Final = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 class _Direction:
     """One direction: ``src`` -> pipe -> ``dst``."""
 
-    def __init__(self, relay: SpliceRelay, src: socket.socket, dst: socket.socket) -> None:
+    def __init__(self, relay: SpliceRelay, src: socket.socket, dst: socket.socket, index: int) -> None:
         self.relay = relay
         self.src = src
         self.dst = dst
+        self.index = index
         self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             fcntl.fcntl(self.pipe_w, _F_SETPIPE_SZ, PIPE_BYTES)
@@ -75,6 +77,8 @@ class _Direction:
         if moved == 0:
             self.eof = True
             self._read_off()
+        elif self.relay.on_moved is not None:
+            self.relay.on_moved(self.index, moved)
         self.pending += moved
         self._flush()
 
@@ -107,6 +111,7 @@ class _Direction:
             self.dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+        self.relay.ended[self.index].set()
         self.relay.direction_done()
 
     def stop(self) -> None:
@@ -123,12 +128,19 @@ class _Direction:
 class SpliceRelay:
     """Relays between the non-blocking sockets ``a`` and ``b`` until both directions ended (:meth:`wait`
     returns) or one failed (:meth:`wait` raises that OSError). :meth:`stop` ends it at once; the sockets are
-    the caller's to close, after stop."""
+    the caller's to close, after stop.
 
-    def __init__(self, a: socket.socket, b: socket.socket) -> None:
+    ``on_moved(direction, n)``, if given, is called as ``n`` bytes are read in a direction (0: ``a`` to ``b``,
+    1: ``b`` to ``a``); ``ended[direction]`` is set once that direction has passed on its end of stream."""
+
+    def __init__(
+        self, a: socket.socket, b: socket.socket, on_moved: Callable[[int, int], None] | None = None
+    ) -> None:
         self.loop = asyncio.get_running_loop()
+        self.on_moved = on_moved
+        self.ended = (asyncio.Event(), asyncio.Event())
         self._done: asyncio.Future[None] = self.loop.create_future()
-        self._directions = [_Direction(self, a, b), _Direction(self, b, a)]
+        self._directions = [_Direction(self, a, b, 0), _Direction(self, b, a, 1)]
         self._stopped = False
         for direction in self._directions:
             direction.start()

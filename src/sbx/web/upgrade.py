@@ -13,6 +13,8 @@ Client side (the SDK, and a gateway relaying to a node): :func:`request_head` is
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -77,6 +79,48 @@ async def take_over(request: web.Request, head: bytes) -> RawStream:
     writer.write(head)
     await writer.drain()
     return RawStream(reader, writer)
+
+
+@dataclass
+class RawSocket:
+    """An upgraded connection as a plain non-blocking socket, for a handler that relays it in the kernel."""
+
+    sock: socket.socket
+    transport: asyncio.Transport
+
+    def close(self) -> None:
+        self.sock.close()
+        self.transport.abort()  # nothing is buffered in it: everything went through ``sock``
+
+
+async def take_over_socket(request: web.Request, protocol: str) -> RawSocket | None:
+    """Answer 101 and return the connection's socket, or None (nothing sent) when the connection is not a
+    plain socket (TLS): :func:`upgrade` serves those. The socket is a duplicate of the transport's, which
+    stays paused and is closed by :meth:`RawSocket.close`; bytes the client sent before it read the 101 are
+    in the socket, never read by aiohttp, as after :func:`upgrade`."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away before the upgrade")
+    fileno = (
+        -1
+        if transport.get_extra_info("sslcontext") is not None
+        else transport.get_extra_info("socket").fileno()
+    )
+    if fileno < 0:
+        return None
+    request.protocol.keep_alive(False)
+    transport.pause_reading()
+    assert isinstance(transport, asyncio.Transport)
+    sock = socket.socket(fileno=os.dup(fileno))
+    sock.setblocking(False)
+    raw = RawSocket(sock, transport)
+    try:
+        head = f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: {protocol}\r\n\r\n"
+        await asyncio.get_running_loop().sock_sendall(sock, head.encode())
+    except BaseException:
+        raw.close()
+        raise
+    return raw
 
 
 def finished_response() -> web.StreamResponse:
