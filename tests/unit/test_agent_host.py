@@ -681,6 +681,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: What a guest writer streams at a host that does not read, and the most it may have written meanwhile: the
+#: kernel buffers part of it whatever the agent does (the agent's TCP receive buffer autotunes up to
+#: net.ipv4.tcp_rmem's maximum, 32 MiB on Debian; the writer's send buffer up to tcp_wmem's, 4 MiB; the unix
+#: socket to the host net.core.wmem_default), so the bound is above those and far below what is sent.
+FIREHOSE_BYTES = 256 * 1024 * 1024
+HELD_BACK_BYTES = 64 * 1024 * 1024
+
+
 def fd_count(agent: Agent) -> int:
     return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
 
@@ -893,7 +901,7 @@ async def test_many_tunnels_alongside_processes_and_files(client: AgentClient, a
 
 
 async def test_slow_host_reader_keeps_agent_memory_bounded(client: AgentClient, agent: Agent) -> None:
-    size = 64 * 1024 * 1024
+    size = FIREHOSE_BYTES
     written = [0]
 
     async def firehose(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -908,7 +916,7 @@ async def test_slow_host_reader_keeps_agent_memory_bounded(client: AgentClient, 
         await asyncio.sleep(1.0)  # the host does not read: the agent must stop reading the socket
         stalled = written[0]
         await asyncio.sleep(0.5)
-        assert written[0] == stalled < size // 4, "the guest's writer was never held back"
+        assert written[0] == stalled < HELD_BACK_BYTES, "the guest's writer was never held back"
         rss = agent.rss_kib()
         print(f"host not reading: guest writer held at {stalled / 2**20:.1f} MiB, agent RSS {rss} KiB")
         assert rss < 8 * 1024, f"agent RSS reached {rss} KiB"
@@ -1238,7 +1246,7 @@ async def test_an_absent_or_replaced_tunnel_socket_means_a_framed_tunnel(
 async def test_raw_tunnel_with_a_host_not_reading_holds_the_guest_writer(
     client: AgentClient, agent: Agent
 ) -> None:
-    size = 64 * 1024 * 1024
+    size = FIREHOSE_BYTES
     written = [0]
 
     async def firehose(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -1254,7 +1262,7 @@ async def test_raw_tunnel_with_a_host_not_reading_holds_the_guest_writer(
         await asyncio.sleep(1.0)  # the host does not read: the agent must stop reading the guest socket
         stalled = written[0]
         await asyncio.sleep(0.5)
-        assert written[0] == stalled < size // 4, "the guest's writer was never held back"
+        assert written[0] == stalled < HELD_BACK_BYTES, "the guest's writer was never held back"
         assert agent.rss_kib() < 8 * 1024
         assert await asyncio.wait_for(sock_read_digest(sock), 60) == expected_digest(size, b"hose")
         sock.close()
