@@ -96,22 +96,17 @@ class RawSocket:
 async def take_over_socket(request: web.Request, protocol: str) -> RawSocket | None:
     """Answer 101 and return the connection's socket, or None (nothing sent) when the connection is not a
     plain socket (TLS): :func:`upgrade` serves those. The socket is a duplicate of the transport's, which
-    stays paused and is closed by :meth:`RawSocket.close`; bytes the client sent before it read the 101 are
-    in the socket, never read by aiohttp, as after :func:`upgrade`."""
+    stays paused (aiohttp reads nothing more) and is closed by :meth:`RawSocket.close`. As with :func:`upgrade`,
+    the client sends its first bytes after it has read the 101."""
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the upgrade")
-    fileno = (
-        -1
-        if transport.get_extra_info("sslcontext") is not None
-        else transport.get_extra_info("socket").fileno()
-    )
-    if fileno < 0:
+    plain = transport.get_extra_info("socket") if transport.get_extra_info("sslcontext") is None else None
+    if plain is None or not isinstance(transport, asyncio.Transport):
         return None
     request.protocol.keep_alive(False)
     transport.pause_reading()
-    assert isinstance(transport, asyncio.Transport)
-    sock = socket.socket(fileno=os.dup(fileno))
+    sock = socket.socket(fileno=os.dup(plain.fileno()))
     sock.setblocking(False)
     raw = RawSocket(sock, transport)
     try:
