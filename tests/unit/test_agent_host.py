@@ -1190,6 +1190,37 @@ async def test_raw_tunnels_outlive_the_main_connection(agent: Agent) -> None:
         await second.close()
 
 
+async def test_a_host_that_goes_away_ends_its_raw_tunnels(client: AgentClient, agent: Agent) -> None:
+    """A killed sandboxd closes its tunnel connections with it: the agent frees both sockets and the guest's
+    server reads the end of its connection, though it never stopped sending."""
+    ended: list[bool] = []
+
+    async def chatty(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def talk() -> None:
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    w.write(b"x" * 65536)
+                    await w.drain()
+
+        talking = asyncio.create_task(talk())
+        await r.read()  # to the end of what the host sent
+        ended.append(True)
+        talking.cancel()
+        w.close()
+
+    async with tcp_server(chatty) as port:
+        before = fd_count(agent)
+        socks = [await client.open_raw_tcp(port) for _ in range(3)]
+        assert all(s is not None for s in socks)
+        await _wait_for(lambda: fd_count(agent) == before + 6)
+        for s in socks:
+            assert s is not None
+            s.close()  # not a half-close: the host is gone
+        await _wait_for(lambda: len(ended) == 3)
+        await _wait_fds(agent, before)
+        assert await client.list_processes() == []
+
+
 async def test_quiesce_closes_raw_tunnels_and_their_socket_until_the_wake(agent: Agent) -> None:
     loop = asyncio.get_running_loop()
 
