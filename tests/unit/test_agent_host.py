@@ -1192,7 +1192,7 @@ async def test_raw_tunnels_outlive_the_main_connection(agent: Agent) -> None:
 
 async def test_a_host_that_goes_away_ends_its_raw_tunnels(client: AgentClient, agent: Agent) -> None:
     """A killed sandboxd closes its tunnel connections with it: the agent frees both sockets and the guest's
-    server reads the end of its connection, though it never stopped sending."""
+    server sees its connection end (a reset: it never stopped sending)."""
     ended: list[bool] = []
 
     async def chatty(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -1203,7 +1203,8 @@ async def test_a_host_that_goes_away_ends_its_raw_tunnels(client: AgentClient, a
                     await w.drain()
 
         talking = asyncio.create_task(talk())
-        await r.read()  # to the end of what the host sent
+        with contextlib.suppress(ConnectionResetError):  # a reset, as the agent closed with our bytes unread
+            await r.read()
         ended.append(True)
         talking.cancel()
         w.close()
