@@ -1146,6 +1146,33 @@ async def test_raw_tunnel_to_a_closed_port_is_refused_before_any_byte(
     await _wait_fds(agent, before)
 
 
+async def test_a_host_giving_up_on_a_slow_connect_frees_it_at_once(client: AgentClient, agent: Agent) -> None:
+    """A server that never accepts, its backlog full: the agent's connect hangs (SYNs are dropped and retried for
+    minutes). The host gives up after its timeout; the agent frees the tunnel then, not when the connect fails."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    port = full.getsockname()[1]
+    queued = []
+    try:
+        for _ in range(2):  # what a backlog of 0 still queues
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(("127.0.0.1", port))
+            queued.append(c)
+        await asyncio.sleep(0.1)
+        before = fd_count(agent)
+        with pytest.raises(AgentRequestError) as info:
+            await client.open_raw_tcp(port, timeout_secs=0.5)
+        assert info.value.errno == errno.ETIMEDOUT
+        await _wait_fds(agent, before)
+    finally:
+        for c in queued:
+            c.close()
+        full.close()
+
+
 async def test_a_header_sent_in_pieces_is_still_one_header(agent: Agent) -> None:
     async def hello(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(b"hi")

@@ -1793,11 +1793,15 @@ static int raw_copy(struct raw_dir *d, int from, int to)
     }
 }
 
-/* poll() reported something for one of `t`'s sockets (or it was just set up). Returns 1 if freed. */
-static int rtun_event(struct rtun *t)
+/* poll() reported `hev` for the host's socket and something for the guest's. Returns 1 if `t` was freed. */
+static int rtun_event(struct rtun *t, short hev)
 {
     if (t->gfd < 0 && !t->up.p)
         return rtun_header(t);
+    if (t->connecting && (hev & (POLLHUP | POLLERR))) {
+        rtun_free(t); /* the host gave up waiting (a connect to a full backlog can take minutes) */
+        return 1;
+    }
     if (t->connecting) {
         int err = 0;
         socklen_t len = sizeof err;
@@ -1825,6 +1829,7 @@ static void rtun_poll(const struct rtun *t, struct pollfd *h, struct pollfd *g)
         return;
     }
     if (t->connecting) {
+        *h = (struct pollfd){.fd = t->hfd, .events = 0}; /* POLLHUP only: the host closed */
         *g = (struct pollfd){.fd = t->gfd, .events = POLLOUT};
         return;
     }
@@ -2451,13 +2456,14 @@ int main(int argc, char **argv)
             if (pfd[ti].revents)
                 tun_event(t, pfd[ti].revents);
         }
-        /* Raw tunnels are independent of everything else; their list changes only here. */
+        /* Raw tunnels are independent of everything else; their list is still the one pfd was built from
+         * (it changes only here and in QUIESCE, below). */
         struct rtun *rnext;
         size_t ri = rtun_base;
         for (struct rtun *t = rtuns; t && ri < tun_listen_i; t = rnext, ri += 2) {
             rnext = t->next;
             if (pfd[ri].revents || pfd[ri + 1].revents)
-                rtun_event(t);
+                rtun_event(t, pfd[ri].revents);
         }
         if (pfd[tun_listen_i].revents & POLLIN)
             rtun_accept();
