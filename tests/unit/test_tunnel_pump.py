@@ -141,3 +141,73 @@ async def test_an_open_client_keeps_a_silent_spliced_tunnel() -> None:
     await asyncio.wait_for(task, 5)
     for s in (client, guest, guest_peer):
         s.close()
+
+
+class LateGuest(SilentGuest):
+    """A guest silent while it reads the upload, that answers once the upload has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = False
+
+    async def read(self) -> bytes:
+        while not self.eof:
+            await asyncio.sleep(0.01)
+        if not self.answered:
+            self.answered = True
+            await asyncio.sleep(0.1)  # well within the allowance, counted from the EOF
+            return b"answer"
+        return b""
+
+
+async def test_the_silence_after_the_clients_eof_counts_from_the_eof() -> None:
+    """An upload longer than the allowance, with the guest silent throughout, then its answer: delivered."""
+    stream, peer = await _client_pair()
+    guest = LateGuest()
+
+    async def upload() -> None:
+        for _ in range(6):  # 0.6 s of upload, twice the 0.3 s allowance
+            peer.sendall(b"x" * 1000)
+            await asyncio.sleep(0.1)
+        peer.shutdown(socket.SHUT_WR)
+
+    uploading = asyncio.create_task(upload())
+    await asyncio.wait_for(_pump(guest, stream, lambda: None, half_closed_idle_secs=0.3), 5)  # type: ignore[arg-type]
+    await uploading
+    peer.settimeout(1)
+    got = b""
+    with contextlib.suppress(TimeoutError):
+        while chunk := peer.recv(1024):
+            got += chunk
+    assert got == b"answer" and len(guest.received) == 6000
+    peer.close()
+
+
+async def test_the_silence_after_the_clients_eof_counts_from_the_eof_when_spliced() -> None:
+    client, client_peer, guest, guest_peer = _plain_pairs()
+
+    async def upload() -> None:
+        for _ in range(6):
+            client_peer.sendall(b"x" * 1000)
+            await asyncio.sleep(0.1)
+        client_peer.shutdown(socket.SHUT_WR)
+
+    async def late_guest() -> None:
+        got = b""
+        while chunk := await asyncio.to_thread(guest_peer.recv, 65536):
+            got += chunk
+        assert len(got) == 6000
+        await asyncio.sleep(0.1)
+        guest_peer.sendall(b"answer")
+
+    tasks = [asyncio.create_task(upload()), asyncio.create_task(late_guest())]
+    await asyncio.wait_for(_splice(guest, client, lambda: None, half_closed_idle_secs=0.3), 5)
+    await asyncio.gather(*tasks)
+    client_peer.settimeout(1)
+    got = b""
+    with contextlib.suppress(TimeoutError):
+        while chunk := client_peer.recv(1024):
+            got += chunk
+    assert got == b"answer"
+    for s in (client, client_peer, guest, guest_peer):
+        s.close()

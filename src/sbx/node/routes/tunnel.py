@@ -129,6 +129,7 @@ async def _splice(
     client_eof = asyncio.ensure_future(relay.ended[0].wait())
     try:
         await asyncio.wait({finished, client_eof}, return_when=asyncio.FIRST_COMPLETED)
+        last_from_guest = max(last_from_guest, time.monotonic())  # the silence counts from the client's EOF
         while not finished.done():
             # As in _pump: once the client's EOF is in, the guest's silence ends the tunnel.
             left = last_from_guest + half_closed_idle_secs - time.monotonic()
@@ -158,10 +159,14 @@ async def _pump(
     last_from_guest = time.monotonic()
 
     async def client_to_guest() -> None:
+        nonlocal last_from_guest
         while data := await client.reader.read(_CHUNK_BYTES):
             await guest.write(data)
             touch()
         await guest.write_eof()
+        # The silence counts from the EOF on: a guest that answers only once the upload is complete (however long
+        # it took) gets its whole allowance.
+        last_from_guest = max(last_from_guest, time.monotonic())
 
     async def guest_to_client() -> None:
         nonlocal last_from_guest
