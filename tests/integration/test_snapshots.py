@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -496,3 +498,72 @@ def test_suspended_and_half_checkpointed_sandboxes_survive_a_kill(
         assert server.request("POST", f"/v1/sandboxes/{ref}/resume").status == 200
     wait_count_above(server, ref, before)
     assert not (directory / "capture-image").exists()
+
+
+# ---- raw tunnels across a capture ---------------------------------------------------------------------------
+
+# Answers "hello <n>" to each connection on 127.0.0.1:PORT, then waits for the client to close.
+HELLO_SERVER = """
+import socket, sys, threading
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[1]))); srv.listen(8)
+print("listening", flush=True)
+n = 0
+def serve(c, n):
+    c.sendall(b"hello %d" % n)
+    while c.recv(65536):
+        pass
+    c.close()
+while True:
+    c, _ = srv.accept(); n += 1
+    threading.Thread(target=serve, args=(c, n), daemon=True).start()
+"""
+
+
+def _tunnel_hello(server: Sandboxd, ref: str, port: int) -> tuple[socket.socket, bytes]:
+    """An open tunnel to the hello server and the greeting it read."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    sock.connect(str(server.socket_path))
+    sock.sendall(f"GET /v1/sandboxes/{ref}/tunnel?port={port} HTTP/1.1\r\nHost: localhost\r\n"
+                 "Connection: Upgrade\r\nUpgrade: sbx-tunnel/1\r\n\r\n".encode())  # fmt: skip
+    data = b""
+    while b"hello" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, greeting = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock, greeting
+
+
+def test_a_memory_snapshot_with_a_raw_tunnel_open_ends_it_and_the_fork_tunnels_again(
+    server: Sandboxd,
+) -> None:
+    """gVisor cannot save a sandbox holding a host socket: the agent's quiesce closes raw tunnels and their
+    socket, so the capture succeeds; the client's tunnel ends, and both the original and a fork (whose agent
+    listens again at its wake) take new raw tunnels."""
+    ref = server.create()["id"]
+    started = server.request(
+        "POST", f"/v1/sandboxes/{ref}/processes", {"argv": ["python3", "-c", HELLO_SERVER, "8020"]}
+    )
+    assert started.status == 201, started.body
+    assert b"listening" in base64.b64decode(next(server.follow(ref, started.json()["pid"]))["data"])
+    sock, greeting = _tunnel_hello(server, ref, 8020)
+    assert greeting == b"hello 1"
+    snap = snapshot(server, ref)
+    rest = b""
+    while chunk := sock.recv(4096):  # the tunnel ended with the quiesce
+        rest += chunk
+    sock.close()
+    assert rest == b""
+    again, greeting = _tunnel_hello(server, ref, 8020)
+    again.close()
+    assert greeting == b"hello 2"
+    fork = server.create(snapshot_id=snap["id"])["id"]
+    in_fork, greeting = _tunnel_hello(server, fork, 8020)
+    in_fork.close()
+    assert greeting == b"hello 2"  # the fork's server, from where the snapshot was
+    assert "takes no raw tunnels" not in server.log_text()
+    for r in (ref, fork):
+        server.request("DELETE", f"/v1/sandboxes/{r}")
