@@ -84,12 +84,16 @@ def test_the_audit_log_lists_the_requests_of_both_replicas_alike(pair: Pair) -> 
     alice = a.request("POST", "/v1/admin/keys", {"user": "alice-audit", "scopes": list(ALL)}, key=pair.admin)
     assert alice.status == 201, alice.body
     secret, key_id = alice.json()["secret"], alice.json()["id"]
-    assert a.request("GET", "/v1/sandboxes?from=a", key=secret).status == 200
-    assert b.request("GET", "/v1/sandboxes/sbx_nosuch", key=secret).status == 404
 
-    def alices(gw: GatewayProcess) -> list[dict[str, Any]] | None:
+    def alices(gw: GatewayProcess, count: int = 2) -> list[dict[str, Any]] | None:
         found = [e for e in _audit(gw, pair.admin) if e.get("key_id") == key_id]
-        return found if len(found) == 2 else None
+        return found if len(found) == count else None
+
+    assert a.request("GET", "/v1/sandboxes?from=a", key=secret).status == 200
+    # A replica writes its entry just after its answer, and the log is in the order entries were committed: wait
+    # for a's before b is asked, or b's may be committed first (seen: the 404 listed before the 200).
+    wait_for(lambda: alices(a, 1), 20)
+    assert b.request("GET", "/v1/sandboxes/sbx_nosuch", key=secret).status == 404
 
     # Each replica's writer commits within milliseconds; both lists hold both requests, in the same order.
     seen_a = wait_for(lambda: alices(a), 20)
