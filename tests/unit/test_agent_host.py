@@ -107,6 +107,16 @@ def agent(agent_bin: Path) -> Iterator[Agent]:
             stderr=log,
         )
     a = Agent(proc, d, d / "agent.sock", d / "tunnel.sock")
+    # Some tests dial the tunnel socket directly, with no retry: it must listen before they run. The
+    # agent listens on it before it binds the main one, so the main socket's file means it listens
+    # (the main socket itself may still be between bind and listen: AgentClient.connect retries).
+    deadline = time.monotonic() + 10
+    while not (a.sock.exists() and a.tunnel_sock.exists()):
+        assert proc.poll() is None, (
+            f"the agent exited with {proc.returncode}: {(d / 'agent.log').read_text()}"
+        )
+        assert time.monotonic() < deadline, "the agent did not listen on both sockets within 10 s"
+        time.sleep(0.005)
     yield a
     # Kill what a failed test left running (each child leads its own group; orphans were
     # reparented to the agent, a subreaper), then the agent.
