@@ -28,6 +28,7 @@ from typing import Any
 
 from dnslib import AAAA, QTYPE, RR, TXT, A
 from dnslib.server import BaseResolver, DNSServer
+from sandboxd_harness import MAX_WORKERS, worker_index
 
 HOST_END = "198.51.100.1"
 ZONE: dict[str, str] = {
@@ -167,16 +168,20 @@ def leftovers(prefixes: tuple[str, ...]) -> list[str]:
 
 
 def free_subnet() -> str:
-    """A /20 in 10.64.0.0/10 that no route of this host overlaps (tests run beside other sandboxd)."""
+    """A /20 in 10.64.0.0/10 that no route of this host overlaps (tests run beside other sandboxd) and that holds
+    no address of ``ZONE`` (private.test's 10.123.45.67 inside the sandbox subnet would be refused at the SYN,
+    as the sandboxes' own addresses are, not by the proxy as a private address). Each pytest-xdist worker draws
+    from its own share of the /20s, so two workers asking at once never both take one before either routes it."""
     routes = subprocess.run(
         ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True, check=True
     ).stdout
     used = [ipaddress.ip_network(r.split()[0], strict=False) for r in routes.splitlines()
             if r.split() and r.split()[0][0].isdigit()]  # fmt: skip
-    for _ in range(100):
-        candidate = ipaddress.ip_network(
-            f"10.{random.randrange(64, 128)}.{random.randrange(0, 16) * 16}.0/20"
-        )
+    zone = [ipaddress.ip_address(a) for a in ZONE.values()]
+    mine = [n for i, n in enumerate(ipaddress.ip_network("10.64.0.0/10").subnets(new_prefix=20))
+            if i % MAX_WORKERS == worker_index() and not any(a in n for a in zone)]  # fmt: skip
+    random.shuffle(mine)
+    for candidate in mine:
         if not any(candidate.overlaps(u) for u in used if u.prefixlen > 0):
             return str(candidate)
     raise RuntimeError("no free /20 for the sandbox subnet")
