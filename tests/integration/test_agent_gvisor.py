@@ -145,6 +145,13 @@ async def test_agent_is_init_and_runs_processes_as_the_user(client: AgentClient)
         await client.spawn(next(_handles), ["no-such-cmd"], ENV, "/", 0, 0)
 
 
+async def test_process_pipes_hold_a_mebibyte_under_gvisor(client: AgentClient) -> None:
+    """gVisor grants the agent's F_SETPIPE_SZ (each fill of a pipe is a round trip through the sentry)."""
+    script = "import fcntl; print(*(fcntl.fcntl(fd, 1032) for fd in (0, 1, 2)))"  # F_GETPIPE_SZ
+    rec = await run(client, ["python3", "-c", script], uid=NOBODY)
+    assert (rec.exit.result(), rec.out.decode()) == (0, "1048576 1048576 1048576\n")
+
+
 async def test_files_and_terminal(client: AgentClient) -> None:
     data = os.urandom(3 * 1024 * 1024)
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -173,6 +174,14 @@ async def test_echo_separates_streams(client: AgentClient) -> None:
     rec = await run(client, 1, ["sh", "-c", "echo out; echo err >&2"])
     assert rec.exit.result() == 0
     assert rec.text() == "out\n" and rec.text("stderr") == "err\n"
+
+
+async def test_process_pipes_hold_a_mebibyte(client: AgentClient) -> None:
+    """Each fill of a pipe is a round trip between two tasks through gVisor's sentry: the agent asks 1 MiB
+    for each (Linux's pipe-max-size) rather than the default 64 KiB. F_GETPIPE_SZ is 1032."""
+    script = "import fcntl; print(*(fcntl.fcntl(fd, 1032) for fd in (0, 1, 2)))"
+    rec = await run(client, 1, [sys.executable, "-c", script])
+    assert (rec.exit.result(), rec.text()) == (0, "1048576 1048576 1048576\n")
 
 
 @pytest.mark.parametrize(
