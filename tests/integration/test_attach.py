@@ -181,7 +181,7 @@ def test_slow_reader_never_makes_the_server_buffer(sandboxd: Sandboxd, sandbox: 
     assert sandboxd.proc is not None
     ref = sandbox["id"]
     # In 1 MiB writes: the gigabyte takes 3-8 s. `head`'s 8 KiB writes took 40 s on a quiet machine (each
-    # write a round trip between two tasks through the sentry) and past the deadline on a loaded one.
+    # one woke the agent through gVisor's sentry) and ran past the deadline on a loaded one.
     pid = start(sandboxd, ref, ["sh", "-c", "dd if=/dev/zero bs=1M count=1024 status=none; echo end >&2"])
     client = Attached(sandboxd, ref, pid)
     try:
