@@ -64,6 +64,13 @@ class Refusal:
     content_type: str | None
     body: bytes
 
+    def reason(self) -> str:
+        """``HTTP <status>: <the node's error message>``, for errors that name why a tunnel was refused;
+        ``HTTP <status>`` alone when the body is not the error JSON (a proxy's page, nothing)."""
+        status = f"HTTP {self.status}"
+        message = error_from_answer(self.status, self.body).message
+        return status if message == status else f"{status}: {message}"
+
 
 @dataclass(frozen=True)
 class Target:

@@ -36,7 +36,7 @@ async def check_http(
         async with asyncio.timeout(timeout_secs):
             opened = await client.open_tunnel(sandbox, port)
             if isinstance(opened, Refusal):
-                return f"the node refused the tunnel to port {port} (HTTP {opened.status})"
+                return f"the node refused the tunnel to port {port} ({opened.reason()})"
             reader, writer = opened
             try:
                 writer.write(

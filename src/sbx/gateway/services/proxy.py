@@ -254,7 +254,7 @@ class ServiceFront:
                 up = None
                 problem = exc
             if isinstance(up, Refusal):
-                problem = BadGateway(f"the node refused the tunnel to the replica (HTTP {up.status})")
+                problem = BadGateway(f"the node refused the tunnel to the replica ({up.reason()})")
             if up is None or isinstance(up, Refusal):
                 self.ctl.mark_down(sandbox)
                 continue
