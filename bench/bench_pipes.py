@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -39,10 +37,8 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_sandboxd import bench_node, default_rootfs
-from bench_spawn import Runsc
+from bench_spawn import Runsc, raw_work
 from sandboxd_harness import Sandboxd
-
-from sbx.backends.runsc import release_roots_under
 
 PIPE = r"""
 import fcntl, os, sys, time
@@ -157,16 +153,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mib", type=int, default=256)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="sbx-bench-pipes-", dir="/var/tmp"))
-    try:
+    with raw_work("sbx-bench-pipes-") as work:
         pipes(work, args.rounds, args.mib)
-    finally:
-        release_roots_under(work)
-        shutil.rmtree(work, ignore_errors=True)
-        for controller in Path("/sys/fs/cgroup").iterdir():
-            group = controller / "sbx-bench-spawn"
-            if group.is_dir():
-                group.rmdir()
     output(args.rounds, args.mib)
     print(f"\nload at end {os.getloadavg()[0]:.2f}")
 

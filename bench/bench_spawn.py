@@ -39,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -108,6 +110,22 @@ def parse(output: str) -> dict[str, float]:
     if set(found) != set(KINDS):
         raise RuntimeError(f"a spawn loop failed: {output!r}")
     return found
+
+
+@contextmanager
+def raw_work(prefix: str) -> Iterator[Path]:
+    """A work directory under /var/tmp for :class:`Runsc`; on leaving, the runsc roots under it released, the
+    directory removed and the benchmarks' parent cgroup (``sbx-bench-spawn``) removed from every controller."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    try:
+        yield work
+    finally:
+        release_roots_under(work)
+        shutil.rmtree(work, ignore_errors=True)
+        for controller in Path("/sys/fs/cgroup").iterdir():
+            group = controller / "sbx-bench-spawn"
+            if group.is_dir():
+                group.rmdir()
 
 
 class Runsc:
@@ -210,8 +228,7 @@ def main() -> None:
     parser.add_argument("--spawns", type=int, default=200)
     parser.add_argument("--no-phases", action="store_true")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="sbx-bench-spawn-", dir="/var/tmp"))
-    try:
+    with raw_work("sbx-bench-spawn-") as work:
         bin_dir = work / "bin"
         bin_dir.mkdir()
         build(bin_dir)
@@ -256,13 +273,6 @@ def main() -> None:
                     if name != "patches"
                     else f"| system call sites patched | {value:.1f} |"
                 )
-    finally:
-        release_roots_under(work)
-        shutil.rmtree(work, ignore_errors=True)
-        for controller in Path("/sys/fs/cgroup").iterdir():
-            group = controller / "sbx-bench-spawn"
-            if group.is_dir():
-                group.rmdir()
 
 
 if __name__ == "__main__":

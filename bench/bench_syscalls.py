@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,9 +45,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_sandboxd import default_rootfs, pct
-from bench_spawn import Runsc
-
-from sbx.backends.runsc import release_roots_under
+from bench_spawn import Runsc, raw_work
 
 LOOP = r"""
 #include <fcntl.h>
@@ -150,8 +146,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=400_000)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="sbx-bench-syscalls-", dir="/var/tmp"))
-    try:
+    with raw_work("sbx-bench-syscalls-") as work:
         bin_dir = work / "bin"
         bin_dir.mkdir()
         build(bin_dir)
@@ -175,13 +170,6 @@ def main() -> None:
             print(f"| {kind} | {nearest_rank(h, 50):.3f} | {nearest_rank(h, 95):.3f} | "
                   f"{nearest_rank(s, 50):.3f} | {nearest_rank(s, 95):.3f} | {ratio:.1f}x |")  # fmt: skip
         print(f"\nload at end {os.getloadavg()[0]:.2f}")
-    finally:
-        release_roots_under(work)
-        shutil.rmtree(work, ignore_errors=True)
-        for controller in Path("/sys/fs/cgroup").iterdir():
-            group = controller / "sbx-bench-spawn"
-            if group.is_dir():
-                group.rmdir()
 
 
 if __name__ == "__main__":
