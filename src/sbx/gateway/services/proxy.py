@@ -254,7 +254,9 @@ class ServiceFront:
                 up = None
                 problem = exc
             if isinstance(up, Refusal):
-                problem = BadGateway(f"the node refused the tunnel to the replica ({up.reason()})")
+                # The status alone: a public service's callers need no key, and the node's message names the
+                # replica's sandbox (the owner reads it in the service's health, health.py).
+                problem = BadGateway(f"the node refused the tunnel to the replica (HTTP {up.status})")
             if up is None or isinstance(up, Refusal):
                 self.ctl.mark_down(sandbox)
                 continue
