@@ -717,7 +717,9 @@ class GVisorBackend:
     async def _tar_upper(self, sandbox_id: str, dest: Path) -> None:
         """Write the running sandbox's root overlay as a tar at ``dest`` (replaced whole, never half-written:
         made beside it and renamed). The sentry holds the overlay's tree locked while it writes, so no file is
-        made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it.
+        made, renamed or removed meanwhile: the tar is of one moment of the tree, as a crash would leave it; and
+        each file's lock from its header to its content (runsc/patches/tmpfs-tar-writes-each-file-locked.patch),
+        so a process writing it meanwhile never fails the tar.
         A runsc whose tar reads each file whole (not :attr:`RunscInfo.overlay_tar_streams`: the sandbox was
         booted by a runsc that streams, which was replaced since) refuses (BackendError, nothing written) when
         the overlay's files would not fit in what the sandbox's memory has free (root_overlay.tar_refusal)."""
